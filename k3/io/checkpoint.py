@@ -1,0 +1,321 @@
+"""Checkpoint I/O in the exact Hugging Face layout of the released Kimi-K3 checkpoint.
+
+On disk: `config.json`, `model-XXXXX-of-YYYYY.safetensors` shards and `model.safetensors.index.json`
+(a single `model.safetensors` loads too). Routed experts are written per expert as
+`experts.{e}.w{1,2,3}.weight`, or MXFP4 `.weight_packed` / `.weight_scale` when the config's
+quantization_config says `mxfp4-pack-quantized`; on load the format is decided per tensor by which
+keys exist. Inside the model the experts are stacked; this module is the only place that remaps.
+
+Loading validates every shard header, key, shape and dtype *before* copying any data, then streams
+shard by shard into the (already allocated) model, so there are never two copies of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import K3Config
+from .mxfp4 import mxfp4_pack, mxfp4_unpack
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<w>w[123])$")
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<kind>weight|weight_packed|weight_scale)$")
+FP32_SUFFIXES = ("A_log", "dt_bias", "o_norm.weight", "conv1d.weight", "e_score_correction_bias")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
+           "F64": torch.float64, "I64": torch.int64}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the tensor and the file."""
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FP32_SUFFIXES) else model_dtype
+
+
+# ---- name/shape table --------------------------------------------------------------------------
+def _expand(name: str, shape: tuple[int, ...], dtype: torch.dtype, mxfp4: bool) -> Iterator[tuple[str, tuple, torch.dtype, int | None, str]]:
+    """Model state-dict entry → checkpoint entries (key, shape, dtype, expert index, kind)."""
+    m = _EXPERTS.match(name)
+    if not m:
+        yield name, tuple(shape), dtype, None, "weight"
+        return
+    E, out, inp = shape
+    for e in range(E):
+        base = f"{m['prefix']}.{e}.{m['w']}"
+        if mxfp4:
+            yield f"{base}.weight_packed", (out, inp // 2), torch.uint8, e, "weight_packed"
+            yield f"{base}.weight_scale", (out, inp // 32), torch.uint8, e, "weight_scale"
+        else:
+            yield f"{base}.weight", (out, inp), dtype, e, "weight"
+
+
+def _meta_model(config: K3Config):
+    from ..model.k3 import K3ForConditionalGeneration
+    with torch.device("meta"):
+        return K3ForConditionalGeneration(config)
+
+
+def checkpoint_tensors(config: K3Config, dtype: torch.dtype | str | None = None,
+                       experts_format: str | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor `save_pretrained` writes for `config`: {key: (shape, dtype)}; no weights allocated.
+
+    dtype: the model dtype (default: the config's `dtype`); experts_format: "mxfp4" or "dense"
+    (default: MXFP4 exactly when the config's quantization_config says so).
+    """
+    mdtype = _dtype(dtype or config.dtype)
+    mx = _experts_mxfp4(config, experts_format)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, t in _meta_model(config).state_dict().items():
+        for key, shape, dt, _, _ in _expand(name, tuple(t.shape), _storage_dtype(name, mdtype), mx):
+            out[key] = (shape, dt)
+    return out
+
+
+def _experts_mxfp4(config: K3Config, experts_format: str | None) -> bool:
+    if experts_format is None:
+        return config.text_config.routed_experts_mxfp4
+    if experts_format not in ("mxfp4", "dense"):
+        raise ValueError(f"experts_format must be 'mxfp4' or 'dense', got {experts_format!r}")
+    return experts_format == "mxfp4"
+
+
+# ---- save --------------------------------------------------------------------------------------
+def _iter_checkpoint(model, mdtype: torch.dtype, mxfp4: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        for key, _, dt, e, kind in _expand(name, tuple(t.shape), _storage_dtype(name, mdtype), mxfp4):
+            if e is None:
+                yield key, t.to(dt).contiguous().cpu()
+            elif kind == "weight":
+                yield key, t[e].to(dt).cpu().clone()
+            elif kind == "weight_packed":
+                packed, scale = mxfp4_pack(t[e].float())
+                yield key, packed.cpu()
+                yield key.replace("weight_packed", "weight_scale"), scale.cpu()
+
+
+def save_pretrained(model, directory: str | os.PathLike, max_shard_size: int | str = "5GB",
+                    dtype: torch.dtype | str | None = None, experts_format: str | None = None) -> Path:
+    """Write config.json, safetensors shards and the index. Written to a temporary folder and moved into
+    place at the end, so an interrupted save never leaves a half-written checkpoint behind."""
+    config: K3Config = model.config
+    mdtype = _dtype(dtype) if dtype is not None else next(
+        p.dtype for n, p in model.named_parameters() if not n.endswith(FP32_SUFFIXES))
+    mx = _experts_mxfp4(config, experts_format)
+    limit = _parse_size(max_shard_size)
+    final = Path(directory)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        files: list[Path] = []
+
+        def flush(last: bool = False):
+            nonlocal size
+            if shards[-1]:
+                path = tmp / f"shard-{len(files):05d}.safetensors"
+                save_file(shards[-1], str(path), metadata={"format": "pt"})
+                files.append(path)
+                keys.append(list(shards[-1]))
+            shards[-1] = {}
+            size = 0
+
+        keys: list[list[str]] = []
+        for key, t in _iter_checkpoint(model, mdtype, mx):
+            nbytes = t.numel() * t.element_size()
+            if size and size + nbytes > limit:
+                flush()
+            shards[-1][key] = t
+            size += nbytes
+        flush()
+        n = len(files)
+        weight_map, total = {}, 0
+        for i, (path, ks) in enumerate(zip(files, keys), start=1):
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(tmp / name)
+            for k in ks:
+                weight_map[k] = name
+            total += (tmp / name).stat().st_size
+        cfg = K3Config.from_dict(config.to_dict())
+        cfg.dtype = str(mdtype).removeprefix("torch.")
+        if mx and not cfg.text_config.routed_experts_mxfp4:
+            raise ValueError("experts_format='mxfp4' needs a quantization_config in the config (as the release has)")
+        if not mx:
+            cfg.text_config.quantization_config = None
+        cfg.save_pretrained(tmp)
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _parse_size(s: int | str) -> int:
+    if isinstance(s, int):
+        return s
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", s.upper())
+    if not m:
+        raise ValueError(f"bad max_shard_size {s!r}; use bytes or e.g. '5GB', '500MB'")
+    return int(float(m[1]) * 1000 ** " KMGT".index(m[2] or " "))
+
+
+# ---- load --------------------------------------------------------------------------------------
+def _shard_files(directory: Path) -> dict[str, list[str]]:
+    """{file: [keys]} from the index (or the single unsharded file)."""
+    idx = directory / INDEX_NAME
+    if idx.is_file():
+        try:
+            wm = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{idx} is not a valid safetensors index: {e}") from None
+        files: dict[str, list[str]] = {}
+        for k, f in wm.items():
+            files.setdefault(f, []).append(k)
+        return files
+    single = directory / SINGLE_NAME
+    if single.is_file():
+        return {SINGLE_NAME: None}  # keys read from the header
+    raise FileNotFoundError(f"no {INDEX_NAME} or {SINGLE_NAME} in {directory}")
+
+
+def _read_headers(directory: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """{key: (file, shape, dtype)} from every shard header; fails naming a missing or corrupt file."""
+    table = {}
+    for f, listed in _shard_files(directory).items():
+        path = directory / f
+        if not path.is_file():
+            raise CheckpointError(f"shard {f} listed in the index is missing from {directory}")
+        try:
+            with safe_open(str(path), framework="pt") as h:
+                keys = list(h.keys())
+                for k in keys:
+                    sl = h.get_slice(k)
+                    table[k] = (f, tuple(sl.get_shape()), sl.get_dtype())
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for bad headers / truncation
+            raise CheckpointError(f"corrupt shard {path}: {e}") from None
+        if listed is not None:
+            miss = sorted(set(listed) - set(keys))
+            if miss:
+                raise CheckpointError(f"tensor {miss[0]} is listed in the index for {f} but not stored in it "
+                                      f"({len(miss)} such)")
+    return table
+
+
+def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: str | torch.device = "cpu"):
+    """Build the model from `directory` (config.json + safetensors) and load its weights.
+
+    dtype defaults to the config's `dtype`; the release's fp32 tensors (A_log, dt_bias, o_norm, convs,
+    router bias) stay fp32. Raises CheckpointError (naming tensor and file) before touching any weight if
+    a key is missing or unexpected, a shape or dtype is wrong, or a shard is corrupt.
+    """
+    from ..model.k3 import K3ForConditionalGeneration
+
+    directory = Path(directory)
+    config = K3Config.from_pretrained(directory)
+    mdtype = _dtype(dtype or config.dtype)
+    header = _read_headers(directory)
+
+    # map every checkpoint key to (model name, expert index, kind) and validate shapes up front
+    expected = {}
+    meta = _meta_model(config).state_dict()
+    for name, t in meta.items():
+        m = _EXPERTS.match(name)
+        if m:
+            E, out, inp = t.shape
+            for e in range(E):
+                base = f"{m['prefix']}.{e}.{m['w']}"
+                if f"{base}.weight_packed" in header or f"{base}.weight_scale" in header:
+                    expected[f"{base}.weight_packed"] = (name, e, (out, inp // 2), ("U8",))
+                    expected[f"{base}.weight_scale"] = (name, e, (out, inp // 32), ("U8",))
+                else:
+                    expected[f"{base}.weight"] = (name, e, (out, inp), ("BF16", "F16", "F32"))
+        else:
+            expected[name] = (name, None, tuple(t.shape), ("BF16", "F16", "F32"))
+    missing = sorted(set(expected) - set(header))
+    if missing:
+        raise CheckpointError(f"checkpoint in {directory} lacks tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(set(header) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} in {header[unexpected[0]][0]} "
+                              f"({len(unexpected)} not used by this config)")
+    for key, (name, e, shape, dts) in expected.items():
+        f, hshape, hdt = header[key]
+        if hshape != shape:
+            raise CheckpointError(f"tensor {key} in {f} has shape {list(hshape)}, the config needs {list(shape)}")
+        if hdt not in dts:
+            raise CheckpointError(f"tensor {key} in {f} has dtype {hdt}, expected one of {list(dts)}")
+
+    # allocate once, then stream shard by shard
+    prev = torch.get_default_dtype()
+    try:  # build directly in the target dtype: no transient fp32 copy of a bf16 model
+        torch.set_default_dtype(mdtype if mdtype.is_floating_point else prev)
+        with torch.device(device):
+            model = K3ForConditionalGeneration(config, init=False, dtype=mdtype)
+    finally:
+        torch.set_default_dtype(prev)
+    state = model.state_dict(keep_vars=True)
+    by_file: dict[str, list[str]] = {}
+    for key, (f, _, _) in header.items():
+        by_file.setdefault(f, []).append(key)
+    with torch.no_grad():
+        for f in sorted(by_file):
+            with safe_open(str(directory / f), framework="pt", device="cpu") as h:
+                for key in by_file[f]:
+                    name, e, _, _ = expected[key]
+                    if key.endswith("weight_scale"):
+                        continue  # consumed with its weight_packed
+                    t = h.get_tensor(key)
+                    if key.endswith("weight_packed"):
+                        sk = key.replace("weight_packed", "weight_scale")
+                        sf = header[sk][0]
+                        if sf == f:
+                            s = h.get_tensor(sk)
+                        else:
+                            with safe_open(str(directory / sf), framework="pt", device="cpu") as h2:
+                                s = h2.get_tensor(sk)
+                        t = mxfp4_unpack(t, s, dtype=torch.float32)
+                    dst = state[name] if e is None else state[name][e]
+                    dst.copy_(t.to(dst.dtype))
+                    del t
+    _check_a_log(model, directory)
+    return model
+
+
+def _check_a_log(model, directory: Path) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("self_attn.A_log"):
+            H = model.config.text_config.linear_attn_config.num_heads
+            tail = p[H:]
+            if tail.numel() and tail.abs().max().item() != 0:
+                raise CheckpointError(f"tensor {name} in {directory}: entries past num_heads={H} must be 0 "
+                                      f"(found max |x| = {tail.abs().max().item():g})")

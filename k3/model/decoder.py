@@ -1,0 +1,137 @@
+"""Decoder layers and the text model, with Block Attention Residuals (K3_SPEC §4) and the MTP layer.
+
+Block bookkeeping follows the release exactly (checkpoint.md §5.4): `blocks` holds finished block
+representations (the embedding first), `partial` the running sum of the current block's layer outputs;
+every layer has an AttnRes site before attention and one before the MLP, and one more site mixes the
+final candidates before `model.norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import K3TextConfig
+from ..ops.attn_res import attn_res
+from .kda import KimiDeltaAttention
+from .layers import RMSNorm, SituMLP
+from .mla import MLAttention
+from .moe import LatentMoE
+
+
+def _mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    return attn_res(sources, proj.weight, norm.weight, norm.eps)
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, cfg: K3TextConfig, layer_idx: int, attn_res_sites: bool = True):
+        super().__init__()
+        D = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.is_kda = cfg.is_kda_layer(layer_idx) if layer_idx < cfg.num_hidden_layers else False
+        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.is_kda else MLAttention(cfg, layer_idx)
+        if cfg.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(cfg)
+        else:
+            self.mlp = SituMLP(D, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        if attn_res_sites:
+            self.self_attention_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.post_attention_layernorm(h)
+        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+
+    def attn(self, h: torch.Tensor, attention_mask, cache) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h), attention_mask, cache)
+
+    def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None, block_size: int,
+                         attention_mask=None, cache=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
+        h = _mix(blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj) \
+            if partial is not None and len(blocks) > 0 else (blocks[0] if partial is None else partial)
+        if self.layer_idx % block_size == 0 and partial is not None:
+            blocks = blocks + [partial]
+            partial = None
+        a = self.attn(h, attention_mask, cache)
+        partial = a if partial is None else partial + a
+        h = _mix(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj)
+        return blocks, partial + self.ffn(h)
+
+    def forward(self, x: torch.Tensor, attention_mask=None, cache=None) -> torch.Tensor:
+        """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off)."""
+        x = x + self.attn(x, attention_mask, cache)
+        return x + self.ffn(x)
+
+
+class MTPLayer(KimiDecoderLayer):
+    """DeepSeek-style multi-token-prediction layer at `layers.{num_hidden_layers + k}`.
+
+    h' = Layer(eh_proj([enorm(emb(x_{t+1})) ; hnorm(h_t)])), logits = lm_head(shared_head.norm(h')),
+    predicting token t+2 at position t. Its decoder layer is MLA + LatentMoE with AttnRes off.
+    """
+
+    def __init__(self, cfg: K3TextConfig, layer_idx: int):
+        nn.Module.__init__(self)
+        D = cfg.hidden_size
+        self.layer_idx, self.is_kda = layer_idx, False
+        self.self_attn = MLAttention(cfg, layer_idx)
+        self.block_sparse_moe = LatentMoE(cfg)
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward_mtp(self, next_embeds: torch.Tensor, hidden: torch.Tensor, attention_mask=None, cache=None):
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        return self.shared_head.norm(KimiDecoderLayer.forward(self, x, attention_mask, cache))
+
+
+class KimiLinearModel(nn.Module):
+    """`language_model.model`: embeddings, the 93 (or preset's) decoder layers, MTP layers, output AttnRes."""
+
+    def __init__(self, cfg: K3TextConfig):
+        super().__init__()
+        self.config = cfg
+        D, N = cfg.hidden_size, cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
+        layers: list[nn.Module] = [KimiDecoderLayer(cfg, i) for i in range(N)]
+        layers += [MTPLayer(cfg, N + k) for k in range(cfg.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        self.gradient_checkpointing = False
+
+    @property
+    def decoder_layers(self) -> list[KimiDecoderLayer]:
+        return list(self.layers[: self.config.num_hidden_layers])
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.layers[self.config.num_hidden_layers:])
+
+    def forward(self, inputs_embeds: torch.Tensor, attention_mask=None, cache=None,
+                output_block_states: bool = False):
+        """inputs_embeds [B, T, D] → (pre-norm hidden [B, T, D], final normed hidden, per-layer block info)."""
+        bs = self.config.attn_res_block_size
+        blocks, partial = [inputs_embeds], None
+        taps = []
+        for layer in self.decoder_layers:
+            lc = None if cache is None else cache.layer(layer.layer_idx)
+            if self.gradient_checkpointing and self.training:
+                blocks, partial = torch.utils.checkpoint.checkpoint(
+                    layer.forward_attn_res, blocks, partial, bs, attention_mask, lc, use_reentrant=False)
+            else:
+                blocks, partial = layer.forward_attn_res(blocks, partial, bs, attention_mask, lc)
+            if output_block_states:
+                taps.append(partial)
+        h = _mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj)
+        return h, self.norm(h), taps

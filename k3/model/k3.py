@@ -1,0 +1,193 @@
+"""Top-level models with the release's module tree: `K3ForConditionalGeneration` holds `language_model`
+(`KimiLinearForCausalLM`: `.model` + `.lm_head`), `vision_tower` and `mm_projector`."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import K3Config, K3TextConfig
+from .cache import K3Cache
+from .decoder import KimiLinearModel
+from .kda import KimiDeltaAttention
+from .layers import RMSNorm
+from .moe import MoEGate, StackedExperts
+
+# Parameters the release keeps in fp32 whatever the model dtype (checkpoint.md §2.8).
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "o_norm.weight", "conv1d.weight", "e_score_correction_bias")
+
+
+@dataclass
+class K3Output:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    mtp_logits: torch.Tensor | None = None
+    past_key_values: K3Cache | None = None
+    hidden_states: torch.Tensor | None = None  # pre-norm output of the final AttnRes site
+    block_states: list | None = None  # per layer, the running block partial sum (EAGLE-3 taps)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of logits[t] against labels[t + shift] (fp32), ignoring `ignore_index`."""
+    lg = logits[:, :-shift].reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(lg, labels[:, shift:].reshape(-1), ignore_index=ignore_index)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, cfg: K3TextConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = KimiLinearModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,
+                output_block_states: bool = False) -> K3Output:
+        """Causal LM forward. `labels` use the HF convention (same positions as input_ids; shifted here).
+
+        With MTP layers and labels, also returns `mtp_loss` (layer k predicts token t + 1 + k at position t).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        B, T, _ = inputs_embeds.shape
+        if attention_mask is not None:
+            past = 0 if past_key_values is None else past_key_values.seen_tokens
+            if attention_mask.shape != (B, past + T):
+                raise ValueError(f"attention_mask must be [B, past + T] = [{B}, {past + T}], "
+                                 f"got {tuple(attention_mask.shape)}")
+        cache = past_key_values if past_key_values is not None else (K3Cache() if use_cache else None)
+        h, hn, taps = self.model(inputs_embeds, attention_mask, cache, output_block_states)
+        if cache is not None:
+            cache.seen_tokens += T
+        logits = self.lm_head(hn[:, -logits_to_keep:] if logits_to_keep else hn)
+        out = K3Output(logits=logits, past_key_values=cache, hidden_states=h,
+                       block_states=taps if output_block_states else None)
+        if labels is not None:
+            out.loss = lm_loss(logits, labels)
+            if self.model.mtp_layers and T > 2:
+                out.mtp_logits, out.mtp_loss = self._mtp(inputs_embeds, h, attention_mask, labels)
+        return out
+
+    def _mtp(self, embeds, h, attention_mask, labels):
+        """Chain the MTP layers: layer k sees h_{k-1} and the embedding of token t + k (zero past the end)."""
+        losses, logits_k = [], None
+        mask = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]
+        for k, layer in enumerate(self.model.mtp_layers, start=1):
+            nxt = torch.cat([embeds[:, k:], embeds.new_zeros(embeds.shape[0], k, embeds.shape[2])], dim=1)
+            h = layer.forward_mtp(nxt, h, mask)
+            logits_k = self.lm_head(h)
+            losses.append(lm_loss(logits_k, labels, shift=1 + k))
+        return logits_k, torch.stack(losses).mean()
+
+
+class K3ForConditionalGeneration(nn.Module):
+    """Kimi K3: text model + optional MoonViT-V2 vision tower and projector."""
+
+    def __init__(self, config: K3Config, init: bool = True, dtype: torch.dtype | None = None):
+        """init=False skips the training init (for loading); dtype builds directly in that dtype
+        (the release's fp32 parameters stay fp32)."""
+        super().__init__()
+        self.config = config
+        self.language_model = KimiLinearForCausalLM(config.text_config)
+        if config.vision_config is not None:
+            from .vision import MoonViTVisionTower, PatchMergerV2Projector
+            self.vision_tower = MoonViTVisionTower(config.vision_config)
+            self.mm_projector = PatchMergerV2Projector(config.vision_config)
+        else:
+            self.vision_tower = self.mm_projector = None
+        if dtype is not None:
+            self.cast(dtype)
+        if init:
+            self.init_weights()
+
+    # ---- construction helpers --------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Training-from-scratch init: N(0, initializer_range) matrices, unit norms, zero AttnRes queries,
+        zero selection bias, KDA gate parameters as in `KimiDeltaAttention.reset_gate_parameters`."""
+        std = self.config.text_config.initializer_range
+        for name, mod in self.language_model.named_modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                if name.endswith("_res_proj"):
+                    mod.weight.zero_()
+                else:
+                    nn.init.normal_(mod.weight, std=std)
+            elif isinstance(mod, StackedExperts):
+                for p in (mod.w1, mod.w2, mod.w3):
+                    nn.init.normal_(p, std=std)
+            elif isinstance(mod, MoEGate):
+                nn.init.normal_(mod.weight, std=std)
+                mod.e_score_correction_bias.zero_()
+            elif isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+            elif isinstance(mod, KimiDeltaAttention):
+                mod.reset_gate_parameters()
+        # a finite std for convs: fan-in of a depthwise kernel
+        for name, p in self.language_model.named_parameters():
+            if name.endswith("conv1d.weight"):
+                bound = 1.0 / math.sqrt(p.shape[-1])
+                nn.init.uniform_(p, -bound, bound)
+
+    def cast(self, dtype: torch.dtype) -> "K3ForConditionalGeneration":
+        """Cast to `dtype` but keep the release's fp32 parameters (A_log, dt_bias, o_norm, convs, router bias)."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+        return self
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- forward -------------------------------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.language_model.model.embed_tokens
+
+    def embed(self, input_ids: torch.Tensor, attention_mask=None, labels=None, pixel_values=None, grid_thws=None):
+        """Token embeddings, with each `<|media_pad|>` expanded into its image's projected feature block."""
+        embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is None:
+            return embeds, attention_mask, labels
+        if self.vision_tower is None:
+            raise ValueError("pixel_values given but this model has no vision tower (vision_config is null)")
+        from .media import merge_media_embeddings
+        feats = [self.mm_projector(f) for f in self.vision_tower(pixel_values.to(embeds.dtype), grid_thws)]
+        m = merge_media_embeddings(input_ids, embeds, feats, self.config.media_placeholder_token_id,
+                                   attention_mask, labels)
+        return m["inputs_embeds"], m["attention_mask"], m["labels"]
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                grid_thws: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,
+                output_block_states: bool = False) -> K3Output:
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or inputs_embeds")
+            inputs_embeds, attention_mask, labels = self.embed(input_ids, attention_mask, labels, pixel_values,
+                                                               grid_thws)
+        return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, output_block_states=output_block_states)
+
+    # ---- generation / checkpoints ----------------------------------------------------------------
+    def generate(self, *args, **kwargs) -> torch.Tensor:
+        from .generation import generate
+        return generate(self, *args, **kwargs)
+
+    def save_pretrained(self, directory: str | os.PathLike, **kwargs):
+        from ..io.checkpoint import save_pretrained
+        return save_pretrained(self, directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "K3ForConditionalGeneration":
+        from ..io.checkpoint import load_pretrained
+        return load_pretrained(directory, **kwargs)

@@ -1,0 +1,91 @@
+"""Kimi Delta Attention layer with K3's lower-bounded gate and full-rank output gate (K3_SPEC §2).
+
+Names and shapes follow the release (`self_attn.{q,k,v}_proj`, `{q,k,v}_conv1d`, `f_a_proj`, `f_b_proj`,
+`dt_bias`, `A_log` [padded to 128], `b_proj`, `g_proj`, `o_norm`, `o_proj`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import K3TextConfig
+from ..ops.conv import short_conv
+from ..ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from .layers import RMSNorm
+
+A_LOG_PAD = 128  # the release stores A_log padded to a multiple of 128 entries (only the first H are used)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3TextConfig, layer_idx: int):
+        super().__init__()
+        la = cfg.linear_attn_config
+        D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
+        self.lower_bound = la.gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        self.backend = "auto"
+        W = la.short_conv_kernel_size
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(math.ceil(H / A_LOG_PAD) * A_LOG_PAD, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_proj = nn.Linear(D, H * K, bias=False)
+        self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """A_log = 0 and dt_bias so that the initial per-channel decay rate −g is log-uniform in [1e-3, 0.1]."""
+        self.A_log.zero_()
+        rate = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
+        p = rate / -self.lower_bound
+        self.dt_bias.copy_(torch.log(p) - torch.log1p(-p))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: dict | None = None) -> torch.Tensor:
+        """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this layer's dict (updated)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        m = None if attention_mask is None else attention_mask[:, -T:].to(x.dtype).unsqueeze(-1)  # [B, T, 1]
+
+        def proj_conv(lin: nn.Linear, conv: nn.Conv1d, name: str) -> torch.Tensor:
+            y = lin(x)
+            if m is not None:  # padding contributes nothing to the conv window
+                y = y * m
+            state = None if cache is None else cache.get(name)
+            y, new_state = short_conv(y, conv.weight, state, output_final_state=cache is not None)
+            if cache is not None:
+                cache[name] = new_state
+            return y.view(B, T, H, -1)
+
+        q = proj_conv(self.q_proj, self.q_conv1d, "conv_q")
+        k = proj_conv(self.k_proj, self.k_conv1d, "conv_k")
+        v = proj_conv(self.v_proj, self.v_conv1d, "conv_v")
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log[:H], self.dt_bias,
+                     self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if m is not None:  # padded positions: identity transition (no decay, no write)
+            g = g * m.float().unsqueeze(-1)
+            beta = beta * m.float()
+        state = None if cache is None else cache.get("state")
+        kw = dict(initial_state=state, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+        if cache is not None and T <= 16 and not torch.is_grad_enabled():
+            o, new_state = fused_recurrent_kda(q, k, v, g, beta, **kw)
+        else:
+            o, new_state = chunk_kda(q, k, v, g, beta, backend=self.backend, **kw)
+        if cache is not None:
+            cache["state"] = new_state
+        o = self.o_norm(o.float()) * torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))

@@ -1,0 +1,112 @@
+"""Gated Multi-head Latent Attention with NoPE (K3_SPEC §3).
+
+q = q_b(RMSNorm(q_a(x))); [c | k_pe] = kv_a(x) with c the 512-d latent (RMSNorm'd) and k_pe a 64-d key
+slice shared by all heads and never rotated (NoPE); k_nope, v = kv_b(c); scale = (nope + rope)^-0.5;
+output = o_proj(attn · σ(g_proj(x))).
+
+Two attention paths that give the same result: `naive` expands the latent into per-head keys and values
+(training, prefill); `absorbed` folds kv_b into the query and the output (decode), so the cache holds only
+the latent c and k_pe per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import K3TextConfig
+from .layers import RMSNorm
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: K3TextConfig, layer_idx: int):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.nope, self.rope, self.vdim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * (self.nope + self.rope), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.vdim), bias=False)
+        self.g_proj = nn.Linear(D, H * self.vdim, bias=False) if cfg.mla_use_output_gate else None
+        self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
+        self.attn_impl = "auto"  # "naive" | "absorbed" | "auto" (absorbed when decoding from a cache)
+
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] → q [B, T, H, nope + rope]."""
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.num_heads, self.nope + self.rope)
+
+    def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → (c [B, T, kv_lora_rank] normalised latent, k_pe [B, T, rope])."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return self.kv_a_layernorm(c), k_pe
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.vdim, self.kv_lora_rank)
+        return w[:, :self.nope], w[:, self.nope:]  # W_uk [H, nope, C], W_uv [H, v, C]
+
+    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Expanded per-head keys/values. q [B,T,H,Dq], c [B,S,C], k_pe [B,S,R], bias [B,1|H,T,S] → [B,T,H,V]."""
+        B, S, _ = c.shape
+        kv = self.kv_b_proj(c).view(B, S, self.num_heads, self.nope + self.vdim)
+        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype),
+                                           scale=self.scale)
+        return o.transpose(1, 2)
+
+    def attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Weight absorption: scores and values in the latent space; same result as `attend_naive`."""
+        w_uk, w_uv = self._kv_b()
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
+        scores = torch.einsum("bthc,bsc->bhts", q_lat, c) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        p = torch.softmax(scores.float() * self.scale + bias.float(), dim=-1).to(c.dtype)
+        o_lat = torch.einsum("bhts,bsc->bthc", p, c)
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: dict | None = None) -> torch.Tensor:
+        """x [B, T, D]; attention_mask [B, S_total] over past + new tokens; cache holds `c` and `k_pe`."""
+        B, T, _ = x.shape
+        q = self.project_q(x)
+        c, k_pe = self.project_latent(x)
+        past = 0
+        if cache is not None:
+            if "c" in cache:
+                past = cache["c"].shape[1]
+                c = torch.cat([cache["c"], c], dim=1)
+                k_pe = torch.cat([cache["k_pe"], k_pe], dim=1)
+            cache["c"], cache["k_pe"] = c, k_pe
+        bias = causal_bias(B, T, past, attention_mask, x.device)
+        impl = self.attn_impl
+        if impl == "auto":
+            impl = "absorbed" if past > 0 else "naive"
+        o = (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, bias)
+        o = o.reshape(B, T, self.num_heads * self.vdim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+
+def causal_bias(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """Additive fp32 mask [B, 1, T, past + T]: causal, and padded keys excluded (finite, so no NaN rows)."""
+    S = past + T
+    qpos = torch.arange(past, S, device=device).unsqueeze(1)
+    allowed = (torch.arange(S, device=device).unsqueeze(0) <= qpos).unsqueeze(0)  # [1, T, S]
+    if attention_mask is not None:
+        if attention_mask.shape != (B, S):
+            raise ValueError(f"attention_mask must be [B, past + T] = [{B}, {S}], got {tuple(attention_mask.shape)}")
+        allowed = allowed & attention_mask.bool().unsqueeze(1)
+    neg = torch.finfo(torch.float32).min
+    return torch.where(allowed, 0.0, neg).to(torch.float32).unsqueeze(1)

@@ -1,0 +1,70 @@
+"""Stable LatentMoE: router + selection bias, latent routed experts (SiTU-GLU), RMSNorm, shared experts.
+
+    x ─ routed_expert_down_proj → latent ─ top-k experts → Σ w·expert → routed_expert_norm
+      → routed_expert_up_proj → + shared_experts(x)
+
+Routed experts are stacked [E, out, in] inside the module (`experts.w1/w2/w3`) for batched training;
+the checkpoint I/O layer maps them to the release's per-expert `experts.{e}.w{1,2,3}` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import K3TextConfig
+from ..ops.moe import experts_forward, route
+from .layers import RMSNorm, SituMLP
+
+
+class MoEGate(nn.Module):
+    """`gate.weight` [E, D] and the QB / aux-loss-free selection bias `gate.e_score_correction_bias` [E]."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
+class StackedExperts(nn.Module):
+    """All routed experts of one layer: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I]."""
+
+    def __init__(self, num_experts: int, latent: int, intermediate: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: K3TextConfig):
+        super().__init__()
+        D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.cfg = cfg
+        self.top_k = cfg.num_experts_per_token
+        self.gate = MoEGate(D, cfg.num_experts)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.experts = StackedExperts(cfg.num_experts, L, cfg.moe_intermediate_size)
+        self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.shared_experts = (SituMLP(D, cfg.num_shared_experts * cfg.moe_intermediate_size,
+                                       cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+                               if cfg.num_shared_experts > 0 else None)
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (topk_idx, scores), for QB
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        idx, w, scores = route(xf, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                               self.cfg.moe_renormalize, self.cfg.routed_scaling_factor)
+        self.last_routing = (idx.detach(), scores.detach())
+        lat = self.routed_expert_down_proj(xf)
+        y = experts_forward(lat, idx, w,
+                            self.experts.w1, self.experts.w2, self.experts.w3,
+                            self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
+        if self.routed_expert_norm is not None:
+            y = self.routed_expert_norm(y)
+        out = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(xf)
+        return out.reshape(shape)

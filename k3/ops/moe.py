@@ -1,0 +1,52 @@
+"""Routing and expert computation for the Stable LatentMoE (K3_SPEC §5).
+
+The router is a fp32 sigmoid over the full-width input; the selection bias (`e_score_correction_bias`)
+changes only *which* experts are chosen; mixing weights are the raw scores of the chosen experts,
+renormalised, times `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .situ import situ_glu
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+          renormalize: bool = True, scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, D] → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32)."""
+    scores = torch.sigmoid(F.linear(x.float(), gate_weight.float()))
+    choice = scores if bias is None else scores + bias.float()
+    idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx, w * scaling_factor, scores
+
+
+def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
+                    w2: torch.Tensor, w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """Σ_k weight_k · expert_{idx_k}(x) with SiTU-GLU experts; weights stacked as w1/w3 [E, I, L], w2 [E, L, I].
+
+    Groups token–expert entries by expert (one sort), runs each used expert once on its rows, and
+    accumulates in fp32 (fp64 for fp64 inputs). x [N, L] → [N, L] in x's dtype.
+    """
+    N, K = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // K
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(N, x.shape[-1], dtype=acc, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token[start:start + n]
+        xe = x[rows]
+        h = situ_glu(F.linear(xe, w1[e]), F.linear(xe, w3[e]), beta, linear_beta)
+        ye = F.linear(h, w2[e]).to(acc) * topk_weight.reshape(-1)[order[start:start + n]].unsqueeze(-1)
+        out = out.index_add(0, rows, ye)
+        start += n
+    return out.to(x.dtype)
