@@ -15,6 +15,15 @@ GRAD_TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "g": 2e-2, "beta": 2e-2
 STRICT = 1e-4
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tensors are tiny: intra-op threads only add overhead (10x under CPU contention)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def rmse(ref, x):
     ref, x = ref.double(), x.double()
     return ((ref - x).norm() / ref.norm()).item()

@@ -284,9 +284,11 @@ def test_preprocess_image_consistent_with_count():
     pv, grid = preprocess_image(img)
     assert grid.tolist() == [[1, 32, 44]] and pv.shape == (32 * 44, 3, 14, 14)
     assert grid[0, 1] * grid[0, 2] // 4 == media_token_count(611, 437)
-    # first patch = normalised top-left 14x14 pixels; the bottom-right patch is all padding → -1
+    # first patch = normalised top-left 14x14 pixels
     torch.testing.assert_close(pv[0], img[:14, :14].permute(2, 0, 1).float() / 255 * 2 - 1)
-    assert torch.all(pv[-1] == -1)
+    full = pv.view(32, 44, 3, 14, 14).permute(2, 0, 3, 1, 4).reshape(3, 448, 616)      # un-patchify
+    torch.testing.assert_close(full[:, :437, :611], img.permute(2, 0, 1).float() / 255 * 2 - 1)
+    assert torch.all(full[:, 437:] == -1) and torch.all(full[:, :, 611:] == -1)        # black pad, then normalise
     # row-major (h, w): patch 1 is the next 14 columns
     torch.testing.assert_close(pv[1], img[:14, 14:28].permute(2, 0, 1).float() / 255 * 2 - 1)
     # channels-first float input in [0, 1] gives the same thing
