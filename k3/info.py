@@ -51,9 +51,7 @@ def model_info(config: K3Config) -> dict:
     mtp_prefix = tuple(f"language_model.model.layers.{n_layers + k}." for k in range(tc.num_nextn_predict_layers))
     breakdown: dict[str, int] = OrderedDict((c, 0) for c, _ in _COMPONENTS)
     total = active = 0
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if name not in model.state_dict():
-            continue  # non-persistent buffers are not parameters
+    for name, p in model.state_dict().items():  # persistent tensors only (incl. the router bias)
         n = p.numel()
         comp = "mtp" if name.startswith(mtp_prefix) else _component(name)
         breakdown[comp] = breakdown.get(comp, 0) + n

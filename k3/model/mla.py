@@ -54,24 +54,26 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.vdim, self.kv_lora_rank)
         return w[:, :self.nope], w[:, self.nope:]  # W_uk [H, nope, C], W_uv [H, v, C]
 
-    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Expanded per-head keys/values. q [B,T,H,Dq], c [B,S,C], k_pe [B,S,R], bias [B,1|H,T,S] → [B,T,H,V]."""
+    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Expanded per-head keys/values. q [B,T,H,Dq], c [B,S,C], k_pe [B,S,R], allowed [B,1,T,S] → [B,T,H,V]."""
         B, S, _ = c.shape
         kv = self.kv_b_proj(c).view(B, S, self.num_heads, self.nope + self.vdim)
         k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype),
-                                           scale=self.scale)
+                                           attn_mask=bias, scale=self.scale)
         return o.transpose(1, 2)
 
-    def attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Weight absorption: scores and values in the latent space; same result as `attend_naive`."""
         w_uk, w_uv = self._kv_b()
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
         scores = torch.einsum("bthc,bsc->bhts", q_lat, c) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
-        p = torch.softmax(scores.float() * self.scale + bias.float(), dim=-1).to(c.dtype)
+        acc = torch.promote_types(scores.dtype, torch.float32)  # fp32 softmax (fp64 for fp64 inputs)
+        scores = (scores.to(acc) * self.scale).masked_fill(~allowed, torch.finfo(acc).min)
+        p = torch.softmax(scores, dim=-1).to(c.dtype)
         o_lat = torch.einsum("bhts,bsc->bthc", p, c)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
 
@@ -88,19 +90,20 @@ class MLAttention(nn.Module):
                 c = torch.cat([cache["c"], c], dim=1)
                 k_pe = torch.cat([cache["k_pe"], k_pe], dim=1)
             cache["c"], cache["k_pe"] = c, k_pe
-        bias = causal_bias(B, T, past, attention_mask, x.device)
+        allowed = causal_mask(B, T, past, attention_mask, x.device)
         impl = self.attn_impl
         if impl == "auto":
             impl = "absorbed" if past > 0 else "naive"
-        o = (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, bias)
+        o = (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, allowed)
         o = o.reshape(B, T, self.num_heads * self.vdim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
 
-def causal_bias(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:
-    """Additive fp32 mask [B, 1, T, past + T]: causal, and padded keys excluded (finite, so no NaN rows)."""
+def causal_mask(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """Boolean [B, 1, T, past + T]: causal and not a padded key. Masked scores get the dtype's finite
+    minimum (not −inf), so a fully padded query row gives finite values instead of NaN."""
     S = past + T
     qpos = torch.arange(past, S, device=device).unsqueeze(1)
     allowed = (torch.arange(S, device=device).unsqueeze(0) <= qpos).unsqueeze(0)  # [1, T, S]
@@ -108,5 +111,4 @@ def causal_bias(B: int, T: int, past: int, attention_mask: torch.Tensor | None, 
         if attention_mask.shape != (B, S):
             raise ValueError(f"attention_mask must be [B, past + T] = [{B}, {S}], got {tuple(attention_mask.shape)}")
         allowed = allowed & attention_mask.bool().unsqueeze(1)
-    neg = torch.finfo(torch.float32).min
-    return torch.where(allowed, 0.0, neg).to(torch.float32).unsqueeze(1)
+    return allowed.expand(B, T, S).unsqueeze(1)

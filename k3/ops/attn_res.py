@@ -20,9 +20,10 @@ def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torc
     if not sources:
         raise ValueError("attn_res needs at least one source")
     v = torch.stack(sources, dim=0)  # [N, ..., D]
-    vf = v.float()
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+    vf = v.to(acc)
     n = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)
-    w = (query.reshape(-1).float() * norm_weight.float())  # folded query [D]
+    w = query.reshape(-1).to(acc) * norm_weight.to(acc)  # folded query [D]
     scores = n @ w  # [N, ...]
     alpha = torch.softmax(scores, dim=0)
     return (alpha.unsqueeze(-1) * vf).sum(0).to(v.dtype)

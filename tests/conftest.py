@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from k3 import K3Config, K3ForConditionalGeneration
+
+
+def rel_rmse(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """‖ref − x‖₂ / ‖ref‖₂ in fp64 (fla's metric)."""
+    ref, x = ref.double(), x.double()
+    return ((ref - x).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> K3Config:
+    return K3Config.preset("k3-tiny")
+
+
+def make_tiny(seed: int = 0, vision: bool = False, **text_overrides) -> K3ForConditionalGeneration:
+    cfg = K3Config.preset("k3-tiny")
+    if not vision:
+        cfg.vision_config = None
+    for k, v in text_overrides.items():
+        setattr(cfg.text_config, k, v)
+    torch.manual_seed(seed)
+    model = K3ForConditionalGeneration(cfg)
+    randomize(model, seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def randomize(model, seed: int = 0) -> None:
+    """Give zero-initialised parameters (AttnRes queries, router bias) random values so tests exercise them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("_res_proj.weight"):
+            t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+        elif name.endswith("e_score_correction_bias"):
+            t.copy_(torch.randn(t.shape, generator=g) * 0.05)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
