@@ -24,6 +24,18 @@ def test_tiny_forward_backward_every_parameter_learns():
                        "language_model.model.layers.0.self_attention_res_proj.weight"}
 
 
+def test_gradient_checkpointing_gives_same_gradients():
+    ids = torch.randint(0, 4000, (2, 40))
+    grads = []
+    for ckpt in (False, True):
+        model = make_tiny(seed=0).train()
+        model.gradient_checkpointing_enable(ckpt)
+        out = model(ids, labels=ids)
+        (out.loss + out.mtp_loss).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert rel_rmse(grads[0], grads[1]) < 1e-6
+
+
 def logits_full(model, ids, mask=None):
     with torch.no_grad():
         return model(ids, attention_mask=mask).logits

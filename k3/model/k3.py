@@ -144,6 +144,10 @@ class K3ForConditionalGeneration(nn.Module):
                 t.data = t.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
         return self
 
+    def gradient_checkpointing_enable(self, enable: bool = True) -> None:
+        """Recompute each decoder layer in the backward instead of storing its activations (training only)."""
+        self.language_model.model.gradient_checkpointing = enable
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

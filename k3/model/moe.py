@@ -50,14 +50,16 @@ class LatentMoE(nn.Module):
         self.shared_experts = (SituMLP(D, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                        cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
                                if cfg.num_shared_experts > 0 else None)
-        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (topk_idx, scores), for QB
+        self.record_routing = False  # keep (topk_idx, scores) of the last forward, e.g. for balancing
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, w, scores = route(xf, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
                                self.cfg.moe_renormalize, self.cfg.routed_scaling_factor)
-        self.last_routing = (idx.detach(), scores.detach())
+        if self.record_routing:
+            self.last_routing = (idx.detach(), scores.detach())
         lat = self.routed_expert_down_proj(xf)
         y = experts_forward(lat, idx, w,
                             self.experts.w1, self.experts.w2, self.experts.w3,

@@ -8,7 +8,6 @@ warm-up, LM loss + 0.1 × MTP loss, a progress bar, and a checkpoint in the rele
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sysconfig

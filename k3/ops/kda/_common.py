@@ -71,3 +71,18 @@ def to_batch(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.T
 def from_batch(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[N, L, ...] padded -> [1, T, ...] packed, in cu_seqlens order."""
     return y[valid].unsqueeze(0)
+
+
+def prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """Cast to the compute dtype, default the scale to K^-0.5 and L2-normalise q, k if asked.
+
+    Returns (q, k, v, g, beta, scale, out_dtype): o goes back in v's dtype (fp64 for fp64 inputs).
+    """
+    dt = compute_dtype(q)
+    out_dtype = torch.float64 if dt == torch.float64 else v.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        from .gate import l2norm
+        q, k = l2norm(q), l2norm(k)
+    return q, k, v, g, beta, scale, out_dtype

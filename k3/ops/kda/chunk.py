@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_inputs, compute_dtype, from_batch, to_batch, varlen_index
-from .gate import l2norm
+from ._common import check_inputs, from_batch, prepare, to_batch, varlen_index
 
 SUB = 16  # sub-chunk (diagonal tile) size
 
@@ -96,12 +95,7 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
         raise ValueError(f"chunk_kda_torch: chunk_size must be a positive multiple of {SUB}, got {chunk_size}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = compute_dtype(q)
-    out_dtype = torch.float64 if dt == torch.float64 else v.dtype
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta, scale, out_dtype = prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
 
     if cu_seqlens is not None:
         idx, valid = varlen_index(cu_seqlens, T, chunk_size, q.device)
@@ -112,7 +106,7 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (q, k, v, g))
     beta = torch.nn.functional.pad(beta, (0, 0, 0, pad)).transpose(1, 2)
 
-    h0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dt)
+    h0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(q.dtype)
     o, S = _chunk_fwd(q, k, v, g, beta, scale, h0, chunk_size)
     o = o.transpose(1, 2)
     o = from_batch(o, valid) if cu_seqlens is not None else o[:, :T]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_inputs, compute_dtype, from_batch, to_batch, varlen_index
+from ._common import check_inputs, from_batch, prepare, to_batch, varlen_index
 from .gate import l2norm
 
 
@@ -27,17 +27,12 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     N = check_inputs("fused_recurrent_kda", q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = compute_dtype(q)
-    out_dtype = torch.float64 if dt == torch.float64 else v.dtype
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta, scale, out_dtype = prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     q = q * scale
     if cu_seqlens is not None:
         idx, valid = varlen_index(cu_seqlens, T, 1, q.device)
         q, k, v, g, beta = (to_batch(x, idx, valid) for x in (q, k, v, g, beta))
-    S = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dt)
+    S = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(q.dtype)
     outs = []
     for t in range(q.shape[1]):
         o_t, S = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
