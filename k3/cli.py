@@ -1,4 +1,4 @@
-"""`k3` command line: `k3 info`, `k3 train`, `k3 generate`."""
+"""`k3` command line: `k3 info`, `k3 train`, `k3 sandbox serve`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     pi.set_defaults(func=cmd_info)
     from .train.quickstart import add_parser as add_train
     add_train(sub)
+    from .env.cli import add_parser as add_sandbox
+    add_sandbox(sub)
     args = p.parse_args(argv)
     try:
         return args.func(args)

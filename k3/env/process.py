@@ -1,0 +1,1276 @@
+"""Process tier: Linux namespaces + overlayfs + cgroup-v1 limits and freezer (fast; needs root).
+
+Layout under `state_dir` (bases/, layers/ and sandboxes/ are mode 0700):
+
+    bases/default-<hash>/       the default base, built once (see below)
+    bases/<sha256>/             a tarball base, extracted once (device nodes dropped)
+    layers/<snapshot_id>/       a sealed, read-only layer (a former upper dir), shared by every sandbox and
+                                snapshot that stacks it; .<snapshot_id>.json lists its stack and a
+                                .<snapshot_id>.deleted file tombstones it
+    sandboxes/<sid>/            upper/, work/, root/ (mount point), run.json (what `recover` needs), init.log
+
+Sandbox = a long-lived *init*: a small Python program (`_INIT_PY`, run by the host's interpreter) started by
+`unshare --fork --pid --mount --uts --ipc --cgroup [--net] --kill-child` after joining the sandbox's
+cgroups. As host root, in its private mount namespace, it mounts the root: overlayfs (nodev) with the sealed
+layers newest first over the base, and the sandbox's own upper/work; then read-only binds (default base
+only), a fresh /proc (/proc/sys, /proc/irq, /proc/bus, /proc/fs, /proc/sysrq-trigger read-only; kcore, keys,
+timer_list… masked), a tmpfs /dev with null/zero/full/random/urandom/tty, a devpts instance and /dev/shm
+(no /sys). It pivot_roots into it, sets the hostname (the sid), brings `lo` up and finally moves itself into
+a new user namespace with the identity uid/gid map (written by the tier), where it forbids further cgroup
+namespaces (otherwise sandbox root could mount its own cgroup dirs and lift its limits). So sandbox
+processes are root with files owned by root, but their capabilities only count in that user namespace: no
+mknod, no mounts over the ones set up, no host sysctls, no ptrace or /proc/1/* of the init (non-dumpable,
+pid 1). All mounts live only in the init's mount namespace: none appears in the host's, and they vanish
+with the init's pid namespace (the init's death kills every sandbox process). Not a VM: no seccomp or LSM
+profile, the host kernel is shared.
+
+Default base: a skeleton root (mount points; /bin, /lib… symlinks or binds as on the host; a minimal /etc:
+passwd/group with root and nobody, hosts, ld.so and ssl config, alternatives) plus read-only, nodev binds
+of the host's /usr and of the running Python's prefix at its own path (so its compiled-in paths work; its
+bin/ leads PATH). Nothing else of the host is visible. A base may also be a directory (used as is, read
+only: only pass operator-approved paths), a tarball, or a name under bases/.
+
+exec: the tier hands the init, over a SEQPACKET socketpair (SCM_RIGHTS), stdin/stdout/stderr pipes and a
+per-exec status socket, then argv/env/cwd on that socket; the init forks, setsid()s, chdirs *inside* the
+sandbox root and execs, and reports the wait status. No host-side process ever runs with the caller's argv,
+env (LD_PRELOAD…) or cwd; the command is in every namespace and cgroup from birth; an exec costs one fork
+of the init. A string runs under `/bin/sh -c`; a missing binary gives 127 (126: not executable); death by
+signal N gives 128+N (137 for the OOM killer). exec returns when the command exits (background children
+that keep its stdout open do not hold it up); output beyond MAX_OUTPUT_BYTES per stream is dropped and
+noted at the end of stderr. On timeout the init SIGKILLs the command's session (process group and every
+process still in the session) and the result is exit_code 124 (TIMEOUT_EXIT), timed_out=True; a child that
+called setsid() itself escapes that and lives on until kill/checkpoint. exec on a paused sandbox raises
+InvalidState (it could only block).
+
+File API: on `/proc/<init>/root`, i.e. the view the sandbox has (read-only binds included), every path
+resolved by openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) from that root: `..` beyond / is refused
+(BadRequest), symlinks resolve inside the sandbox, absolute ones re-rooted. Works while paused. Written
+files are root-owned with the given mode; parents are created.
+
+Limits: cgroup v1 dirs `<controller>/k3sbx/<sid>-<state-dir tag>` for freezer, memory (memory.limit and
+memsw: no swap), pids, cpu (CFS quota) and cpuacct; the init and every exec are in them. pids.max is
+limits.pids + PIDS_OVERHEAD (the unshare and the init count too). disk_mb only caps one file upload: there
+is no quota on the upper dir. Network: limits.network False gives a net namespace with only `lo`; True
+skips the net namespace, so the sandbox shares the host's network, host loopback and abstract unix sockets
+included (connections to host services come from uid 0): only for trusted code.
+
+Checkpoints are filesystem-level (CRIU does not work on the target hosts). `checkpoint` stops every process
+of the sandbox (freeze, SIGKILL all, thaw), renames the upper dir to layers/<snapshot_id> (O(1): a
+checkpoint holds only what changed since the previous one; whiteouts and opaque/redirect xattrs move with
+it) and restarts the init over the longer stack with a fresh upper, frozen again if it was paused. So the
+sandbox keeps running, but its processes do not survive a checkpoint (background processes and in-flight
+execs are killed), nor a restore, fork or recover. Restores/forks put a fresh upper on the snapshot's
+layers, which are shared, never copied. Deleted snapshots are tombstoned; a layer goes once no live snapshot
+or sandbox stacks it.
+
+Lifetime: the tier holds the control socket of each init. If the tier's process dies, running inits see
+EOF and exit; paused ones stay frozen until `recover` or `kill` (which thaw and kill them). `close()`, also
+run when the ProcessTier is garbage collected, kills every sandbox and deletes its files. At interpreter
+exit the sandboxes' processes and cgroups are removed but their files kept, so a restarted manager can
+`recover` them (paused or running; processes restart) and should `kill` the rest. One ProcessTier per
+state_dir at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import hashlib
+import json
+import marshal
+import os
+import re
+import selectors
+import shlex
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import _fs
+from .base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
+                   NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable)
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CG_PARENT = "k3sbx"
+CG_REQUIRED = ("freezer", "memory", "pids")
+CG_OPTIONAL = ("cpu", "cpuacct")
+PIDS_OVERHEAD = 2  # the unshare and the init
+OVERLAY_OPTIONS = {"index": "off", "redirect_dir": "on", "metacopy": "off"}
+TIMEOUT_EXIT = 124
+MAX_EXEC_REQUEST = 4 * 1024 * 1024  # argv + env of one exec (execve's own limit is about 2 MiB)
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
+_ENV_DIR = str(Path(__file__).resolve().parent)
+_BASE_TOP = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_ETC_COPY = ("nsswitch.conf", "resolv.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ssl", "alternatives",
+             "os-release", "debian_version", "profile", "bash.bashrc", "shells", "localtime", "timezone",
+             "mime.types", "protocols", "services", "inputrc", "ca-certificates.conf", "environment")
+
+# The sandbox init, fed to `python -I -S -` on stdin (so `ps` in the sandbox shows no config). Sets up the
+# root, says "ok <host pid>" (or "err <message>") on the status fd, waits for "g" on the control socket (the
+# tier has written the uid/gid maps), then serves exec requests and reaps orphans until the control socket
+# reaches EOF (the tier closed it or died).
+_INIT_PY = r"""
+import os, sys, marshal, _signal, _socket, select, struct  # all imports before pivot_root
+c = marshal.loads(bytes.fromhex("@CONFIG@"))
+sys.path.insert(0, c["env_dir"])
+import _fs
+def say(msg):
+    os.write(c["status_fd"], (msg.replace("\n", " ") + "\n").encode())
+try:
+    os.umask(0)
+    pid = int(os.readlink("/proc/self"))  # /proc is still the host's: our host pid
+    _fs.set_dumpable(False)  # sandbox processes may not ptrace or inspect /proc/1/*
+    _fs.mount(None, "/", None, _fs.MS_REC | _fs.MS_PRIVATE)
+    os.chdir(c["cwd"])  # overlay paths are relative to the state dir: /proc/mounts inside shows no host paths
+    _fs.mount_overlay(c["root"], c["lowers"], c["upper"], c["work"], c["options"])
+    root = os.open(c["root"], os.O_PATH | os.O_DIRECTORY)
+    NOSYM = _fs.RESOLVE_NO_SYMLINKS
+    def mkdir(p, mode=0o755):  # mount point inside the root; refuses symlinks (the sandbox may plant them)
+        return _fs.makedirs_in_root(root, p, mode, NOSYM)
+    def reopen(p):  # the root of what was just mounted on p
+        return _fs.open_in_root(root, p, os.O_PATH | os.O_DIRECTORY, resolve=NOSYM)
+    for src, dst in c["binds"]:
+        s = os.open(src, os.O_PATH | os.O_DIRECTORY)
+        try:
+            d = mkdir(dst)
+        except OSError:
+            continue  # mount point replaced by a symlink or file inside the sandbox: skip
+        _fs.bind_ro(s, d)
+        os.close(s); os.close(d)
+    d = mkdir("/dev")
+    _fs.mount("tmpfs", _fs.fd_path(d), "tmpfs", _fs.MS_NOSUID | _fs.MS_NOEXEC, "mode=755,size=65536k")
+    os.close(d); d = reopen("/dev")
+    for name, maj, mi in (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
+                          ("tty", 5, 0)):
+        os.mknod(name, 0o20666, os.makedev(maj, mi), dir_fd=d)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
+        os.symlink(target, name, dir_fd=d)
+    for name, fs, flags, data in (
+            ("pts", "devpts", _fs.MS_NOSUID | _fs.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"),
+            ("shm", "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "mode=1777,size=" + c["shm"])):
+        os.mkdir(name, 0o755, dir_fd=d)
+        f = os.open(name, os.O_PATH | os.O_DIRECTORY, dir_fd=d)
+        _fs.mount(fs, _fs.fd_path(f), fs, flags, data)
+        os.close(f)
+    null = os.open("null", os.O_PATH, dir_fd=d)
+    p = mkdir("/proc", 0o555)
+    _fs.mount("proc", _fs.fd_path(p), "proc", _fs.MS_NOSUID | _fs.MS_NODEV | _fs.MS_NOEXEC)
+    os.close(p); p = reopen("/proc")
+    for name in ("sys", "sysrq-trigger", "irq", "bus", "fs"):  # read-only, like Docker
+        try:
+            f = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=p)
+        except FileNotFoundError:
+            continue
+        _fs.bind_ro(f, f); os.close(f)
+    for name in ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kmsg", "acpi", "scsi"):
+        try:
+            f = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=p)
+        except FileNotFoundError:
+            continue
+        if os.path.isdir(_fs.fd_path(f)):
+            _fs.mount("tmpfs", _fs.fd_path(f), "tmpfs", _fs.MS_RDONLY, "size=0")
+        else:
+            _fs.mount(_fs.fd_path(null), _fs.fd_path(f), None, _fs.MS_BIND)
+        os.close(f)
+    for fd in (null, d, p):
+        os.close(fd)
+    sysctl_user = os.open("/proc/sys/user", os.O_PATH | os.O_DIRECTORY)  # the host's (writable) /proc
+    os.fchdir(root)
+    _fs.pivot_root(".", ".")
+    _fs.umount2(".", _fs.MNT_DETACH)
+    os.chdir("/"); os.close(root)
+    _fs.sethostname(c["hostname"])
+    if c["netns"]:
+        _fs.link_up("lo")
+    _fs.unshare(_fs.CLONE_NEWUSER)  # the tier writes the identity uid/gid map, then says go
+    say("ok %d" % pid)
+    ctl = _socket.socket(fileno=c["ctl_fd"])  # SOCK_SEQPACKET to the tier: exec requests; EOF = exit
+    if ctl.recv(1) != b"g":
+        os._exit(1)
+    # No cgroup namespaces below ours: with one, sandbox root could mount its own cgroup dirs and lift its
+    # limits. The sysctl is per user namespace (looked up in ours now) and /proc/sys is read-only inside.
+    fd = os.open("max_cgroup_namespaces", os.O_WRONLY, dir_fd=sysctl_user)
+    os.write(fd, b"0"); os.close(fd); os.close(sysctl_user)
+    say("ready")
+except BaseException as e:
+    say("err %s: %s" % (type(e).__name__, e))
+    os._exit(1)
+os.close(c["status_fd"])
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_r, False); os.set_blocking(wake_w, False)
+_signal.signal(17, lambda *a: None)  # SIGCHLD -> a byte on wake_w
+_signal.set_wakeup_fd(wake_w)
+execs, socks = {}, {}  # exec pid -> its status socket (None once the tier hung up); socket fd -> (socket, pid)
+poller = select.poll()
+poller.register(ctl.fileno(), select.POLLIN)
+poller.register(wake_r, select.POLLIN)
+
+def kill_session(sid):  # the exec's process group and anything else still in its session
+    try:
+        os.killpg(sid, 9)
+    except OSError:
+        pass
+    for p in os.listdir("/proc"):
+        if p.isdigit() and p != "1":
+            try:
+                with open("/proc/%s/stat" % p, "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[3]) == sid:
+                        os.kill(int(p), 9)
+            except (OSError, ValueError, IndexError):
+                pass
+
+def recv_exact(s, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+def spawn(s, fds):  # request on s: u64 length + marshal {argv, env, cwd}; fds: stdin, stdout, stderr
+    req = marshal.loads(recv_exact(s, struct.unpack("Q", recv_exact(s, 8))[0]))
+    argv = req["argv"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _signal.set_wakeup_fd(-1)
+            os.setsid()
+            for i, fd in enumerate(fds):
+                os.dup2(fd, i)
+            os.closerange(3, 1 << 20)
+            os.umask(0o022)
+            os.setgroups([]); os.setresgid(0, 0, 0); os.setresuid(0, 0, 0)
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the init is -1000; commands are not
+            os.write(fd, b"0"); os.close(fd)
+            os.chdir(req["cwd"])
+            os.execvpe(argv[0], argv, req["env"])
+        except OSError as e:
+            os.write(2, ("%s: %s\n" % (argv[0], e.strerror)).encode(errors="replace"))
+            os._exit(127 if e.errno in (2, 20) else 126)  # ENOENT/ENOTDIR: not found
+        finally:
+            os._exit(127)
+    execs[pid], socks[s.fileno()] = s, (s, pid)
+    poller.register(s.fileno(), select.POLLIN)
+
+while True:
+    ready = {fd for fd, _ in poller.poll()}
+    if wake_r in ready:
+        try:
+            os.read(wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if not pid:
+                break
+            s = execs.pop(pid, None)  # anything else is an orphan we adopted
+            if s is not None:
+                poller.unregister(s.fileno())
+                del socks[s.fileno()]
+                try:
+                    s.sendall(b"x %d\n" % status)
+                except OSError:
+                    pass
+                s.close()
+    for fd in ready & socks.keys():
+        s, pid = socks[fd]
+        try:
+            data = s.recv(64)
+        except OSError:
+            data = b""
+        if data[:1] == b"k" or not data:  # timeout, or the tier gave up on this exec
+            kill_session(pid)
+        if not data:
+            poller.unregister(fd)
+            del socks[fd]
+            execs[pid] = None
+            s.close()
+    if ctl.fileno() in ready:
+        try:
+            msg, anc, _, _ = ctl.recvmsg(16, _socket.CMSG_SPACE(4 * 4))
+        except OSError:
+            break
+        if not msg:
+            break
+        fds = []
+        for level, kind, data in anc:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds += struct.unpack("%di" % (len(data) // 4), data[:len(data) // 4 * 4])
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            continue
+        s = _socket.socket(fileno=fds[3])
+        try:
+            spawn(s, fds[:3])
+        except Exception as e:
+            try:
+                s.sendall(b"e %s\n" % str(e).encode(errors="replace"))
+            except OSError:
+                pass
+            s.close()
+        finally:
+            for fd in fds[:3]:
+                os.close(fd)
+os._exit(0)
+"""
+
+
+def _check_id(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise BadRequest(f"invalid {kind} {value!r}: use 1-128 of [A-Za-z0-9_.-], not starting with '.' '_' '-'")
+    return value
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _proc_start(pid: int) -> int:
+    """Start time of a process (clock ticks since boot), 0 if it does not exist: guards against pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists() or path.is_symlink():
+        shutil.rmtree(path)  # raise the real error
+
+
+# --- cgroups ------------------------------------------------------------------------------------------------
+def _controllers() -> list[str]:
+    return [c for c in CG_REQUIRED + CG_OPTIONAL if (CGROUP_ROOT / c / "cgroup.procs").exists()]
+
+
+def _cg_procs(d: Path) -> list[int]:
+    try:
+        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _cg_freeze(d: Path, frozen: bool, timeout: float = 10.0) -> None:
+    """Write FROZEN/THAWED to the freezer dir `d` and wait until the state is reached."""
+    want = "FROZEN" if frozen else "THAWED"
+    deadline, delay = time.monotonic() + timeout, 0.0002
+    while True:
+        _write(d / "freezer.state", want)
+        if (d / "freezer.state").read_text().strip() == want:
+            return
+        if time.monotonic() > deadline:
+            raise SandboxError(f"cgroup freezer did not reach {want}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def _cg_kill_all(dirs: list[Path], timeout: float = 10.0) -> None:
+    """SIGKILL every process in the sandbox's cgroups: freeze (no forks racing the kill), kill, thaw, wait."""
+    fz = next((d for d in dirs if d.parent.parent.name == "freezer"), None)
+    if fz is None or not fz.exists():
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _cg_freeze(fz, True, timeout=2.0)
+        except (SandboxError, OSError):
+            pass
+        procs = set(_cg_procs(fz))
+        for d in dirs:
+            procs.update(_cg_procs(d))
+        for pid in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            _cg_freeze(fz, False, timeout=2.0)
+        except FileNotFoundError:
+            return
+        t_end = min(deadline, time.monotonic() + 1.0)
+        while time.monotonic() < t_end and any(_cg_procs(d) for d in dirs):
+            time.sleep(0.002)
+        if not any(_cg_procs(d) for d in dirs):
+            return
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes survive in {fz}")
+
+
+def _cg_remove(dirs: list[Path], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    for d in dirs:
+        while d.exists():
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise SandboxError(f"cannot remove cgroup {d}: {e}") from e
+                _cg_kill_all(dirs, timeout=1.0)
+                time.sleep(0.005)
+
+
+# --- runtime state of one sandbox -------------------------------------------------------------------------------
+@dataclass
+class _Sandbox:
+    sid: str
+    dir: Path
+    base: str  # base directory (lowest lower)
+    binds: list  # [[host dir, path inside]] read-only binds (the default base)
+    layers: list  # sealed layer dirs, newest first
+    limits: Limits
+    env: dict
+    cgroups: list  # cgroup dirs
+    state: State = State.RUNNING
+    proc: subprocess.Popen | None = None  # the unshare process (our child)
+    init_pid: int = 0  # host pid of the init (pid 1 inside)
+    init_start: int = 0
+    ctl: socket.socket | None = None  # SEQPACKET to the init: exec requests; closing it ends the init
+    ctl_lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    upper = property(lambda self: self.dir / "upper")
+    work = property(lambda self: self.dir / "work")
+    root = property(lambda self: self.dir / "root")
+
+    def record(self) -> dict:
+        return {"sid": self.sid, "base": self.base, "binds": self.binds, "layers": self.layers,
+                "limits": asdict(self.limits), "env": self.env, "cgroups": [str(c) for c in self.cgroups],
+                "state": self.state.value, "init_pid": self.init_pid, "init_start": self.init_start,
+                "unshare_pid": self.proc.pid if self.proc else 0}
+
+    def save(self) -> None:
+        _atomic_json(self.dir / "run.json", self.record())
+
+    def new_upper(self) -> None:
+        """An empty upper dir; its root gives the sandbox's / its mode and owner: keep the top layer's."""
+        self.upper.mkdir()
+        st = os.stat(self.layers[0] if self.layers else self.base)
+        os.chown(self.upper, st.st_uid, st.st_gid)
+        os.chmod(self.upper, stat.S_IMODE(st.st_mode))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Kill every process of the sandbox (the mounts go with the init's namespaces); keep files/cgroups."""
+        with self.ctl_lock:
+            if self.ctl is not None:
+                self.ctl.close()
+                self.ctl = None
+        _cg_kill_all(self.cgroups)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self.proc = None
+        elif self.init_pid and _proc_start(self.init_pid) == self.init_start:  # a stale init (not our child)
+            os.kill(self.init_pid, signal.SIGKILL)
+        self.init_pid = self.init_start = 0
+
+    def destroy(self) -> None:
+        """Stop, remove the cgroups and every file of the sandbox."""
+        self.stop()
+        _cg_remove(self.cgroups)
+        _rmtree(self.dir)
+        self.state = State.KILLED
+
+
+class _Table:
+    """The live sandboxes of one ProcessTier, kept apart from it so a finalizer can clean up without it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sandboxes: dict[str, _Sandbox] = {}
+
+    def close(self, keep_files: bool = False) -> None:
+        with self.lock:
+            boxes = list(self.sandboxes.values())
+            self.sandboxes.clear()
+        for sb in boxes:
+            with sb.lock:
+                try:
+                    if keep_files:
+                        sb.stop()
+                        _cg_remove(sb.cgroups)
+                    else:
+                        sb.destroy()
+                except Exception as e:  # noqa: BLE001 - best effort at shutdown
+                    print(f"k3.env.process: cleanup of {sb.sid} failed: {e}", file=sys.stderr)
+
+
+_TABLES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _at_exit() -> None:
+    for table in list(_TABLES):
+        table.close(keep_files=True)
+
+
+# --- the tier ----------------------------------------------------------------------------------------------------
+class ProcessTier(Tier):
+    """Sandboxes as namespaced process trees over an overlayfs root; see the module docstring."""
+
+    name = "process"
+
+    def __init__(self, state_dir: Path):
+        super().__init__(state_dir)
+        ok, why = self.available()
+        if not ok:
+            raise Unavailable(why)
+        self.state_dir = Path(os.path.realpath(self.state_dir))
+        for sub in ("bases", "layers", "sandboxes"):  # 0700: uppers hold root-owned files the sandbox made
+            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+            os.chmod(self.state_dir / sub, 0o700)
+        self._tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:8]
+        self._table = _Table()
+        self._gc_lock = threading.Lock()
+        self._base_lock = threading.Lock()
+        self._unshare = shutil.which("unshare")
+        _TABLES.add(self._table)
+        self._finalizer = weakref.finalize(self, self._table.close)
+        self._finalizer.atexit = False  # at exit: _at_exit (keeps files for recover)
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        if sys.platform != "linux" or os.geteuid() != 0:
+            return False, "the process tier needs Linux and root"
+        missing = [c for c in CG_REQUIRED if not (CGROUP_ROOT / c / "cgroup.procs").exists()]
+        if missing:
+            return False, f"cgroup v1 controllers not mounted under {CGROUP_ROOT}: {', '.join(missing)}"
+        if "overlay" not in Path("/proc/filesystems").read_text():
+            return False, "overlayfs is not available (modprobe overlay)"
+        if not shutil.which("unshare"):
+            return False, "unshare not found: apt-get install util-linux"
+        return True, ""
+
+    def close(self) -> None:
+        """Kill every sandbox of this tier and delete its files (also done when the tier is collected)."""
+        self._table.close()
+
+    # lifecycle -----------------------------------------------------------------------------------------------
+    def create(self, sid: str, limits: Limits, base: str | None = None, snapshot: SnapshotInfo | None = None,
+               env: dict[str, str] | None = None) -> dict:
+        """Start `sid` on a fresh upper over the snapshot's layers (shared, never copied) or over a base."""
+        _check_id("sandbox id", sid)
+        limits = limits or Limits()
+        if snapshot is not None:
+            meta = snapshot.meta or {}
+            layers, base_dir, binds = list(meta.get("layers", [])), meta.get("base"), meta.get("binds", [])
+            for p in layers + [base_dir]:
+                if not p or not Path(p).is_dir():
+                    raise NotFound(f"snapshot {snapshot.snapshot_id}: layer {p} is gone")
+        else:
+            layers = []
+            base_dir, binds = self._resolve_base(base)
+        env = _check_env(env or {})
+        sdir = self.state_dir / "sandboxes" / sid
+        with self._table.lock:
+            if sid in self._table.sandboxes:
+                raise InvalidState(f"sandbox {sid} exists")
+            cgroups = self._cgroups_of(sid)
+            sb = _Sandbox(sid, sdir, base_dir, binds, layers, limits, env, cgroups)
+            self._table.sandboxes[sid] = sb
+        with sb.lock:
+            try:
+                if sdir.exists():  # leftovers of a sandbox nobody recovered
+                    _cg_kill_all(cgroups)
+                    _rmtree(sdir)
+                for sub in ("work", "root"):
+                    (sdir / sub).mkdir(parents=True)
+                sb.new_upper()
+                self._start(sb)
+                sb.save()
+            except BaseException:
+                with self._table.lock:
+                    self._table.sandboxes.pop(sid, None)
+                try:
+                    sb.destroy()
+                except Exception:  # noqa: BLE001 - report the original error
+                    pass
+                raise
+        return {"layers": layers, "base": base_dir, "binds": binds, "dir": str(sdir), "init_pid": sb.init_pid}
+
+    def kill(self, sid: str) -> None:
+        _check_id("sandbox id", sid)
+        with self._table.lock:
+            sb = self._table.sandboxes.pop(sid, None)
+        if sb is None:  # unknown here: clean up whatever a previous process left
+            sb = self._load(sid, {}) or _Sandbox(sid, self.state_dir / "sandboxes" / sid, "", [], [], Limits(), {},
+                                                 self._cgroups_of(sid))
+        with sb.lock:
+            sb.destroy()
+        self._gc_layers()
+
+    def pause(self, sid: str) -> None:
+        sb = self._get(sid)
+        with sb.lock:
+            if sb.state is State.PAUSED:
+                return
+            _cg_freeze(self._freezer(sb), True)
+            sb.state = State.PAUSED
+            sb.save()
+
+    def resume(self, sid: str) -> None:
+        sb = self._get(sid)
+        with sb.lock:
+            if sb.state is State.RUNNING:
+                return
+            _cg_freeze(self._freezer(sb), False)
+            sb.state = State.RUNNING
+            sb.save()
+
+    def checkpoint(self, sid: str, snapshot_id: str, parent: SnapshotInfo | None) -> dict:
+        """Seal the upper as layers/<snapshot_id> and restart the sandbox over it with a fresh upper.
+        Processes of the sandbox are killed (the filesystem carries on); a paused sandbox stays paused."""
+        _check_id("snapshot id", snapshot_id)
+        sb = self._get(sid)
+        layer = self.state_dir / "layers" / snapshot_id
+        with sb.lock:
+            if layer.exists():
+                raise InvalidState(f"snapshot {snapshot_id} exists")
+            paused = sb.state is State.PAUSED
+            sb.stop()
+            try:
+                os.rename(sb.upper, layer)
+                sb.layers = [str(layer)] + sb.layers
+                _atomic_json(layer.with_name(f".{snapshot_id}.json"), {"layers": sb.layers, "base": sb.base})
+            finally:
+                if not sb.upper.exists():
+                    sb.new_upper()  # on failure too: carry on over whatever stack and upper there are
+                self._restart(sb, State.PAUSED if paused else State.RUNNING)
+            return {"layers": list(sb.layers), "base": sb.base, "binds": sb.binds}
+
+    def delete_snapshot(self, snap: SnapshotInfo) -> None:
+        """Tombstone the snapshot; its layer is deleted once no other snapshot or sandbox stacks it."""
+        _check_id("snapshot id", snap.snapshot_id)
+        layer = self.state_dir / "layers" / snap.snapshot_id
+        if layer.exists():
+            layer.with_name(f".{snap.snapshot_id}.deleted").touch()
+        self._gc_layers()
+
+    def recover(self, sid: str, meta: dict, state: State) -> None:
+        """Restart `sid`'s init over its layers and existing upper (frozen again if `state` is paused); kills
+        whatever a previous process left running in its cgroups. Processes are not recovered."""
+        _check_id("sandbox id", sid)
+        state = State(state)
+        if state is State.KILLED:
+            return self.kill(sid)
+        with self._table.lock:
+            if sid in self._table.sandboxes:
+                sb = self._table.sandboxes[sid]
+            else:
+                sb = self._load(sid, meta)
+                if sb is None:
+                    raise SandboxError(f"sandbox {sid}: nothing to recover under {self.state_dir}")
+                self._table.sandboxes[sid] = sb
+        with sb.lock:
+            try:
+                if not sb.alive():
+                    stale_unshare = _json(sb.dir / "run.json").get("unshare_pid", 0)
+                    sb.stop()
+                    _reap(stale_unshare)
+                    if not sb.upper.exists():
+                        sb.new_upper()
+                    sb.root.mkdir(exist_ok=True)
+                    self._restart(sb, state)
+                elif sb.state is not state:
+                    _cg_freeze(self._freezer(sb), state is State.PAUSED)
+                    sb.state = state
+                    sb.save()
+            except BaseException as e:
+                with self._table.lock:
+                    self._table.sandboxes.pop(sid, None)
+                try:
+                    sb.stop()
+                    _cg_remove(sb.cgroups)
+                except Exception:  # noqa: BLE001
+                    pass
+                raise e if isinstance(e, SandboxError) else SandboxError(f"recover {sid}: {e}") from e
+
+    # work ----------------------------------------------------------------------------------------------------
+    def exec(self, sid: str, cmd: str | list[str], timeout: float = 60.0, env: dict[str, str] | None = None,
+             cwd: str | None = None, stdin: bytes | None = None) -> ExecResult:
+        sb = self._get(sid)
+        if sb.state is State.PAUSED:
+            raise InvalidState(f"sandbox {sid} is paused")
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd]
+        elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+            argv = list(cmd)
+        else:
+            raise BadRequest("cmd must be a string or a non-empty list of strings")
+        if any("\0" in a for a in argv):
+            raise BadRequest("NUL byte in cmd")
+        full_env = {**self._default_env(sb), **sb.env, **_check_env(env or {})}
+        try:
+            wd = _fs.norm(cwd or "/")
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        with self._root(sb) as root:  # the init chdirs inside its own root; this only gives a clear error
+            try:
+                os.close(_fs.open_in_root(root, wd, os.O_PATH | os.O_DIRECTORY))
+            except OSError as e:
+                raise BadRequest(f"cwd {cwd!r}: {e.strerror}") from e
+        request = marshal.dumps({"argv": argv, "env": full_env, "cwd": wd})
+        if len(request) > MAX_EXEC_REQUEST:
+            raise TooLarge(f"command and environment exceed {MAX_EXEC_REQUEST} bytes")
+        t0 = time.monotonic()
+        mine, theirs = socket.socketpair()
+        pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr
+        try:
+            with sb.ctl_lock:
+                if sb.ctl is None:
+                    raise SandboxError(f"sandbox {sid} is not running")
+                socket.send_fds(sb.ctl, [b"x"], [pipes[0][0], pipes[1][1], pipes[2][1], theirs.fileno()])
+        except BaseException:
+            mine.close()
+            for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
+                os.close(fd)
+            raise
+        finally:  # the init has its own copies now
+            theirs.close()
+            for fd in (pipes[0][0], pipes[1][1], pipes[2][1]):
+                os.close(fd)
+        try:
+            mine.settimeout(30)
+            mine.sendall(struct.pack("Q", len(request)) + request)
+        except OSError:
+            pass  # the init is gone: _communicate sees EOF
+        out, err, wstatus, timed_out = _communicate(mine, pipes[0][1], pipes[1][0], pipes[2][0], stdin or b"",
+                                                    t0 + max(0.0, float(timeout)))
+        if timed_out:
+            code = TIMEOUT_EXIT
+        elif wstatus is None:  # the init died under the command (kill, checkpoint)
+            code, err = 128 + signal.SIGKILL, err + "\n[k3: the sandbox stopped during exec]"
+        else:
+            code = os.waitstatus_to_exitcode(wstatus)
+            code = 128 - code if code < 0 else code
+        return ExecResult(out, err, code, timed_out, time.monotonic() - t0)
+
+    def read_file(self, sid: str, path: str) -> bytes:
+        sb = self._get(sid)
+        with self._root(sb) as root:
+            fd = self._open(root, path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise BadRequest(f"{path}: not a regular file")
+                if st.st_size > MAX_FILE_BYTES:
+                    raise TooLarge(f"{path}: {st.st_size} bytes > {MAX_FILE_BYTES}")
+                chunks, n = [], 0
+                while chunk := os.read(fd, 1 << 20):
+                    chunks.append(chunk)
+                    n += len(chunk)
+                    if n > MAX_FILE_BYTES:
+                        raise TooLarge(f"{path}: more than {MAX_FILE_BYTES} bytes")
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
+
+    def write_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create or replace a file (parents are created, mode 0755), owned by root, with `mode`."""
+        sb = self._get(sid)
+        cap = min(MAX_FILE_BYTES, sb.limits.disk_mb * 1024 * 1024)
+        if len(data) > cap:
+            raise TooLarge(f"{len(data)} bytes > {cap}")
+        try:
+            p = _fs.norm(path)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        if p == "/":
+            raise BadRequest("cannot write to /")
+        with self._root(sb) as root:
+            parent = os.path.dirname(p)
+            try:
+                os.close(_fs.makedirs_in_root(root, parent))
+            except OSError as e:
+                raise BadRequest(f"{parent}: {e.strerror}") from e
+            fd = self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, mode & 0o7777)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device: never write to it
+                    raise BadRequest(f"{path}: not a regular file")
+                os.ftruncate(fd, 0)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchown(fd, 0, 0)
+                os.fchmod(fd, mode & 0o7777)
+            except OSError as e:
+                raise (TooLarge if e.errno in (errno.ENOSPC, errno.EDQUOT) else BadRequest)(
+                    f"{path}: {e.strerror}") from e
+            finally:
+                os.close(fd)
+
+    def list_files(self, sid: str, path: str) -> list[FileInfo]:
+        sb = self._get(sid)
+        with self._root(sb) as root:
+            fd = self._open(root, path, os.O_RDONLY | os.O_DIRECTORY)
+            base = _fs.norm(path)
+            out = []
+            try:
+                with os.scandir(fd) as it:
+                    for e in it:
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        out.append(FileInfo(e.name, os.path.join(base, e.name), stat.S_ISDIR(st.st_mode), st.st_size))
+            finally:
+                os.close(fd)
+        return sorted(out, key=lambda f: f.name)
+
+    # internals -----------------------------------------------------------------------------------------------
+    def _get(self, sid: str) -> _Sandbox:
+        _check_id("sandbox id", sid)
+        sb = self._table.sandboxes.get(sid)
+        if sb is None:
+            raise NotFound(f"sandbox {sid} not found")
+        return sb
+
+    def _cgroups_of(self, sid: str) -> list[Path]:
+        return [CGROUP_ROOT / c / CG_PARENT / f"{sid}-{self._tag}" for c in _controllers()]
+
+    @staticmethod
+    def _freezer(sb: _Sandbox) -> Path:
+        return next(d for d in sb.cgroups if d.parent.parent.name == "freezer")
+
+    def _load(self, sid: str, meta: dict) -> _Sandbox | None:
+        """A _Sandbox from sandboxes/<sid>/run.json (the tier's own, newest record), else from `meta`."""
+        sdir = self.state_dir / "sandboxes" / sid
+        if not sdir.is_dir():
+            return None
+        try:
+            rec = json.loads((sdir / "run.json").read_text())
+        except (OSError, ValueError):
+            rec = dict(meta or {})
+        if not rec.get("base"):
+            return None
+        sb = _Sandbox(sid, sdir, rec["base"], rec.get("binds", []), rec.get("layers", []),
+                      Limits(**rec.get("limits", {})), rec.get("env", {}), self._cgroups_of(sid),
+                      State(rec.get("state", "running")))
+        sb.init_pid, sb.init_start = rec.get("init_pid", 0), rec.get("init_start", 0)
+        return sb
+
+    def _setup_cgroups(self, sb: _Sandbox) -> None:
+        lim = sb.limits
+        for d in sb.cgroups:
+            d.mkdir(parents=True, exist_ok=True)
+            kind = d.parent.parent.name
+            if kind == "memory":
+                mem = str(max(16, int(lim.memory_mb)) * 1024 * 1024)
+                if (d / "memory.memsw.limit_in_bytes").exists():  # order matters: memsw >= memory always
+                    cur = int((d / "memory.limit_in_bytes").read_text())
+                    first, second = (("memory.limit_in_bytes", "memory.memsw.limit_in_bytes") if int(mem) <= cur
+                                     else ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes"))
+                    _write(d / first, mem)
+                    _write(d / second, mem)
+                else:
+                    _write(d / "memory.limit_in_bytes", mem)
+            elif kind == "pids":
+                _write(d / "pids.max", str(max(1, int(lim.pids)) + PIDS_OVERHEAD))
+            elif kind == "cpu" and (d / "cpu.cfs_quota_us").exists():
+                _write(d / "cpu.cfs_period_us", "100000")
+                _write(d / "cpu.cfs_quota_us", str(max(1000, int(lim.cpus * 100000)) if lim.cpus > 0 else -1))
+
+    def _start(self, sb: _Sandbox, timeout: float = 20.0) -> None:
+        """Start the init over sb's layer stack and wait until it is ready."""
+        self._setup_cgroups(sb)
+        _cg_freeze(self._freezer(sb), False)
+        st_r, st_w = os.pipe()
+        ctl, ctl_init = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        rel = lambda p: os.path.relpath(p, self.state_dir) if _under(p, self.state_dir) else str(p)  # noqa: E731
+        cfg = {"status_fd": st_w, "ctl_fd": ctl_init.fileno(), "env_dir": _ENV_DIR, "cwd": str(self.state_dir),
+               "root": str(sb.root), "upper": rel(sb.upper), "work": rel(sb.work),
+               "lowers": [rel(p) for p in sb.layers + [sb.base]], "options": OVERLAY_OPTIONS, "binds": sb.binds,
+               "hostname": sb.sid[:63], "netns": not sb.limits.network, "shm": f"{max(1, sb.limits.memory_mb // 2)}m"}
+        cmd = [self._unshare, "--fork", "--pid", "--mount", "--uts", "--ipc", "--cgroup",
+               *([] if sb.limits.network else ["--net"]),
+               "--kill-child", "--propagation", "private", "--",
+               os.path.realpath(sys.executable), "-I", "-S", "-"]
+        script = _INIT_PY.replace("@CONFIG@", marshal.dumps(cfg).hex()).encode()
+        log = open(sb.dir / "init.log", "ab")
+        try:
+            cg = " ".join(shlex.quote(str(d / "cgroup.procs")) for d in sb.cgroups)
+            join = (f'echo -1000 > /proc/self/oom_score_adj; for f in {cg}; do echo $$ > "$f" || exit 125; done; '
+                    'exec "$@"')  # the init is in the cgroups from the start, and spared by the OOM killer
+            sb.proc = subprocess.Popen(["/bin/sh", "-c", join, "k3-init", *cmd], stdin=subprocess.PIPE, stdout=log,
+                                       stderr=log, cwd="/", pass_fds=(st_w, ctl_init.fileno()), start_new_session=True,
+                                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
+            sb.proc.stdin.write(script)
+            sb.proc.stdin.close()
+        except BaseException:
+            for fd in (st_r, st_w):
+                os.close(fd)
+            ctl.close()
+            raise
+        finally:
+            log.close()
+            ctl_init.close()
+        os.close(st_w)
+        sb.ctl = ctl
+        try:
+            line = _read_line(st_r, timeout)
+            if not line.startswith("ok "):
+                tail = (sb.dir / "init.log").read_text(errors="replace")[-2000:] if not line else ""
+                sb.stop()
+                raise SandboxError(f"sandbox {sb.sid} failed to start: {line[4:] or 'no answer'} {tail}".strip())
+            sb.init_pid = int(line.split()[1])
+            sb.init_start = _proc_start(sb.init_pid)
+            for name in ("uid_map", "gid_map"):  # identity map: root inside is root, capabilities stay inside
+                _write(Path(f"/proc/{sb.init_pid}/{name}"), "0 0 4294967295\n")
+            ctl.send(b"g")
+            line = _read_line(st_r, timeout)
+        finally:
+            os.close(st_r)
+        if line != "ready":
+            sb.stop()
+            raise SandboxError(f"sandbox {sb.sid} failed to start: {line[4:] or 'no answer'}")
+
+    def _restart(self, sb: _Sandbox, state: State) -> None:
+        """(Re)start a stopped sandbox's init with a clean workdir; freeze it again if `state` is paused."""
+        _rmtree(sb.work)
+        sb.work.mkdir()
+        sb.state = State.RUNNING
+        self._start(sb)
+        if state is State.PAUSED:
+            _cg_freeze(self._freezer(sb), True)
+            sb.state = State.PAUSED
+        sb.save()
+
+    @contextlib.contextmanager
+    def _root(self, sb: _Sandbox):
+        """An O_PATH fd of the sandbox root as its processes see it (via /proc/<init>/root)."""
+        pid, start = sb.init_pid, sb.init_start
+        try:
+            pdir = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY) if pid else -1
+        except OSError:
+            pdir = -1
+        try:
+            if pdir < 0 or _proc_start(pid) != start or not sb.alive():
+                raise SandboxError(f"sandbox {sb.sid} is not running (its init is gone)")
+            fd = os.open("root", os.O_PATH | os.O_DIRECTORY, dir_fd=pdir)
+        finally:
+            if pdir >= 0:
+                os.close(pdir)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _open(root: int, path: str, flags: int, mode: int = 0) -> int:
+        try:
+            return _fs.open_in_root(root, path, flags, mode)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        except FileNotFoundError as e:
+            raise NotFound(f"{path}: no such file or directory") from e
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                raise BadRequest(f"{path}: read-only file system") from e
+            raise BadRequest(f"{path}: {e.strerror}") from e
+
+    def _default_env(self, sb: _Sandbox) -> dict[str, str]:
+        path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        py = next((dst for src, dst in sb.binds if src == _py_prefix()), None)
+        return {"PATH": f"/{py.strip('/')}/bin:{path}" if py else path, "HOME": "/root", "LANG": "C.UTF-8",
+                "HOSTNAME": sb.sid[:63]}
+
+    # bases and layers ------------------------------------------------------------------------------------------
+    def _resolve_base(self, base: str | None) -> tuple[str, list]:
+        """(base directory, read-only binds) for None/"default", a directory, a tarball, or a name under bases/."""
+        if base in (None, "", "default"):
+            return self._default_base()
+        p = Path(base)
+        if not p.is_absolute():
+            _check_id("base", base)
+            p = self.state_dir / "bases" / base
+        if p.is_dir():
+            d = str(p.resolve())
+            if d == "/":
+                raise BadRequest("the host root cannot be a base")
+            return d, []
+        if p.is_file():
+            return self._extract(p), []
+        raise NotFound(f"base {base} not found")
+
+    def _default_base(self) -> tuple[str, list]:
+        """A skeleton root (mount points, /bin→usr/bin-style symlinks as on the host, a minimal /etc) plus
+        read-only binds of the host's /usr (and any top-level lib/bin dirs that are not symlinks) and of the
+        running Python's prefix (at the same path, so its compiled-in paths work). Nothing else of the host."""
+        prefix = _py_prefix()
+        binds = [["/usr", "usr"]]
+        layout = []
+        for name in _BASE_TOP:
+            host = Path("/") / name
+            if host.is_symlink():
+                layout.append((name, os.readlink(host)))
+            elif host.is_dir():
+                layout.append((name, None))
+                binds.append([str(host), name])
+        if not (prefix + "/").startswith("/usr/"):
+            binds.append([prefix, prefix.lstrip("/")])
+        key = hashlib.sha1(json.dumps([1, layout, binds]).encode()).hexdigest()[:12]
+        d = self.state_dir / "bases" / f"default-{key}"
+        with self._base_lock:
+            if not d.is_dir():
+                tmp = d.with_name(f".{d.name}.{os.getpid()}")
+                _rmtree(tmp)
+                _build_default_base(tmp, layout, binds)
+                try:
+                    os.rename(tmp, d)
+                except OSError:  # another process won the race
+                    _rmtree(tmp)
+        return str(d), binds
+
+    def _extract(self, tarball: Path) -> str:
+        h = hashlib.sha256()
+        with open(tarball, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        d = self.state_dir / "bases" / h.hexdigest()
+        with self._base_lock:
+            if not d.is_dir():
+                tmp = d.with_name(f".{d.name}.{os.getpid()}")
+                _rmtree(tmp)
+                tmp.mkdir()
+
+                def keep_mode(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+                    if member.isdev():  # device nodes: none in a base (the overlay is nodev anyway)
+                        return None
+                    return tarfile.tar_filter(member, dest).replace(mode=member.mode, deep=False)  # safe paths
+
+                try:
+                    with tarfile.open(tarball) as tf:
+                        tf.extractall(tmp, numeric_owner=True, filter=keep_mode)
+                except (tarfile.TarError, OSError) as e:
+                    _rmtree(tmp)
+                    raise BadRequest(f"base tarball {tarball}: {e}") from e
+                os.chmod(tmp, 0o755)
+                os.rename(tmp, d)
+        return str(d)
+
+    def _gc_layers(self) -> None:
+        """Delete tombstoned layers that no live snapshot or sandbox stacks any more."""
+        layers = self.state_dir / "layers"
+        with self._gc_lock:
+            dead = {p.name[1:-len(".deleted")] for p in layers.glob(".*.deleted")}
+            if not dead:
+                return
+            used: set[str] = set()
+            for j in layers.glob(".*.json"):
+                if j.name[1:-len(".json")] not in dead:
+                    used.update(_json(j).get("layers", []))
+            for r in (self.state_dir / "sandboxes").glob("*/run.json"):
+                used.update(_json(r).get("layers", []))
+            for snap_id in dead:
+                if str(layers / snap_id) not in used:
+                    _rmtree(layers / snap_id)
+                    for meta in (f".{snap_id}.json", f".{snap_id}.deleted"):
+                        (layers / meta).unlink(missing_ok=True)
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+def _py_prefix() -> str:
+    return os.path.realpath(sys.base_prefix)
+
+
+def _under(path, parent) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(parent)]) == os.path.abspath(parent)
+
+
+def _json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _reap(pid: int) -> None:
+    """Reap `pid` if it is our (orphan-adopted) child; a no-op otherwise."""
+    if pid:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def _check_env(env: dict) -> dict[str, str]:
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or "=" in k or "\0" in k + v:
+            raise BadRequest(f"invalid environment variable {k!r}")
+    return dict(env)
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    """One line from a pipe, or what came before EOF/timeout."""
+    buf, deadline = b"", time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                break
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    return buf.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _communicate(sock: socket.socket, stdin_w: int, out_r: int, err_r: int, data: bytes,
+                 deadline: float) -> tuple[str, str, int | None, bool]:
+    """Feed stdin and collect capped stdout/stderr until the init reports the command's wait status on `sock`
+    (then drain what is buffered: background children that keep the pipes open do not hold us up). At the
+    deadline ask the init to kill the command's session ("k") and wait a little for the status.
+    Returns (stdout, stderr, wait status or None if the init went away, timed_out). Closes every fd."""
+    bufs, dropped, eof = {out_r: bytearray(), err_r: bytearray()}, {out_r: 0, err_r: 0}, set()
+    sel = selectors.DefaultSelector()
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    sock.setblocking(False)
+    sel.register(sock, selectors.EVENT_READ)
+    view = memoryview(data)
+    if view:
+        os.set_blocking(stdin_w, False)
+        sel.register(stdin_w, selectors.EVENT_WRITE)
+    else:
+        os.close(stdin_w)
+        stdin_w = -1
+
+    def read(fd: int) -> bool:  # False at EOF or when the pipe is empty
+        if fd in eof:
+            return False
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            eof.add(fd)
+            sel.unregister(fd)
+            return False
+        room = max(MAX_OUTPUT_BYTES - len(bufs[fd]), 0)
+        bufs[fd] += chunk[:room]
+        dropped[fd] += len(chunk) - min(room, len(chunk))
+        return True
+
+    reply, timed_out, wstatus, note = b"", False, None, ""
+    try:
+        while b"\n" not in reply:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if timed_out:
+                    break  # killed but no status (frozen meanwhile?): give up waiting
+                timed_out, deadline = True, time.monotonic() + 5.0
+                try:
+                    sock.send(b"k")
+                except OSError:
+                    pass
+                continue
+            for key, _ in sel.select(left):
+                if key.fileobj is sock:
+                    try:
+                        chunk = sock.recv(4096)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        reply += b"\n"  # EOF: the init is gone
+                    reply += chunk
+                elif key.fileobj == stdin_w:
+                    try:
+                        view = view[os.write(stdin_w, view[:1 << 16]):]
+                    except BlockingIOError:
+                        pass
+                    except BrokenPipeError:
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(stdin_w)
+                        os.close(stdin_w)
+                        stdin_w = -1
+                else:
+                    read(key.fileobj)
+        line = reply.split(b"\n", 1)[0].decode(errors="replace")
+        if line.startswith("x "):
+            wstatus = int(line[2:])
+        elif line.startswith("e "):
+            wstatus, note = 126 << 8, f"k3: cannot start the command: {line[2:]}\n"
+        for fd in (out_r, err_r):  # what the command wrote before it exited is in the pipes now
+            while read(fd):
+                pass
+    finally:
+        sel.close()
+        sock.close()  # if the command still runs, the init kills its session on this EOF
+        for fd in (out_r, err_r, stdin_w):
+            if fd >= 0:
+                os.close(fd)
+    out, err = bufs[out_r].decode(errors="replace"), note + bufs[err_r].decode(errors="replace")
+    for fd, name in ((out_r, "stdout"), (err_r, "stderr")):
+        if dropped[fd]:
+            err += f"\n[k3: {name} truncated: {dropped[fd]} bytes beyond {MAX_OUTPUT_BYTES} dropped]"
+    return out, err, wstatus, timed_out
+
+
+def _build_default_base(d: Path, layout: list, binds: list) -> None:
+    d.mkdir(parents=True)
+    os.chmod(d, 0o755)
+    for sub, mode in (("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("tmp", 0o1777), ("root", 0o700),
+                      ("home", 0o755), ("run", 0o755), ("mnt", 0o755), ("opt", 0o755), ("srv", 0o755),
+                      ("var", 0o755), ("var/tmp", 0o1777), ("var/log", 0o755), ("usr", 0o755), ("etc", 0o755)):
+        (d / sub).mkdir(exist_ok=True)
+        os.chmod(d / sub, mode)
+    for name, target in layout:
+        if target is not None:
+            os.symlink(target, d / name)
+    for _, dst in binds:
+        (d / dst).mkdir(parents=True, exist_ok=True)
+    etc = d / "etc"
+    for name in _ETC_COPY:
+        src = Path("/etc") / name
+        try:
+            if src.is_symlink():
+                os.symlink(os.readlink(src), etc / name)
+            elif src.is_dir():
+                shutil.copytree(src, etc / name, symlinks=True)
+            elif src.is_file():
+                shutil.copy2(src, etc / name)
+        except OSError:
+            pass
+    (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
+                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    (etc / "group").write_text("root:x:0:\ntty:x:5:\nnogroup:x:65534:\n")
+    (etc / "hosts").write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+    (etc / "hostname").write_text("sandbox\n")
