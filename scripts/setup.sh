@@ -16,3 +16,11 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 python -m pip install -q -e ".[test]"
+
+# The "vm" sandbox tier needs QEMU, a guest kernel and an initramfs (Debian packages; root + apt only).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if ! bash scripts/setup_vm.sh; then
+    echo "setup: scripts/setup_vm.sh failed: the VM sandbox tier is unavailable" >&2
+    [ "${CI:-}" = "true" ] && exit 1
+  fi
+fi

@@ -94,6 +94,19 @@ class SnapshotInfo:
     meta: dict = field(default_factory=dict)  # tier-specific (layer paths, memory file, …)
 
 
+def command_argv(cmd: str | list[str]) -> list[str]:
+    """A command as argv: a string runs through `/bin/sh -c`; a list is used as is. BadRequest otherwise."""
+    if isinstance(cmd, str):
+        argv = ["/bin/sh", "-c", cmd]
+    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+        argv = list(cmd)
+    else:
+        raise BadRequest("cmd must be a string or a non-empty list of strings")
+    if any("\0" in a for a in argv):
+        raise BadRequest("cmd contains a NUL byte")
+    return argv
+
+
 MAX_FILE_BYTES = 64 * 1024 * 1024  # file API upload cap (413 beyond)
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024  # exec stdout/stderr cap each (truncated beyond, flagged in stderr)
 

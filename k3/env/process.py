@@ -99,7 +99,7 @@ from pathlib import Path
 
 from . import _fs
 from .base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
-                   NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable)
+                   NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable, command_argv)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CG_PARENT = "k3sbx"
@@ -724,14 +724,7 @@ class ProcessTier(Tier):
         sb = self._get(sid)
         if sb.state is State.PAUSED:
             raise InvalidState(f"sandbox {sid} is paused")
-        if isinstance(cmd, str):
-            argv = ["/bin/sh", "-c", cmd]
-        elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
-            argv = list(cmd)
-        else:
-            raise BadRequest("cmd must be a string or a non-empty list of strings")
-        if any("\0" in a for a in argv):
-            raise BadRequest("NUL byte in cmd")
+        argv = command_argv(cmd)
         full_env = {**self._default_env(sb), **sb.env, **_check_env(env or {})}
         try:
             wd = _fs.norm(cwd or "/")
