@@ -10,19 +10,20 @@ Layout under `state_dir` (bases/, layers/ and sandboxes/ are mode 0700):
     sandboxes/<sid>/            upper/, work/, root/ (mount point), run.json (what `recover` needs), init.log
 
 Sandbox = a long-lived *init*: a small Python program (`_INIT_PY`, run by the host's interpreter) started by
-`unshare --fork --pid --mount --uts --ipc --cgroup [--net] --kill-child` after joining the sandbox's
-cgroups. As host root, in its private mount namespace, it mounts the root: overlayfs (nodev) with the sealed
-layers newest first over the base, and the sandbox's own upper/work; then read-only binds (default base
-only), a fresh /proc (/proc/sys, /proc/irq, /proc/bus, /proc/fs, /proc/sysrq-trigger read-only; kcore, keys,
-timer_list… masked), a tmpfs /dev with null/zero/full/random/urandom/tty, a devpts instance and /dev/shm
-(no /sys). It pivot_roots into it, sets the hostname (the sid), brings `lo` up and finally moves itself into
-a new user namespace with the identity uid/gid map (written by the tier), where it forbids further cgroup
-namespaces (otherwise sandbox root could mount its own cgroup dirs and lift its limits). So sandbox
-processes are root with files owned by root, but their capabilities only count in that user namespace: no
-mknod, no mounts over the ones set up, no host sysctls, no ptrace or /proc/1/* of the init (non-dumpable,
-pid 1). All mounts live only in the init's mount namespace: none appears in the host's, and they vanish
-with the init's pid namespace (the init's death kills every sandbox process). Not a VM: no seccomp or LSM
-profile, the host kernel is shared.
+`unshare --fork --pid --mount --uts --ipc [--net] --kill-child`, spawned ahead (a small pool of warm inits waits,
+modules imported, for a sandbox); the tier moves both processes into the sandbox's cgroups, then hands the init
+its config, and the init enters a new cgroup namespace rooted there. As host root, in its private mount
+namespace, it mounts the root: overlayfs (nodev) with the sealed layers newest first over the base, and the
+sandbox's own upper/work; then read-only binds (default base only), a fresh /proc (/proc/sys, /proc/irq,
+/proc/bus, /proc/fs, /proc/sysrq-trigger read-only; kcore, keys, timer_list… masked), a tmpfs /dev with
+null/zero/full/random/urandom/tty, a devpts instance and /dev/shm (no /sys). It pivot_roots into it, sets the
+hostname (the sid), brings `lo` up and finally moves itself into a new user namespace with the identity uid/gid
+map (written by the tier), where it forbids further cgroup namespaces (otherwise sandbox root could mount its own
+cgroup dirs and lift its limits). So sandbox processes are root with files owned by root, but their capabilities
+only count in that user namespace: no mknod, no mounts over the ones set up, no host sysctls, no ptrace or
+/proc/1/* of the init (non-dumpable, pid 1). All mounts live only in the init's mount namespace: none appears in
+the host's, and they vanish with the init's pid namespace (the init's death kills every sandbox process). Not a
+VM: no seccomp or LSM profile, the host kernel is shared.
 
 Default base: a skeleton root (mount points; /bin, /lib… symlinks or binds as on the host; a minimal /etc:
 passwd/group with root and nobody, hosts, ld.so and ssl config, alternatives) plus read-only, nodev binds
@@ -48,7 +49,8 @@ resolved by openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) from that root: `..
 files are root-owned with the given mode; parents are created.
 
 Limits: cgroup v1 dirs `<controller>/k3sbx/<sid>-<state-dir tag>` for freezer, memory (memory.limit and
-memsw: no swap), pids, cpu (CFS quota) and cpuacct; the init and every exec are in them. pids.max is
+memsw: no swap), pids, cpu (CFS quota) and cpuacct; the init and every exec are in them (what a warm init
+allocated before it joined, a few MB, stays charged where it was spawned: v1 does not move charges). pids.max is
 limits.pids + PIDS_OVERHEAD (the unshare and the init count too). disk_mb only caps one file upload: there
 is no quota on the upper dir. Network: limits.network False gives a net namespace with only `lo`; True
 skips the net namespace, so the sandbox shares the host's network, host loopback and abstract unix sockets
@@ -67,8 +69,9 @@ Lifetime: the tier holds the control socket of each init. If the tier's process 
 EOF and exit; paused ones stay frozen until `recover` or `kill` (which thaw and kill them). `close()`, also
 run when the ProcessTier is garbage collected, kills every sandbox and deletes its files. At interpreter
 exit the sandboxes' processes and cgroups are removed but their files kept, so a restarted manager can
-`recover` them (paused or running; processes restart) and should `kill` the rest. One ProcessTier per
-state_dir at a time.
+`recover` them (paused or running; processes restart) and should `kill` the rest. Warm inits of the pool go
+with close(), collection and interpreter exit, and exit on their own when the tier's process dies (EOF on
+their control socket). One ProcessTier per state_dir at a time.
 """
 
 from __future__ import annotations
@@ -82,7 +85,6 @@ import marshal
 import os
 import re
 import selectors
-import shlex
 import shutil
 import signal
 import socket
@@ -116,20 +118,33 @@ _ETC_COPY = ("nsswitch.conf", "resolv.conf", "ld.so.cache", "ld.so.conf", "ld.so
              "os-release", "debian_version", "profile", "bash.bashrc", "shells", "localtime", "timezone",
              "mime.types", "protocols", "services", "inputrc", "ca-certificates.conf", "environment")
 
-# The sandbox init, fed to `python -I -S -` on stdin (so `ps` in the sandbox shows no config). Sets up the
-# root, says "ok <host pid>" (or "err <message>") on the status fd, waits for "g" on the control socket (the
-# tier has written the uid/gid maps), then serves exec requests and reaps orphans until the control socket
-# reaches EOF (the tier closed it or died).
+# The sandbox init, fed to `python -I -S -` on stdin (no config in it: it is spawned ahead, see _Pool). Imports
+# everything, says "p <host pid>" on the status fd and waits, warm, for its config on the control socket (sent
+# once the tier has moved it and its unshare parent into the sandbox's cgroups; EOF: exit). Then it enters a
+# cgroup namespace rooted there, sets up the root, says "ok" (or "err <message>"), waits for "g" (the tier has
+# written the uid/gid maps), then serves exec requests and reaps orphans until the control socket reaches EOF
+# (the tier closed it or died).
 _INIT_PY = r"""
 import os, sys, marshal, _signal, _socket, select, struct  # all imports before pivot_root
-c = marshal.loads(bytes.fromhex("@CONFIG@"))
-sys.path.insert(0, c["env_dir"])
+sys.path.insert(0, @ENV_DIR@)
 import _fs
+status_fd, ctl = @STATUS_FD@, _socket.socket(fileno=@CTL_FD@)  # ctl: SOCK_SEQPACKET to the tier
 def say(msg):
-    os.write(c["status_fd"], (msg.replace("\n", " ") + "\n").encode())
+    os.write(status_fd, (msg.replace("\n", " ") + "\n").encode())
+pid = int(os.readlink("/proc/self"))  # /proc is still the host's: our host pid
+say("p %d" % pid)
 try:
+    msg, anc, _, _ = ctl.recvmsg(1 << 20, _socket.CMSG_SPACE(4))  # config + the fd of init.log
+except OSError:
+    os._exit(1)
+if not msg or len(anc) != 1 or anc[0][:2] != (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
+    os._exit(0)  # EOF: the tier closed the pool or died
+try:
+    log = struct.unpack("i", anc[0][2][:4])[0]
+    os.dup2(log, 1); os.dup2(log, 2); os.close(log)
+    c = marshal.loads(msg)
+    _fs.unshare(_fs.CLONE_NEWCGROUP)  # rooted at the sandbox's cgroups, which we are in by now
     os.umask(0)
-    pid = int(os.readlink("/proc/self"))  # /proc is still the host's: our host pid
     _fs.set_dumpable(False)  # sandbox processes may not ptrace or inspect /proc/1/*
     _fs.mount(None, "/", None, _fs.MS_REC | _fs.MS_PRIVATE)
     os.chdir(c["cwd"])  # overlay paths are relative to the state dir: /proc/mounts inside shows no host paths
@@ -195,9 +210,8 @@ try:
     if c["netns"]:
         _fs.link_up("lo")
     _fs.unshare(_fs.CLONE_NEWUSER)  # the tier writes the identity uid/gid map, then says go
-    say("ok %d" % pid)
-    ctl = _socket.socket(fileno=c["ctl_fd"])  # SOCK_SEQPACKET to the tier: exec requests; EOF = exit
-    if ctl.recv(1) != b"g":
+    say("ok")
+    if ctl.recv(1) != b"g":  # from now on: exec requests; EOF = exit
         os._exit(1)
     # No cgroup namespaces below ours: with one, sandbox root could mount its own cgroup dirs and lift its
     # limits. The sysctl is per user namespace (looked up in ours now) and /proc/sys is read-only inside.
@@ -207,7 +221,7 @@ try:
 except BaseException as e:
     say("err %s: %s" % (type(e).__name__, e))
     os._exit(1)
-os.close(c["status_fd"])
+os.close(status_fd)
 wake_r, wake_w = os.pipe()
 os.set_blocking(wake_r, False); os.set_blocking(wake_w, False)
 _signal.signal(17, lambda *a: None)  # SIGCHLD -> a byte on wake_w
@@ -415,7 +429,7 @@ def _cg_kill_all(dirs: list[Path], timeout: float = 10.0) -> None:
             return
         t_end = min(deadline, time.monotonic() + 1.0)
         while time.monotonic() < t_end and any(_cg_procs(d) for d in dirs):
-            time.sleep(0.002)
+            time.sleep(0.0005)
         if not any(_cg_procs(d) for d in dirs):
             return
         if time.monotonic() > deadline:
@@ -505,14 +519,143 @@ class _Sandbox:
         self.state = State.KILLED
 
 
-class _Table:
-    """The live sandboxes of one ProcessTier, kept apart from it so a finalizer can clean up without it."""
+class _Warm:
+    """A spawned, not yet configured init: `unshare --fork` (pid, mount, uts, ipc and, if netns, net namespaces;
+    the cgroup namespace comes later, see _INIT_PY) running `python -I -S -` with every module imported, waiting
+    for its config on `ctl`. Its env is only PATH and LANG, its argv has no config, its cwd is /."""
 
-    def __init__(self):
+    def __init__(self, proc: subprocess.Popen | None, st_r: int, ctl: socket.socket):
+        self.proc, self.st_r, self.ctl, self.init_pid, self.init_start = proc, st_r, ctl, 0, 0
+
+    def alive(self) -> bool:
+        """Both processes still there (the init's pid not reused: it could be freed once the unshare reaps it)."""
+        return self.proc.poll() is None and _proc_start(self.init_pid) == self.init_start
+
+    @classmethod
+    def spawn(cls, unshare: str, netns: bool, timeout: float) -> _Warm:
+        st_r, st_w = os.pipe()
+        ctl, ctl_init = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = [unshare, "--fork", "--pid", "--mount", "--uts", "--ipc", *(["--net"] if netns else []),
+               "--kill-child", "--propagation", "private", "--", os.path.realpath(sys.executable), "-I", "-S", "-"]
+        script = (_INIT_PY.replace("@ENV_DIR@", repr(_ENV_DIR)).replace("@STATUS_FD@", str(st_w))
+                  .replace("@CTL_FD@", str(ctl_init.fileno())).encode())
+        w = cls(None, st_r, ctl)
+        try:
+            w.proc = subprocess.Popen(  # spared by the OOM killer (-1000, inherited by the init)
+                ["/bin/sh", "-c", 'echo -1000 > /proc/self/oom_score_adj; exec "$@"', "k3-init", *cmd],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/",
+                pass_fds=(st_w, ctl_init.fileno()), start_new_session=True,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
+            w.proc.stdin.write(script)
+            w.proc.stdin.close()
+        except BaseException:
+            w.kill()
+            raise
+        finally:
+            os.close(st_w)
+            ctl_init.close()
+        line = _read_line(st_r, timeout)
+        if not line.startswith("p "):
+            proc = w.proc
+            w.kill()
+            err = proc.stderr.read(2000).decode(errors="replace")  # (the init's stderr is init.log once configured)
+            raise SandboxError(f"sandbox init failed to start: {line or 'no answer'} {err}".strip())
+        w.init_pid = int(line[2:])
+        w.init_start = _proc_start(w.init_pid)
+        return w
+
+    def kill(self) -> None:
+        """Close our ends and kill the processes (--kill-child: the init dies with the unshare), if still ours."""
+        if self.st_r >= 0:
+            os.close(self.st_r)
+            self.st_r = -1
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class _Pool:
+    """A few warm inits per network flavour, so a start skips process and Python start-up. A background thread
+    refills the flavours asked for while no start is in flight (it would compete with them for the CPU). Closed
+    by the _Table (close, GC, interpreter exit); a pool init whose tier process died sees EOF on ctl and exits."""
+
+    SIZE = 4
+
+    def __init__(self, unshare: str):
+        self.unshare = unshare
+        self.cond = threading.Condition()
+        self.idle: dict[bool, list[_Warm]] = {}  # netns -> warm inits
+        self.closed = False
+        self.busy = 0  # starts in flight: between take() and done()
+        self.thread: threading.Thread | None = None
+
+    def take(self, netns: bool) -> _Warm | None:
+        """A warm init (None if there is none); the caller must call done() once its start is over."""
+        with self.cond:
+            self.busy += 1
+            if self.closed:
+                return None
+            idle = self.idle.setdefault(netns, [])
+            while idle:
+                w = idle.pop()
+                if w.alive():
+                    return w
+                w.kill()
+        return None
+
+    def done(self) -> None:
+        """A start is over: wake (or start) the filler."""
+        with self.cond:
+            self.busy -= 1
+            if self.thread is None and not self.closed:
+                self.thread = threading.Thread(target=self._fill, name="k3-init-pool", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def _fill(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and (self.busy or all(len(v) >= self.SIZE for v in self.idle.values())):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                netns = next(k for k, v in self.idle.items() if len(v) < self.SIZE)
+            try:
+                w = _Warm.spawn(self.unshare, netns, 20.0)
+            except Exception:  # noqa: BLE001 - starts will spawn (and report) on their own
+                time.sleep(1.0)
+                continue
+            with self.cond:
+                if not self.closed:
+                    self.idle[netns].append(w)
+                    continue
+            w.kill()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            idle = [w for v in self.idle.values() for w in v]
+            self.idle.clear()
+            self.cond.notify_all()
+        for w in idle:
+            w.kill()
+
+
+class _Table:
+    """The live sandboxes (and the pool of warm inits) of one ProcessTier, kept apart from it so a finalizer
+    can clean up without it."""
+
+    def __init__(self, unshare: str):
         self.lock = threading.Lock()
         self.sandboxes: dict[str, _Sandbox] = {}
+        self.pool = _Pool(unshare)
 
     def close(self, keep_files: bool = False) -> None:
+        self.pool.close()
         with self.lock:
             boxes = list(self.sandboxes.values())
             self.sandboxes.clear()
@@ -553,10 +696,10 @@ class ProcessTier(Tier):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
             os.chmod(self.state_dir / sub, 0o700)
         self._tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:8]
-        self._table = _Table()
+        self._unshare = shutil.which("unshare")
+        self._table = _Table(self._unshare)
         self._gc_lock = threading.Lock()
         self._base_lock = threading.Lock()
-        self._unshare = shutil.which("unshare")
         _TABLES.add(self._table)
         self._finalizer = weakref.finalize(self, self._table.close)
         self._finalizer.atexit = False  # at exit: _at_exit (keeps files for recover)
@@ -668,7 +811,7 @@ class ProcessTier(Tier):
             finally:
                 if not sb.upper.exists():
                     sb.new_upper()  # on failure too: carry on over whatever stack and upper there are
-                self._restart(sb, State.PAUSED if paused else State.RUNNING)
+                self._restart(sb, State.PAUSED if paused else State.RUNNING, setup_cgroups=False)
             return {"layers": list(sb.layers), "base": sb.base, "binds": sb.binds}
 
     def delete_snapshot(self, snap: SnapshotInfo) -> None:
@@ -896,66 +1039,54 @@ class ProcessTier(Tier):
                 _write(d / "cpu.cfs_period_us", "100000")
                 _write(d / "cpu.cfs_quota_us", str(max(1000, int(lim.cpus * 100000)) if lim.cpus > 0 else -1))
 
-    def _start(self, sb: _Sandbox, timeout: float = 20.0) -> None:
-        """Start the init over sb's layer stack and wait until it is ready."""
-        self._setup_cgroups(sb)
+    def _start(self, sb: _Sandbox, timeout: float = 20.0, setup_cgroups: bool = True) -> None:
+        """Start an init over sb's layer stack (a warm one from the pool if there is one) and wait until it is
+        ready."""
+        if setup_cgroups:
+            self._setup_cgroups(sb)
         _cg_freeze(self._freezer(sb), False)
-        st_r, st_w = os.pipe()
-        ctl, ctl_init = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         rel = lambda p: os.path.relpath(p, self.state_dir) if _under(p, self.state_dir) else str(p)  # noqa: E731
-        cfg = {"status_fd": st_w, "ctl_fd": ctl_init.fileno(), "env_dir": _ENV_DIR, "cwd": str(self.state_dir),
-               "root": str(sb.root), "upper": rel(sb.upper), "work": rel(sb.work),
+        cfg = {"cwd": str(self.state_dir), "root": str(sb.root), "upper": rel(sb.upper), "work": rel(sb.work),
                "lowers": [rel(p) for p in sb.layers + [sb.base]], "options": OVERLAY_OPTIONS, "binds": sb.binds,
                "hostname": sb.sid[:63], "netns": not sb.limits.network, "shm": f"{max(1, sb.limits.memory_mb // 2)}m"}
-        cmd = [self._unshare, "--fork", "--pid", "--mount", "--uts", "--ipc", "--cgroup",
-               *([] if sb.limits.network else ["--net"]),
-               "--kill-child", "--propagation", "private", "--",
-               os.path.realpath(sys.executable), "-I", "-S", "-"]
-        script = _INIT_PY.replace("@CONFIG@", marshal.dumps(cfg).hex()).encode()
-        log = open(sb.dir / "init.log", "ab")
+        pool = self._table.pool
+        w = pool.take(cfg["netns"])
         try:
-            cg = " ".join(shlex.quote(str(d / "cgroup.procs")) for d in sb.cgroups)
-            join = (f'echo -1000 > /proc/self/oom_score_adj; for f in {cg}; do echo $$ > "$f" || exit 125; done; '
-                    'exec "$@"')  # the init is in the cgroups from the start, and spared by the OOM killer
-            sb.proc = subprocess.Popen(["/bin/sh", "-c", join, "k3-init", *cmd], stdin=subprocess.PIPE, stdout=log,
-                                       stderr=log, cwd="/", pass_fds=(st_w, ctl_init.fileno()), start_new_session=True,
-                                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
-            sb.proc.stdin.write(script)
-            sb.proc.stdin.close()
-        except BaseException:
-            for fd in (st_r, st_w):
-                os.close(fd)
-            ctl.close()
-            raise
+            w = w or _Warm.spawn(self._unshare, cfg["netns"], timeout)
+            # Into the sandbox's cgroups before it gets its config: the unshare (blocked in wait) and the
+            # init (blocked on ctl): neither forks before that, so nothing of the sandbox runs outside them.
+            try:
+                for d in sb.cgroups:
+                    for pid in (w.proc.pid, w.init_pid):
+                        _write(d / "cgroup.procs", str(pid))
+            except OSError as e:
+                raise SandboxError(f"sandbox {sb.sid} failed to start: cannot join {d}: {e.strerror}") from e
+            with open(sb.dir / "init.log", "ab") as log:
+                socket.send_fds(w.ctl, [marshal.dumps(cfg)], [log.fileno()])
+            line = _read_line(w.st_r, timeout)
+            if line == "ok":
+                sb.proc, sb.ctl, sb.init_pid, sb.init_start = w.proc, w.ctl, w.init_pid, w.init_start
+                w.proc = w.ctl = None
+                for name in ("uid_map", "gid_map"):  # identity map: root inside is root, capabilities stay inside
+                    _write(Path(f"/proc/{sb.init_pid}/{name}"), "0 0 4294967295\n")
+                sb.ctl.send(b"g")
+                line = _read_line(w.st_r, timeout)
         finally:
-            log.close()
-            ctl_init.close()
-        os.close(st_w)
-        sb.ctl = ctl
-        try:
-            line = _read_line(st_r, timeout)
-            if not line.startswith("ok "):
-                tail = (sb.dir / "init.log").read_text(errors="replace")[-2000:] if not line else ""
-                sb.stop()
-                raise SandboxError(f"sandbox {sb.sid} failed to start: {line[4:] or 'no answer'} {tail}".strip())
-            sb.init_pid = int(line.split()[1])
-            sb.init_start = _proc_start(sb.init_pid)
-            for name in ("uid_map", "gid_map"):  # identity map: root inside is root, capabilities stay inside
-                _write(Path(f"/proc/{sb.init_pid}/{name}"), "0 0 4294967295\n")
-            ctl.send(b"g")
-            line = _read_line(st_r, timeout)
-        finally:
-            os.close(st_r)
+            if w is not None:
+                w.kill()  # what is left of it: the status pipe (and all of it if it did not become sb's)
+            pool.done()
         if line != "ready":
+            tail = (sb.dir / "init.log").read_text(errors="replace")[-2000:] if not line else ""
             sb.stop()
-            raise SandboxError(f"sandbox {sb.sid} failed to start: {line[4:] or 'no answer'}")
+            raise SandboxError(f"sandbox {sb.sid} failed to start: {line[4:] or 'no answer'} {tail}".strip())
 
-    def _restart(self, sb: _Sandbox, state: State) -> None:
-        """(Re)start a stopped sandbox's init with a clean workdir; freeze it again if `state` is paused."""
+    def _restart(self, sb: _Sandbox, state: State, setup_cgroups: bool = True) -> None:
+        """(Re)start a stopped sandbox's init with a clean workdir; freeze it again if `state` is paused.
+        setup_cgroups=False: its cgroups are there, with its limits (a checkpoint)."""
         _rmtree(sb.work)
         sb.work.mkdir()
         sb.state = State.RUNNING
-        self._start(sb)
+        self._start(sb, setup_cgroups=setup_cgroups)
         if state is State.PAUSED:
             _cg_freeze(self._freezer(sb), True)
             sb.state = State.PAUSED
