@@ -71,7 +71,7 @@ def run(tier: str, reps: int, sizes_mb: list[int], density: int, state_dir: Path
             child = m.restore(snap)["sandbox_id"]
             rec("restore", 1000 * (time.perf_counter() - t))
             m.kill(child)
-        for _ in range(max(1, reps // 3)):
+        for _ in range(max(3, reps // 3)):
             t = time.perf_counter()
             kids = m.fork(sid, 16)["sandboxes"]
             rec("fork_x16", 1000 * (time.perf_counter() - t))
