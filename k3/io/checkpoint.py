@@ -31,6 +31,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<w>w[123])$")
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<kind>weight|weight_packed|weight_scale)$")
+# Tensors the release stores in fp32 whatever the model dtype (checkpoint.md §2.8).
 FP32_SUFFIXES = ("A_log", "dt_bias", "o_norm.weight", "conv1d.weight", "e_score_correction_bias")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -55,8 +56,20 @@ def _storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 # ---- name/shape table --------------------------------------------------------------------------
-def _expand(name: str, shape: tuple[int, ...], dtype: torch.dtype, mxfp4: bool) -> Iterator[tuple[str, tuple, torch.dtype, int | None, str]]:
-    """Model state-dict entry → checkpoint entries (key, shape, dtype, expert index, kind)."""
+def _expert_entries(base: str, e: int, out: int, inp: int, dtype: torch.dtype, mxfp4: bool):
+    """The checkpoint tensors of one routed expert matrix `{base}` = `...experts.{e}.w{1,2,3}`."""
+    if mxfp4:
+        yield f"{base}.weight_packed", (out, inp // 2), torch.uint8, e, "weight_packed"
+        yield f"{base}.weight_scale", (out, inp // 32), torch.uint8, e, "weight_scale"
+    else:
+        yield f"{base}.weight", (out, inp), dtype, e, "weight"
+
+
+def _expand(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            mxfp4: bool) -> Iterator[tuple[str, tuple, torch.dtype, int | None, str]]:
+    """Model state-dict entry → checkpoint entries (key, shape, dtype, expert index, kind).
+
+    `mxfp4` is a bool, or a predicate on the expert's key base (loading decides per tensor)."""
     m = _EXPERTS.match(name)
     if not m:
         yield name, tuple(shape), dtype, None, "weight"
@@ -64,11 +77,7 @@ def _expand(name: str, shape: tuple[int, ...], dtype: torch.dtype, mxfp4: bool) 
     E, out, inp = shape
     for e in range(E):
         base = f"{m['prefix']}.{e}.{m['w']}"
-        if mxfp4:
-            yield f"{base}.weight_packed", (out, inp // 2), torch.uint8, e, "weight_packed"
-            yield f"{base}.weight_scale", (out, inp // 32), torch.uint8, e, "weight_scale"
-        else:
-            yield f"{base}.weight", (out, inp), dtype, e, "weight"
+        yield from _expert_entries(base, e, out, inp, dtype, mxfp4(base) if callable(mxfp4) else mxfp4)
 
 
 def _meta_model(config: K3Config):
@@ -129,31 +138,27 @@ def save_pretrained(model, directory: str | os.PathLike, max_shard_size: int | s
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        shards: list[dict[str, torch.Tensor]] = [{}]
+        files: list[tuple[Path, list[str]]] = []  # (temporary shard path, its keys)
+        current: dict[str, torch.Tensor] = {}
         size = 0
-        files: list[Path] = []
 
-        def flush(last: bool = False):
-            nonlocal size
-            if shards[-1]:
-                path = tmp / f"shard-{len(files):05d}.safetensors"
-                save_file(shards[-1], str(path), metadata={"format": "pt"})
-                files.append(path)
-                keys.append(list(shards[-1]))
-            shards[-1] = {}
-            size = 0
+        def flush():
+            path = tmp / f"shard-{len(files):05d}.safetensors"
+            save_file(current, str(path), metadata={"format": "pt"})
+            files.append((path, list(current)))
 
-        keys: list[list[str]] = []
         for key, t in _iter_checkpoint(model, mdtype, mx):
             nbytes = t.numel() * t.element_size()
-            if size and size + nbytes > limit:
+            if current and size + nbytes > limit:
                 flush()
-            shards[-1][key] = t
+                current, size = {}, 0
+            current[key] = t
             size += nbytes
-        flush()
+        if current:
+            flush()
         n = len(files)
         weight_map, total = {}, 0
-        for i, (path, ks) in enumerate(zip(files, keys), start=1):
+        for i, (path, ks) in enumerate(files, start=1):
             name = f"model-{i:05d}-of-{n:05d}.safetensors"
             path.rename(tmp / name)
             for k in ks:
@@ -248,19 +253,10 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | str | Non
     # map every checkpoint key to (model name, expert index, kind) and validate shapes up front
     expected = {}
     meta = _meta_model(config).state_dict()
+    packed = lambda base: f"{base}.weight_packed" in header or f"{base}.weight_scale" in header  # noqa: E731
     for name, t in meta.items():
-        m = _EXPERTS.match(name)
-        if m:
-            E, out, inp = t.shape
-            for e in range(E):
-                base = f"{m['prefix']}.{e}.{m['w']}"
-                if f"{base}.weight_packed" in header or f"{base}.weight_scale" in header:
-                    expected[f"{base}.weight_packed"] = (name, e, (out, inp // 2), ("U8",))
-                    expected[f"{base}.weight_scale"] = (name, e, (out, inp // 32), ("U8",))
-                else:
-                    expected[f"{base}.weight"] = (name, e, (out, inp), ("BF16", "F16", "F32"))
-        else:
-            expected[name] = (name, None, tuple(t.shape), ("BF16", "F16", "F32"))
+        for key, shape, dt, e, _ in _expand(name, tuple(t.shape), mdtype, packed):
+            expected[key] = (name, e, shape, ("U8",) if dt == torch.uint8 else ("BF16", "F16", "F32"))
     missing = sorted(set(expected) - set(header))
     if missing:
         raise CheckpointError(f"checkpoint in {directory} lacks tensor {missing[0]} ({len(missing)} missing)")

@@ -52,8 +52,8 @@ class KimiDecoderLayer(nn.Module):
     def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None, block_size: int,
                          attention_mask=None, cache=None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
-        h = _mix(blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj) \
-            if partial is not None and len(blocks) > 0 else (blocks[0] if partial is None else partial)
+        h = blocks[0] if partial is None else _mix(blocks + [partial], self.self_attention_res_norm,
+                                                   self.self_attention_res_proj)
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None

@@ -12,14 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config, K3TextConfig
+from ..io.checkpoint import FP32_SUFFIXES
 from .cache import K3Cache
 from .decoder import KimiLinearModel
 from .kda import KimiDeltaAttention
 from .layers import RMSNorm
 from .moe import MoEGate, StackedExperts
 
-# Parameters the release keeps in fp32 whatever the model dtype (checkpoint.md §2.8).
-FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "o_norm.weight", "conv1d.weight", "e_score_correction_bias")
 
 
 @dataclass
@@ -141,7 +140,7 @@ class K3ForConditionalGeneration(nn.Module):
         """Cast to `dtype` but keep the release's fp32 parameters (A_log, dt_bias, o_norm, convs, router bias)."""
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
             if t.is_floating_point():
-                t.data = t.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+                t.data = t.data.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
         return self
 
     def gradient_checkpointing_enable(self, enable: bool = True) -> None:

@@ -26,7 +26,6 @@ class KimiDeltaAttention(nn.Module):
         D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
         self.lower_bound = la.gate_lower_bound
-        self.eps = cfg.rms_norm_eps
         self.backend = "auto"
         W = la.short_conv_kernel_size
         self.q_proj = nn.Linear(D, H * K, bias=False)
