@@ -46,25 +46,26 @@ class KimiDecoderLayer(nn.Module):
         h = self.post_attention_layernorm(h)
         return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
 
-    def attn(self, h: torch.Tensor, attention_mask, cache) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(h), attention_mask, cache)
+    def attn(self, h: torch.Tensor, attention_mask, cache, cu_seqlens=None) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h), attention_mask, cache, cu_seqlens)
 
     def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None, block_size: int,
-                         attention_mask=None, cache=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+                         attention_mask=None, cache=None, cu_seqlens=None
+                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
         h = blocks[0] if partial is None else _mix(blocks + [partial], self.self_attention_res_norm,
                                                    self.self_attention_res_proj)
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None
-        a = self.attn(h, attention_mask, cache)
+        a = self.attn(h, attention_mask, cache, cu_seqlens)
         partial = a if partial is None else partial + a
         h = _mix(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj)
         return blocks, partial + self.ffn(h)
 
-    def forward(self, x: torch.Tensor, attention_mask=None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
         """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off)."""
-        x = x + self.attn(x, attention_mask, cache)
+        x = x + self.attn(x, attention_mask, cache, cu_seqlens)
         return x + self.ffn(x)
 
 
@@ -89,9 +90,10 @@ class MTPLayer(KimiDecoderLayer):
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward_mtp(self, next_embeds: torch.Tensor, hidden: torch.Tensor, attention_mask=None, cache=None):
+    def forward_mtp(self, next_embeds: torch.Tensor, hidden: torch.Tensor, attention_mask=None, cache=None,
+                    cu_seqlens=None):
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self.shared_head.norm(KimiDecoderLayer.forward(self, x, attention_mask, cache))
+        return self.shared_head.norm(KimiDecoderLayer.forward(self, x, attention_mask, cache, cu_seqlens))
 
 
 class KimiLinearModel(nn.Module):
@@ -119,8 +121,11 @@ class KimiLinearModel(nn.Module):
         return list(self.layers[self.config.num_hidden_layers:])
 
     def forward(self, inputs_embeds: torch.Tensor, attention_mask=None, cache=None,
-                output_block_states: bool = False):
-        """inputs_embeds [B, T, D] → (pre-norm hidden [B, T, D], final normed hidden, per-layer block info)."""
+                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None):
+        """inputs_embeds [B, T, D] → (pre-norm hidden [B, T, D], final normed hidden, per-layer block info).
+
+        `cu_seqlens` (int32 [N+1] over the flattened B·T tokens) packs several documents per row: KDA state,
+        short convs and MLA attention then never cross a document boundary."""
         bs = self.config.attn_res_block_size
         blocks, partial = [inputs_embeds], None
         taps = []
@@ -128,9 +133,10 @@ class KimiLinearModel(nn.Module):
             lc = None if cache is None else cache.layer(layer.layer_idx)
             if self.gradient_checkpointing and self.training:
                 blocks, partial = torch.utils.checkpoint.checkpoint(
-                    layer.forward_attn_res, blocks, partial, bs, attention_mask, lc, use_reentrant=False)
+                    layer.forward_attn_res, blocks, partial, bs, attention_mask, lc, cu_seqlens,
+                    use_reentrant=False)
             else:
-                blocks, partial = layer.forward_attn_res(blocks, partial, bs, attention_mask, lc)
+                blocks, partial = layer.forward_attn_res(blocks, partial, bs, attention_mask, lc, cu_seqlens)
             if output_block_states:
                 taps.append(partial)
         h = _mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import K3Config, K3TextConfig
 from ..io.checkpoint import FP32_SUFFIXES
+from ..ops.varlen import check_cu_seqlens, doc_ids
 from .cache import K3Cache
 from .decoder import KimiLinearModel
 from .kda import KimiDeltaAttention
@@ -32,10 +33,15 @@ class K3Output:
     block_states: list | None = None  # per layer, the running block partial sum (EAGLE-3 taps)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int = 1, ignore_index: int = -100) -> torch.Tensor:
-    """Cross-entropy of logits[t] against labels[t + shift] (fp32), ignoring `ignore_index`."""
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int = 1, ignore_index: int = -100,
+            docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of logits[t] against labels[t + shift] (fp32), ignoring `ignore_index`; with `docs`
+    ([B, T] document ids of packed rows) a target in another document than t is ignored too."""
     lg = logits[:, :-shift].reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(lg, labels[:, shift:].reshape(-1), ignore_index=ignore_index)
+    target = labels[:, shift:]
+    if docs is not None:
+        target = target.masked_fill(docs[:, shift:] != docs[:, :-shift], ignore_index)
+    return F.cross_entropy(lg, target.reshape(-1), ignore_index=ignore_index)
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -48,10 +54,12 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,
-                output_block_states: bool = False) -> K3Output:
+                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None) -> K3Output:
         """Causal LM forward. `labels` use the HF convention (same positions as input_ids; shifted here).
 
         With MTP layers and labels, also returns `mtp_loss` (layer k predicts token t + 1 + k at position t).
+        `cu_seqlens` (int32 [N+1] over the flattened B·T tokens) packs documents: no attention, state or
+        loss term crosses a document boundary.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -64,27 +72,33 @@ class KimiLinearForCausalLM(nn.Module):
                 raise ValueError(f"attention_mask must be [B, past + T] = [{B}, {past + T}], "
                                  f"got {tuple(attention_mask.shape)}")
         cache = past_key_values if past_key_values is not None else (K3Cache() if use_cache else None)
-        h, hn, taps = self.model(inputs_embeds, attention_mask, cache, output_block_states)
+        docs = None
+        if cu_seqlens is not None:
+            if cache is not None or attention_mask is not None:
+                raise ValueError("cu_seqlens (packed documents) cannot be combined with a cache or an attention_mask")
+            check_cu_seqlens(cu_seqlens, B * T)
+            docs = doc_ids(cu_seqlens, B, T)
+        h, hn, taps = self.model(inputs_embeds, attention_mask, cache, output_block_states, cu_seqlens)
         if cache is not None:
             cache.seen_tokens += T
         logits = self.lm_head(hn[:, -logits_to_keep:] if logits_to_keep else hn)
         out = K3Output(logits=logits, past_key_values=cache, hidden_states=h,
                        block_states=taps if output_block_states else None)
         if labels is not None:
-            out.loss = lm_loss(logits, labels)
+            out.loss = lm_loss(logits, labels, docs=docs)
             if self.model.mtp_layers and T > 2:
-                out.mtp_logits, out.mtp_loss = self._mtp(inputs_embeds, h, attention_mask, labels)
+                out.mtp_logits, out.mtp_loss = self._mtp(inputs_embeds, h, attention_mask, labels, cu_seqlens, docs)
         return out
 
-    def _mtp(self, embeds, h, attention_mask, labels):
+    def _mtp(self, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None):
         """Chain the MTP layers: layer k sees h_{k-1} and the embedding of token t + k (zero past the end)."""
         losses, logits_k = [], None
         mask = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]
         for k, layer in enumerate(self.model.mtp_layers, start=1):
             nxt = torch.cat([embeds[:, k:], embeds.new_zeros(embeds.shape[0], k, embeds.shape[2])], dim=1)
-            h = layer.forward_mtp(nxt, h, mask)
+            h = layer.forward_mtp(nxt, h, mask, None, cu_seqlens)
             logits_k = self.lm_head(h)
-            losses.append(lm_loss(logits_k, labels, shift=1 + k))
+            losses.append(lm_loss(logits_k, labels, shift=1 + k, docs=docs))
         return logits_k, torch.stack(losses).mean()
 
 
@@ -171,7 +185,10 @@ class K3ForConditionalGeneration(nn.Module):
                 labels: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
                 grid_thws: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,
-                output_block_states: bool = False) -> K3Output:
+                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None) -> K3Output:
+        if cu_seqlens is not None and pixel_values is not None:
+            raise ValueError("cu_seqlens (packed documents) with pixel_values is not supported: media expansion "
+                             "changes the token count")
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("pass input_ids or inputs_embeds")
@@ -179,7 +196,8 @@ class K3ForConditionalGeneration(nn.Module):
                                                                grid_thws)
         return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels,
                                    past_key_values=past_key_values, use_cache=use_cache,
-                                   logits_to_keep=logits_to_keep, output_block_states=output_block_states)
+                                   logits_to_keep=logits_to_keep, output_block_states=output_block_states,
+                                   cu_seqlens=cu_seqlens)
 
     # ---- generation / checkpoints ----------------------------------------------------------------
     def generate(self, *args, **kwargs) -> torch.Tensor:

@@ -52,9 +52,12 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias.copy_(torch.log(p) - torch.log1p(-p))
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: dict | None = None) -> torch.Tensor:
-        """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this layer's dict (updated)."""
+                cache: dict | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this layer's dict (updated).
+        cu_seqlens: packed documents over the flattened B·T tokens (training; no cache, no mask)."""
         B, T, _ = x.shape
+        if cu_seqlens is not None and (cache is not None or attention_mask is not None):
+            raise ValueError("KimiDeltaAttention: cu_seqlens cannot be combined with a cache or an attention_mask")
         H, K = self.num_heads, self.head_dim
         m = None if attention_mask is None else attention_mask[:, -T:].to(x.dtype).unsqueeze(-1)  # [B, T, 1]
 
@@ -63,7 +66,8 @@ class KimiDeltaAttention(nn.Module):
             if m is not None:  # padding contributes nothing to the conv window
                 y = y * m
             state = None if cache is None else cache.get(name)
-            y, new_state = short_conv(y, conv.weight, state, output_final_state=cache is not None)
+            y, new_state = short_conv(y, conv.weight, state, output_final_state=cache is not None,
+                                      cu_seqlens=cu_seqlens)
             if cache is not None:
                 cache[name] = new_state
             return y.view(B, T, H, -1)
@@ -79,7 +83,11 @@ class KimiDeltaAttention(nn.Module):
             beta = beta * m.float()
         state = None if cache is None else cache.get("state")
         kw = dict(initial_state=state, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
-        if cache is not None and T <= 16 and not torch.is_grad_enabled():
+        if cu_seqlens is not None:  # one packed row, fla's varlen convention
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            o, new_state = chunk_kda(*flat, cu_seqlens=cu_seqlens, backend=self.backend, **kw)
+            o = o.view(B, T, H, -1)
+        elif cache is not None and T <= 16 and not torch.is_grad_enabled():
             o, new_state = fused_recurrent_kda(q, k, v, g, beta, **kw)
         else:
             o, new_state = chunk_kda(q, k, v, g, beta, backend=self.backend, **kw)

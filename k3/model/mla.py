@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
+from ..ops.varlen import doc_ids
 from .layers import RMSNorm
 
 
@@ -39,6 +40,8 @@ class MLAttention(nn.Module):
         self.g_proj = nn.Linear(D, H * self.vdim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
         self.attn_impl = "auto"  # "naive" | "absorbed" | "auto" (absorbed when decoding from a cache)
+        self.record_max_logit = False  # QK-clip: keep each head's max pre-softmax logit of the last forward
+        self.max_logit: torch.Tensor | None = None  # fp32 [H], detached
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → q [B, T, H, nope + rope]."""
@@ -77,9 +80,25 @@ class MLAttention(nn.Module):
         o_lat = torch.einsum("bhts,bsc->bthc", p, c)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
 
+    @torch.no_grad()
+    def _record_max_logit(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, allowed: torch.Tensor,
+                          block: int = 512) -> None:
+        """Max over batch and allowed (query, key) pairs of the scaled logits, per head, in query blocks."""
+        w_uk, _ = self._kv_b()
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        best = torch.full((self.num_heads,), float("-inf"), device=q.device)
+        for s in range(0, q.shape[1], block):
+            q_lat = torch.einsum("bthd,hdc->bthc", q_nope[:, s:s + block].float(), w_uk.float())
+            sc = (torch.einsum("bthc,bsc->bhts", q_lat, c.float())
+                  + torch.einsum("bthr,bsr->bhts", q_pe[:, s:s + block].float(), k_pe.float())) * self.scale
+            sc = sc.masked_fill(~allowed[:, :, s:s + block], float("-inf"))
+            best = torch.maximum(best, sc.amax(dim=(0, 2, 3)))
+        self.max_logit = best
+
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: dict | None = None) -> torch.Tensor:
-        """x [B, T, D]; attention_mask [B, S_total] over past + new tokens; cache holds `c` and `k_pe`."""
+                cache: dict | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D]; attention_mask [B, S_total] over past + new tokens; cache holds `c` and `k_pe`;
+        cu_seqlens: packed documents over the flattened B·T tokens (attention stays inside a document)."""
         B, T, _ = x.shape
         q = self.project_q(x)
         c, k_pe = self.project_latent(x)
@@ -91,6 +110,13 @@ class MLAttention(nn.Module):
                 k_pe = torch.cat([cache["k_pe"], k_pe], dim=1)
             cache["c"], cache["k_pe"] = c, k_pe
         allowed = causal_mask(B, T, past, attention_mask, x.device)
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("MLAttention: cu_seqlens cannot be combined with a cache")
+            d = doc_ids(cu_seqlens, B, T)
+            allowed = allowed & (d.unsqueeze(2) == d.unsqueeze(1)).unsqueeze(1)
+        if self.record_max_logit:
+            self._record_max_logit(q, c, k_pe, allowed)
         impl = self.attn_impl
         if impl == "auto":
             impl = "absorbed" if past > 0 else "naive"

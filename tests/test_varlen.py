@@ -1,0 +1,82 @@
+"""Packed documents (`cu_seqlens`): a packed batch behaves exactly like each document run alone."""
+
+import pytest
+import torch
+
+from conftest import make_tiny, rel_rmse
+from k3.model.k3 import lm_loss
+
+CU = [0, 5, 17, 24, 30, 31, 48]  # B=2, T=24: row boundary at 24; a 1-token and a 5-token document
+
+
+def _docs(ids):
+    flat = ids.flatten()
+    return [flat[a:b] for a, b in zip(CU[:-1], CU[1:])]
+
+
+def test_packed_forward_and_losses_equal_documents_alone():
+    model = make_tiny(seed=3).double()
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 4000, (2, 24), generator=g)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    out = model(ids, labels=ids, cu_seqlens=cu)
+    logits = out.logits.reshape(48, -1)
+    nll, mtp_nll, n, n_mtp = 0.0, 0.0, 0, 0
+    lm = model.language_model
+    for (a, b), doc in zip(zip(CU[:-1], CU[1:]), _docs(ids)):
+        alone = model(doc[None], labels=doc[None])
+        assert rel_rmse(alone.logits[0], logits[a:b]) < 1e-8
+        L = b - a
+        if L > 1:
+            nll += alone.loss.item() * (L - 1)
+            n += L - 1
+        if L > 2:  # MTP layer 1 predicts t + 2
+            mtp_nll += lm_loss(lm(doc[None], labels=doc[None]).mtp_logits, doc[None], shift=2).item() * (L - 2)
+            n_mtp += L - 2
+    assert abs(out.loss.item() - nll / n) < 1e-5  # the loss is computed in fp32
+    assert abs(out.mtp_loss.item() - mtp_nll / n_mtp) < 1e-5
+
+
+def test_packed_gradients_equal_sum_over_documents():
+    model = make_tiny(seed=4).double().train()
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, 4000, (2, 24), generator=g)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    docs = _docs(ids)
+    counts = [len(d) - 1 for d in docs]
+    model(ids, labels=ids, cu_seqlens=cu).loss.backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for d, c in zip(docs, counts):
+        if c > 0:
+            (model(d[None], labels=d[None]).loss * c / sum(counts)).backward()
+    for n, p in model.named_parameters():
+        if n in packed and "mtp" not in n and p.grad is not None and p.grad.abs().sum() > 0:
+            assert rel_rmse(p.grad, packed[n]) < 1e-5, n  # fp32 loss
+
+
+def test_bad_cu_seqlens_named():
+    model = make_tiny()
+    ids = torch.randint(0, 4000, (2, 8))
+    with pytest.raises(ValueError, match="end at the token count 16"):
+        model(ids, cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(ids, cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32))
+
+
+def test_mla_records_max_logit_per_head():
+    model = make_tiny(seed=5).double()
+    mla = next(m for m in model.modules() if type(m).__name__ == "MLAttention")
+    mla.record_max_logit = True
+    x = torch.randn(2, 9, model.config.text_config.hidden_size, dtype=torch.float64)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: padded keys excluded
+    mla(x, attention_mask=mask)
+    q = mla.project_q(x)
+    c, k_pe = mla.project_latent(x)
+    kv = mla.kv_b_proj(c).view(2, 9, mla.num_heads, -1)[..., :mla.nope]
+    k = torch.cat([kv, k_pe.unsqueeze(2).expand(-1, -1, mla.num_heads, -1)], -1)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * mla.scale
+    allowed = torch.ones(9, 9).tril().bool()[None, None] & mask.bool()[:, None, None, :]
+    ref = s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+    assert torch.allclose(mla.max_logit.double(), ref, rtol=1e-6, atol=1e-6)
