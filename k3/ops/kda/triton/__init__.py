@@ -1,0 +1,8 @@
+"""Triton KDA kernels: chunked forward/backward with the fused lower-bound gate, and decode.
+
+Importing this package imports triton; `k3.ops.kda.triton_available()` checks that lazily.
+"""
+from .chunk import chunk_kda_gated_triton, chunk_kda_triton
+from .decode import kda_decode_triton
+
+__all__ = ["chunk_kda_triton", "chunk_kda_gated_triton", "kda_decode_triton"]

@@ -1,0 +1,229 @@
+"""Chunked KDA on Triton: autograd Function over the intra-chunk and recurrence kernels.
+
+Forward: `kda_intra_fwd_kernel` (token-parallel, one program per 16-token chunk and head) then
+`kda_recur_fwd_kernel` (one program per sequence, head and value block). Backward recomputes both
+(keeping every chunk's incoming state in the input dtype), runs `kda_recur_bwd_kernel` in reverse
+and `kda_intra_bwd_kernel` per chunk. The gate (lower-bound form), beta sigmoid and q/k l2norm can
+all be fused: their gradients come out for the raw inputs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
+from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
+
+# Launch parameters (env-overridable for tuning sweeps on the GPU).
+CFG = {
+    "fwd_bv": int(os.environ.get("K3_KDA_FWD_BV", "32")),
+    "fwd_warps": int(os.environ.get("K3_KDA_FWD_WARPS", "4")),
+    "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "32")),
+    "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
+    "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "4")),
+    "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
+    "dot_prec": os.environ.get("K3_KDA_DOT_PREC", "tf32"),
+}
+
+
+def _layout(cu_seqlens, B, T, device):
+    """Sequence and chunk tables: cu int32 [N+1], chunk_off int32 [N] (first chunk of each sequence),
+    chunks int32 [NC, 2] (first token, valid tokens), the host copy of cu and NC."""
+    if cu_seqlens is None:
+        cu_host = [b * T for b in range(B + 1)]
+    else:
+        cu_host = [int(x) for x in cu_seqlens.tolist()]
+        if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu_host}")
+    cu = torch.tensor(cu_host, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + C - 1) // C
+    coff = torch.cat([torch.zeros(1, dtype=torch.int64), nch.cumsum(0)])
+    NC = int(coff[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), nch)
+    local = torch.arange(NC) - coff[:-1][seq]
+    start = cu[:-1][seq] + local * C
+    valid = torch.minimum(cu[1:][seq] - start, torch.full_like(start, C))
+    chunks = torch.stack([start, valid], 1).to(torch.int32)
+    to = dict(device=device, dtype=torch.int32)
+    return cu.to(**to), coff[:-1].to(**to), chunks.to(device), cu_host, coff.tolist(), NC
+
+
+def _slots(states_at, cu_host, coff_host, NC, device):
+    """Chunk -> output slot map for `states_at` (packed token positions at chunk ends)."""
+    ends = {}
+    for n in range(len(cu_host) - 1):
+        bos, eos = cu_host[n], cu_host[n + 1]
+        for i in range(coff_host[n + 1] - coff_host[n]):
+            ends[min(bos + (i + 1) * C, eos)] = coff_host[n] + i
+    pos = [int(p) for p in torch.as_tensor(states_at).reshape(-1).tolist()]
+    slot = torch.full((NC,), -1, dtype=torch.int32)
+    for m, p in enumerate(pos):
+        if p not in ends:
+            raise ValueError(f"states_at: position {p} is not a multiple of {C} tokens into its sequence "
+                             f"(nor a sequence end); valid positions are in {sorted(ends)[:8]}...")
+        if slot[ends[p]] >= 0:
+            raise ValueError(f"states_at: position {p} requested twice")
+        slot[ends[p]] = m
+    return slot.to(device), len(pos)
+
+
+def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags):
+    T, H, K = q.shape
+    V = v.shape[-1]
+    idt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.bfloat16
+    idt = torch.float32 if idt == torch.float64 else idt
+    w = torch.empty(T, H, K, device=q.device, dtype=idt)
+    qe, kg = torch.empty_like(w), torch.empty_like(w)
+    u = torch.empty(T, H, V, device=q.device, dtype=idt)
+    aqk = torch.empty(T, H, C, device=q.device, dtype=torch.float32)
+    gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
+    BK, BV = _blk(K), _blk(V)
+    kda_intra_fwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, chunks, w, u, qe, kg, aqk, gc,
+                                  H, K, V, scale, lb, BK=BK, BV=BV, DOT_PREC=CFG["dot_prec"],
+                                  num_warps=CFG["intra_warps"], **flags)
+    return w, u, qe, kg, aqk, gc
+
+
+def _blk(d):
+    return max(16, triton.next_power_of_2(d))
+
+
+def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0):
+    w, u, qe, kg, aqk, gc = parts
+    T = w.shape[0]
+    NC = gc.shape[0]
+    o = torch.empty(T, H, V, device=w.device, dtype=out_dtype)
+    ht = torch.empty(N, H, K, V, device=w.device, dtype=torch.float32)
+    hall = torch.empty(NC, H, K, V, device=w.device, dtype=w.dtype) if store_h else None
+    vnew = torch.empty(T, H, V, device=w.device, dtype=w.dtype) if store_h else None
+    hsel = torch.zeros(nsel, H, K, V, device=w.device, dtype=torch.float32) if slot is not None else None
+    BV = min(CFG["fwd_bv"], _blk(V))
+    kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
+        w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V,
+        BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
+        STORE_SEL=slot is not None, DOT_PREC=CFG["dot_prec"], num_warps=CFG["fwd_warps"])
+    return o, ht, hall, vnew, hsel
+
+
+class _ChunkKDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, lb, flags, states_at):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
+        N = len(cu_host) - 1
+        pk = lambda x: x.contiguous().reshape((B * T,) + tuple(x.shape[2:]))  # noqa: E731
+        qp, kp, vp, gp, bp = (pk(x) for x in (q, k, v, g, beta))
+        h0c = h0.contiguous() if h0 is not None else None
+        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
+        slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
+        o, ht, _, _, hsel = _recur_fwd(parts, h0c, cu, coff, N, H, K, V, v.dtype, slot=slot, nsel=nsel)
+        ctx.save_for_backward(qp, kp, vp, gp, bp, A_log, dt_bias, h0c)
+        ctx.meta = (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, g.dtype, beta.dtype,
+                    None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape)
+        if hsel is not None:
+            ctx.mark_non_differentiable(hsel)
+        return o.reshape(B, T, H, V), ht, hsel
+
+    @staticmethod
+    def backward(ctx, do, dht, _dsel):
+        qp, kp, vp, gp, bp, A_log, dt_bias, h0 = ctx.saved_tensors
+        B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, gdt, bdt, ashape, dshape = ctx.meta
+        Tt = B * T
+        dev = qp.device
+        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
+        _, _, hall, vnew, _ = _recur_fwd(parts, h0, cu, coff, N, H, K, V, vp.dtype, store_h=True)
+        w, u, qe, kg, aqk, gc = parts
+        BV = min(CFG["bwd_bv"], _blk(V))
+        NV = triton.cdiv(V, BV)
+        f32 = dict(device=dev, dtype=torch.float32)
+        dqe, dw, dkg = (torch.empty(NV, Tt, H, K, **f32) for _ in range(3))
+        daqk = torch.empty(NV, Tt, H, C, **f32)
+        dgc = torch.empty(NV, NC, H, K, **f32)
+        du = torch.empty(Tt, H, V, **f32)
+        dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+        do = do.contiguous().reshape(Tt, H, V)
+        dht = dht.contiguous() if dht is not None else None
+        kda_recur_bwd_kernel[(N, H, NV)](
+            qe, kg, w, aqk, gc, hall, vnew, do, dht, dh0, dqe, dw, dkg, daqk, du, dgc, cu, coff,
+            H, K, V, NC, Tt, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
+            DOT_PREC=CFG["dot_prec"], num_warps=CFG["bwd_warps"])
+        del hall, vnew, w, u, qe, kg, aqk
+        dq, dk = torch.empty_like(qp), torch.empty_like(kp)
+        dv = torch.empty_like(vp)
+        dg = torch.empty(Tt, H, K, device=dev, dtype=gdt)
+        db = torch.empty(Tt, H, device=dev, dtype=bdt)
+        gate = flags["GATE"]
+        ddtb = torch.empty(NC, H, K, **f32) if gate else None
+        dalog = torch.empty(NC, H, **f32) if gate else None
+        kda_intra_bwd_kernel[(NC, H)](
+            qp, kp, vp, gp, bp, A_log, dt_bias, chunks, dqe, dw, dkg, daqk, du, dgc,
+            dq, dk, dv, dg, db, ddtb, dalog, H, K, V, NC, Tt, scale, lb,
+            NV=NV, BK=_blk(K), BV=_blk(V), DOT_PREC=CFG["dot_prec"], num_warps=CFG["intra_bwd_warps"], **flags)
+        dA_log = dalog.sum(0).reshape(ashape) if gate else None
+        ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
+        shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731
+        return (shp(dq), shp(dk), shp(dv), shp(dg), shp(db), dA_log, ddt, dh0,
+                None, None, None, None, None)
+
+
+def _check(fn, q, k, v, g, beta, initial_state, cu_seqlens):
+    from .._common import check_inputs
+    check_inputs(fn, q, k, v, g, beta, initial_state, cu_seqlens)
+    K, V = q.shape[-1], v.shape[-1]
+    if K > 128 or V > 128:
+        raise ValueError(f"{fn}: the Triton kernels support head dims up to 128, got K={K}, V={V}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{fn}: q must be float32, bfloat16 or float16, got {q.dtype}")
+
+
+def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, states_at=None):
+    """Chunked KDA with activated g (per-token log decay, g >= -5) and post-sigmoid beta.
+
+    fla's contract: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V]
+    fp32; cu_seqlens int [N+1] with B == 1. Returns (o [B, T, H, V] in v's dtype, final state fp32 or
+    None), plus states [M, H, K, V] fp32 at the packed positions `states_at` (each a multiple of 16
+    tokens into its sequence, or its end) when given. The 16-token tiles need g >= -5 (K3's bound).
+    """
+    _check("chunk_kda_triton", q, k, v, g, beta, initial_state, cu_seqlens)
+    flags = dict(GATE=False, BETA_SIG=False, L2=use_qk_l2norm_in_kernel)
+    return _finish(q, k, v, g, beta, None, None, initial_state, output_final_state, cu_seqlens, scale,
+                   -5.0, flags, states_at)
+
+
+def chunk_kda_gated_triton(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True,
+                           lower_bound=-5.0, states_at=None):
+    """Chunked KDA with K3's gate, beta sigmoid and q/k l2norm fused into the kernels.
+
+    g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)) and beta = sigmoid(beta_logit), with
+    gradients for f, beta_logit, A_log [H] and dt_bias [H*K]. lower_bound must lie in [-5, 0).
+    Shapes and returns as in `chunk_kda_triton`.
+    """
+    _check("chunk_kda_gated_triton", q, k, v, f, beta_logit, initial_state, cu_seqlens)
+    H, K = q.shape[2], q.shape[3]
+    if not -5.0 <= lower_bound < 0:
+        raise ValueError(f"chunk_kda_gated_triton: lower_bound must lie in [-5, 0) so that 16-token tiles "
+                         f"stay in range, got {lower_bound}")
+    if A_log.numel() != H:
+        raise ValueError(f"chunk_kda_gated_triton: A_log must have H={H} elements, got {tuple(A_log.shape)}")
+    if dt_bias is not None and dt_bias.numel() != H * K:
+        raise ValueError(f"chunk_kda_gated_triton: dt_bias must have H*K={H * K} elements, "
+                         f"got {tuple(dt_bias.shape)}")
+    flags = dict(GATE=True, BETA_SIG=True, L2=use_qk_l2norm_in_kernel)
+    if dt_bias is None:
+        dt_bias = torch.zeros(H * K, device=q.device, dtype=torch.float32)
+    return _finish(q, k, v, f, beta_logit, A_log, dt_bias, initial_state, output_final_state, cu_seqlens,
+                   scale, lower_bound, flags, states_at)
+
+
+def _finish(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state, cu_seqlens, scale, lb, flags, states_at):
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, ht, hsel = _ChunkKDA.apply(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, float(lb), flags,
+                                  states_at)
+    ht = ht if output_final_state else None
+    return (o, ht) if states_at is None else (o, ht, hsel)

@@ -1,0 +1,93 @@
+"""Triton KDA decode: a few new tokens per sequence against a pool of fp32 states, updated in place."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, idx_ptr, cu_ptr,
+                      H, K, V, scale, lower_bound,
+                      BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
+                      L2: tl.constexpr, HAS_IDX: tl.constexpr):
+    """Program (n, h, iv): tokens cu[n]..cu[n+1] of sequence n, state slot idx[n] (or n), columns iv*BV.."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + n).to(tl.int64)
+    else:
+        slot = n.to(tl.int64)
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    kc = tl.arange(0, BK)
+    vc = iv * BV + tl.arange(0, BV)
+    km = kc < K
+    vm = vc < V
+    sm = km[:, None] & vm[None, :]
+    sp = s_ptr + (slot * H + h) * K * V + kc[:, None] * V + vc[None, :]
+    S = tl.load(sp, mask=sm, other=0.0).to(tl.float32)
+    if GATE:
+        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h * K + kc, mask=km, other=0.0).to(tl.float32)
+    for t in range(bos, eos):
+        offk = t * H * K + h * K + kc
+        q = tl.load(q_ptr + offk, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + offk, mask=km, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offk, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * H * V + h * V + vc, mask=vm, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + t * H + h).to(tl.float32)
+        if L2:
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        if GATE:
+            g = lower_bound * tl.sigmoid(a * (g + dtb))
+        if BETA_SIG:
+            b = tl.sigmoid(b)
+        S = S * tl.exp(tl.where(km, g, 0.0))[:, None]
+        err = v - tl.sum(k[:, None] * S, 0)
+        S = S + (b * k)[:, None] * err[None, :]
+        o = tl.sum((q * scale)[:, None] * S, 0)
+        tl.store(o_ptr + t * H * V + h * V + vc, o.to(o_ptr.dtype.element_ty), mask=vm)
+    tl.store(sp, S.to(s_ptr.dtype.element_ty), mask=sm)
+
+
+def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None, scale=None,
+                      use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
+                      beta_logits=False, block_v=None):
+    """Advance sequences by their new tokens, updating `state` IN PLACE.
+
+    q, k, g: [Ttot, H, K] packed new tokens; v: [Ttot, H, V]; beta: [Ttot, H]. cu_seqlens: int [N+1]
+    token ranges per sequence (default: one token each). state: fp32 [P, H, K, V]; state_indices:
+    int [N] distinct slots (default: slot n for sequence n). With A_log given, g is the raw gate
+    pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
+    beta is passed through a sigmoid. Slots not indexed are not read or written. Returns o [Ttot, H, V].
+    """
+    T, H, K = q.shape
+    V = v.shape[-1]
+    if state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != (H, K, V):
+        raise ValueError(f"kda_decode_triton: state must be fp32 [P,{H},{K},{V}] but got "
+                         f"{state.dtype} {tuple(state.shape)}")
+    if not state.is_contiguous():
+        raise ValueError("kda_decode_triton: state must be contiguous (it is updated in place)")
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(T + 1, device=q.device, dtype=torch.int32)
+    N = cu_seqlens.numel() - 1
+    if state_indices is None and state.shape[0] < N:
+        raise ValueError(f"kda_decode_triton: state has {state.shape[0]} slots for {N} sequences")
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty(T, H, V, device=q.device, dtype=v.dtype)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    gate = A_log is not None
+    grid = (N, H, triton.cdiv(V, BV))
+    kda_decode_kernel[grid](
+        q, k, v, g, beta, A_log.contiguous() if gate else None,
+        dt_bias.contiguous() if (gate and dt_bias is not None) else (torch.zeros(H * K, device=q.device) if gate else None),
+        o, state, state_indices.to(torch.int32).contiguous() if state_indices is not None else None,
+        cu_seqlens.to(device=q.device, dtype=torch.int32), H, K, V, scale, float(lower_bound),
+        BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
+        HAS_IDX=state_indices is not None, num_warps=4)
+    return o

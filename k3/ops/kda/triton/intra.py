@@ -1,0 +1,220 @@
+"""Token-parallel KDA kernels: everything inside one 16-token chunk (forward and backward).
+
+One program per (chunk, head). With C = 16 and the lower-bounded gate (g >= -5), the in-chunk
+cumulative log decay G lies in (-80, 0], so the factors q*e^G, k*e^G (<= 1) and k*e^-G (<= e^80)
+are all finite in fp32/bf16 and every pair term q_t k_s e^{G_t - G_s} is one dense matmul of
+two such factor tiles (no anchor, no pairwise path). Non-causal pairs (values up to e^80, still
+finite) are masked after the matmul.
+
+Per chunk (rows t, s; S_0 the incoming state; scale folded into q):
+    Akk = beta * tril_strict(ke ki^T),  Aqk = tril(qe ki^T),  T = (I + Akk)^-1
+    w = T (beta ke),  u = T (beta v),  kg = k e^{G_C - G}
+and the recurrence kernel does v_new = u - w S_0, o = qe S_0 + Aqk v_new,
+S_C = e^{G_C} S_0 + kg^T v_new.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+C = 16  # chunk size (tokens); the recurrence runs one step per chunk
+
+
+@triton.jit
+def _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, scale, lower_bound,
+          BK: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr, L2: tl.constexpr):
+    """Load one chunk of one head and apply l2norm / gate / beta sigmoid.
+
+    Returns q (normalised, scaled), k (normalised), g (log decay, 0 on invalid rows), beta (0 on
+    invalid rows), the raw rows needed by the backward (q_raw, k_raw, z) and 1/||q||, 1/||k||.
+    """
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, BK)
+    rm = rows < nvalid
+    cm = cols < K
+    m2 = rm[:, None] & cm[None, :]
+    off = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    q = tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    rq = tl.full([16], 1.0, tl.float32)
+    rk = tl.full([16], 1.0, tl.float32)
+    if L2:
+        rq = 1.0 / tl.sqrt(tl.sum(q * q, 1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(k * k, 1) + 1e-6)
+    qn = q * rq[:, None]
+    kn = k * rk[:, None]
+    graw = tl.load(g_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    if GATE:
+        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        z = graw + tl.load(dtb_ptr + h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        z = graw
+        g = graw
+    g = tl.where(m2, g, 0.0)
+    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
+    if BETA_SIG:
+        beta = tl.sigmoid(braw)
+    else:
+        beta = braw
+    beta = tl.where(rm, beta, 0.0)
+    return qn * scale, kn, g, beta, qn, kn, z, rq, rk
+
+
+@triton.jit
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for a strictly lower-triangular 16x16 A, by exact fp32 forward substitution."""
+    rows = tl.arange(0, 16)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    Tm = eye
+    for i in range(1, 16):
+        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)            # row i of A  [16]
+        t_i = tl.sum(a_i[:, None] * Tm, 0)                                # sum_j A[i,j] T[j,:]
+        Tm = tl.where(rows[:, None] == i, eye - t_i[None, :], Tm)
+    return Tm
+
+
+@triton.jit
+def _factors(qs, kn, g, beta, DOT_PREC: tl.constexpr):
+    """Per-chunk factor tiles and the two 16x16 score matrices (see module docstring)."""
+    rows = tl.arange(0, 16)
+    G = tl.cumsum(g, 0)
+    gC = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), 0)                 # G at the chunk end [BK]
+    eG = tl.exp(G)
+    qe = qs * eG
+    ke = kn * eG
+    ki = kn * tl.exp(-G)
+    kg = kn * tl.exp(gC[None, :] - G)
+    M = tl.dot(ke, tl.trans(ki), input_precision=DOT_PREC)
+    M = tl.where(rows[:, None] > rows[None, :], M, 0.0)
+    Aqk = tl.dot(qe, tl.trans(ki), input_precision=DOT_PREC)
+    Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
+    Tm = _unit_lower_inverse(beta[:, None] * M)
+    return G, gC, eG, qe, ke, ki, kg, M, Aqk, Tm
+
+
+@triton.jit
+def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
+                         w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr,
+                         H, K, V, scale, lower_bound,
+                         BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
+                         L2: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Per (chunk, head): w, u, qe, kg [T, H, *], Aqk [T, H, 16] and G_C [NC, H, K]."""
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(chunks_ptr + 2 * ic)
+    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
+    qs, kn, g, beta, _, _, _, _, _ = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,
+                                           scale, lower_bound, BK, GATE, BETA_SIG, L2)
+    G, gC, eG, qe, ke, ki, kg, M, Aqk, Tm = _factors(qs, kn, g, beta, DOT_PREC)
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, BK)
+    vcols = tl.arange(0, BV)
+    rm = rows < nvalid
+    mk = rm[:, None] & (cols < K)[None, :]
+    mv = rm[:, None] & (vcols < V)[None, :]
+    v = tl.load(v_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], mask=mv, other=0.0).to(tl.float32)
+    w = tl.dot(Tm, beta[:, None] * ke, input_precision="ieee")
+    u = tl.dot(Tm, beta[:, None] * v, input_precision="ieee")
+    offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    odt = w_ptr.dtype.element_ty
+    tl.store(w_ptr + offk, w.to(odt), mask=mk)
+    tl.store(qe_ptr + offk, qe.to(odt), mask=mk)
+    tl.store(kg_ptr + offk, kg.to(odt), mask=mk)
+    tl.store(u_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], u.to(odt), mask=mv)
+    tl.store(aqk_ptr + (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :], Aqk, mask=rm[:, None])
+    tl.store(gc_ptr + (ic * H + h) * K + cols, gC, mask=cols < K)
+
+
+@triton.jit
+def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
+                         dqe_ptr, dw_ptr, dkg_ptr, daqk_ptr, du_ptr, dgc_ptr,
+                         dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, ddtb_ptr, dalog_ptr,
+                         H, K, V, NC, T_total, scale, lower_bound,
+                         NV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Per (chunk, head): back-propagate the recurrence kernel's gradients (dqe, dw, dkg, dAqk summed
+    over its NV value blocks; du; d e^{G_C}) through the chunk to q, k, v, g (or f, dt_bias, A_log),
+    beta (or its logit), including the l2norm."""
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(chunks_ptr + 2 * ic)
+    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
+    qs, kn, g, beta, qn, _, z, rq, rk = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,
+                                              scale, lower_bound, BK, GATE, BETA_SIG, L2)
+    G, gC, eG, qe, ke, ki, kg, M, Aqk, Tm = _factors(qs, kn, g, beta, DOT_PREC)
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, BK)
+    vcols = tl.arange(0, BV)
+    rm = rows < nvalid
+    cm = cols < K
+    mk = rm[:, None] & cm[None, :]
+    mv = rm[:, None] & (vcols < V)[None, :]
+    offv = (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :]
+    v = tl.load(v_ptr + offv, mask=mv, other=0.0).to(tl.float32)
+    Rw = beta[:, None] * ke
+    Ru = beta[:, None] * v
+    w = tl.dot(Tm, Rw, input_precision="ieee")
+    u = tl.dot(Tm, Ru, input_precision="ieee")
+
+    offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    offa = (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :]
+    dqe = tl.zeros([16, BK], tl.float32)
+    dw = tl.zeros([16, BK], tl.float32)
+    dkg = tl.zeros([16, BK], tl.float32)
+    dA = tl.zeros([16, 16], tl.float32)
+    dD = tl.zeros([BK], tl.float32)
+    for iv in tl.static_range(NV):
+        dqe += tl.load(dqe_ptr + iv * T_total * H * K + offk, mask=mk, other=0.0)
+        dw += tl.load(dw_ptr + iv * T_total * H * K + offk, mask=mk, other=0.0)
+        dkg += tl.load(dkg_ptr + iv * T_total * H * K + offk, mask=mk, other=0.0)
+        dA += tl.load(daqk_ptr + iv * T_total * H * 16 + offa, mask=rm[:, None], other=0.0)
+        dD += tl.load(dgc_ptr + ((iv * NC + ic) * H + h) * K + cols, mask=cm, other=0.0)
+    du = tl.load(du_ptr + offv, mask=mv, other=0.0)
+    dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
+
+    # through w = T Rw, u = T Ru, T = (I + beta*M)^-1
+    TmT = tl.trans(Tm)
+    dRw = tl.dot(TmT, dw, input_precision="ieee")
+    dRu = tl.dot(TmT, du, input_precision="ieee")
+    dAkk = -(tl.dot(dRw, tl.trans(w), input_precision=DOT_PREC) + tl.dot(dRu, tl.trans(u), input_precision=DOT_PREC))
+    dAkk = tl.where(rows[:, None] > rows[None, :], dAkk, 0.0)
+    dv = beta[:, None] * dRu
+    dbeta = tl.sum(v * dRu, 1) + tl.sum(ke * dRw, 1) + tl.sum(dAkk * M, 1)
+    dM = beta[:, None] * dAkk
+    dke = beta[:, None] * dRw + tl.dot(dM, ki, input_precision=DOT_PREC)
+    dki = tl.dot(tl.trans(dM), ke, input_precision=DOT_PREC) + tl.dot(tl.trans(dA), qe, input_precision=DOT_PREC)
+    dqe += tl.dot(dA, ki, input_precision=DOT_PREC)
+
+    # through the factor tiles to q, k and G
+    dqs = dqe * eG
+    dkn = dke * eG + dki * tl.exp(-G) + dkg * tl.exp(gC[None, :] - G)
+    dG = dqe * qe + dke * ke - dki * ki - dkg * kg
+    dgC = tl.sum(dkg * kg, 0) + dD * tl.exp(gC)
+    dG += tl.where(rows[:, None] == 15, dgC[None, :], 0.0)
+    dg = tl.cumsum(dG, 0, reverse=True)
+    dg = tl.where(mk, dg, 0.0)
+
+    dqn = dqs * scale
+    if L2:
+        dq = (dqn - qn * tl.sum(dqn * qn, 1)[:, None]) * rq[:, None]
+        dk = (dkn - kn * tl.sum(dkn * kn, 1)[:, None]) * rk[:, None]
+    else:
+        dq = dqn
+        dk = dkn
+    if GATE:
+        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        sg = g / lower_bound
+        dz = dg * lower_bound * sg * (1.0 - sg) * a
+        dz = tl.where(mk, dz, 0.0)
+        tl.store(dg_ptr + offk, dz.to(dg_ptr.dtype.element_ty), mask=mk)
+        tl.store(ddtb_ptr + (ic * H + h) * K + cols, tl.sum(dz, 0), mask=cm)
+        tl.store(dalog_ptr + ic * H + h, tl.sum(tl.sum(dz * z, 1), 0))
+    else:
+        tl.store(dg_ptr + offk, dg.to(dg_ptr.dtype.element_ty), mask=mk)
+    if BETA_SIG:
+        dbeta = dbeta * beta * (1.0 - beta)
+    tl.store(db_ptr + (t0 + rows) * H + h, dbeta.to(db_ptr.dtype.element_ty), mask=rm)
+    tl.store(dq_ptr + offk, dq.to(dq_ptr.dtype.element_ty), mask=mk)
+    tl.store(dk_ptr + offk, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+    tl.store(dv_ptr + offv, dv.to(dv_ptr.dtype.element_ty), mask=mv)
