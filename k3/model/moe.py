@@ -5,6 +5,11 @@
 
 Routed experts are stacked [E, out, in] inside the module (`experts.w1/w2/w3`) for batched training;
 the checkpoint I/O layer maps them to the release's per-expert `experts.{e}.w{1,2,3}` tensors.
+
+Expert parallel: `LatentMoE(cfg, expert_parallel=group)` (a process group, or a
+`k3.dist.moonep.ExpertParallel`) keeps only the rank's home experts E/R in `experts.w1/w2/w3` and runs
+MoonEP; `k3.dist.moonep.enable_expert_parallel(model, group)` converts a full model in place and
+`k3.dist.moonep.gathered_experts(model)` gives the full layout back for saving.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class StackedExperts(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, cfg: K3TextConfig):
+    def __init__(self, cfg: K3TextConfig, expert_parallel=None):
         super().__init__()
         D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
         self.cfg = cfg
@@ -52,6 +57,25 @@ class LatentMoE(nn.Module):
                                if cfg.num_shared_experts > 0 else None)
         self.record_routing = False  # keep (topk_idx, scores) of the last forward, e.g. for balancing
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.expert_parallel = None  # a k3.dist.moonep.ExpertParallel when the experts are sharded
+        if expert_parallel is not None:
+            self.set_expert_parallel(expert_parallel)
+
+    @torch.no_grad()
+    def set_expert_parallel(self, expert_parallel) -> None:
+        """Shard the routed experts over an EP group (a process group or an ExpertParallel): keep rows
+        [rank·E/R, (rank+1)·E/R) of w1/w2/w3 (the same values on every rank before the call)."""
+        from ..dist.moonep import ExpertParallel  # lazy: the model layer does not need torch.distributed
+
+        ep = expert_parallel if isinstance(expert_parallel, ExpertParallel) else ExpertParallel(expert_parallel)
+        n = ep.num_local(self.cfg.num_experts)
+        if self.experts.w1.shape[0] != self.cfg.num_experts:
+            raise ValueError(f"experts hold {self.experts.w1.shape[0]} rows, expected all {self.cfg.num_experts}")
+        lo = ep.rank * n
+        for k in ("w1", "w2", "w3"):
+            p = getattr(self.experts, k)
+            setattr(self.experts, k, nn.Parameter(p[lo:lo + n].clone(), requires_grad=p.requires_grad))
+        self.expert_parallel = ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -61,12 +85,15 @@ class LatentMoE(nn.Module):
         if self.record_routing:
             self.last_routing = (idx.detach(), scores.detach())
         lat = self.routed_expert_down_proj(xf)
-        y = experts_forward(lat, idx, w,
-                            self.experts.w1, self.experts.w2, self.experts.w3,
-                            self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
+        run = experts_forward if self.expert_parallel is None else self._ep_forward
+        y = run(lat, idx, w, self.experts.w1, self.experts.w2, self.experts.w3,
+                self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
         out = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xf)
         return out.reshape(shape)
+
+    def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
+        return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)
