@@ -1,0 +1,310 @@
+"""MoonEP planner: invariants on random and pathological routings (hypothesis), exact agreement with an
+independent pure-Python transcription of the greedy (K3_SPEC §9), the report's worked example, Theorem 2's
+instance, and the optimum of an integer program on small cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3.dist.moonep import num_slots, phase_a, plan, plan_counts
+
+
+# ---- an independent, loop-by-loop reference of the greedy (lists, no tensors) ---------------------------
+def ref_alloc(cnt: list[int], R: int, C: int) -> list[list[int]]:
+    E = len(cnt)
+    epn = E // R
+    bal = [sum(cnt[h * epn:(h + 1) * epn]) - C for h in range(R)]
+    z = [[0] * R for _ in range(R)]
+    while True:
+        h = max(range(R), key=lambda i: (bal[i], -i))
+        u = min(range(R), key=lambda i: (bal[i], i))
+        if bal[h] <= 0:
+            break
+        amt = -bal[u]
+        z[h][u] += amt
+        bal[h] -= amt
+        bal[u] = 0
+    alloc = [[0] * R for _ in range(E)]
+    for h in range(R):
+        rem = cnt[h * epn:(h + 1) * epn]
+        q = list(z[h])
+        for j in range(epn):
+            alloc[h * epn + j][h] = rem[j]
+        while True:
+            d = max(range(R), key=lambda i: (q[i], -i))
+            if q[d] <= 0:
+                break
+            j = max(range(epn), key=lambda i: (rem[i], -i))
+            take = min(rem[j], q[d])
+            rem[j] -= take
+            q[d] -= take
+            alloc[h * epn + j][h] -= take
+            alloc[h * epn + j][d] += take
+    return alloc
+
+
+def ref_dst(topk: list[list[list[int]]], E: int, R: int, padding: int):
+    """Per-rank slot addresses from the written-out rules (§2.4–2.5 of the notes)."""
+    S, K = len(topk[0]), len(topk[0][0])
+    epn, C = E // R, S * K
+    nvs = math.ceil((C + (padding - 1) * 2 * epn) / padding) * padding
+    cnt = [0] * E
+    for r in range(R):
+        for row in topk[r]:
+            for e in row:
+                cnt[e] += 1
+    alloc = ref_alloc(cnt, R, C)
+    etc = [[e for e in range(E) if alloc[e][d] > 0 and e // epn != d] for d in range(R)]
+    off, cu = [dict() for _ in range(R)], []
+    for d in range(R):
+        groups = [d * epn + g for g in range(epn)] + etc[d] + [None] * (epn - len(etc[d]))
+        pos, ends = 0, []
+        for e in groups:
+            n = alloc[e][d] if e is not None else 0
+            if e is not None:
+                off[d][e] = pos
+            pos += -(-n // padding) * padding
+            ends.append(pos)
+        cu.append(ends)
+    seen = [0] * E
+    dst = []
+    for r in range(R):
+        out = []
+        for row in topk[r]:
+            for e in row:
+                g, acc, d = seen[e], 0, 0
+                while acc + alloc[e][d] <= g:
+                    acc += alloc[e][d]
+                    d += 1
+                out.append(d * nvs + off[d][e] + g - acc)
+                seen[e] += 1
+        dst.append(out)
+    return alloc, etc, cu, dst, nvs
+
+
+# ---- routings --------------------------------------------------------------------------------------------
+PATTERNS = ["uniform", "single_hot", "one_group_hot", "one_rank_hot", "empty_experts", "duplicates",
+            "power_law", "all_remote", "balanced"]
+
+
+def routing(pattern: str, R: int, S: int, K: int, E: int, seed: int) -> torch.Tensor:
+    """[R, S, K] expert ids (duplicates within a token allowed unless the pattern says otherwise)."""
+    g = torch.Generator().manual_seed(seed)
+    epn = E // R
+    if pattern == "uniform":
+        return torch.randint(0, E, (R, S, K), generator=g)
+    if pattern == "single_hot":
+        return torch.zeros(R, S, K, dtype=torch.long)
+    if pattern == "one_group_hot":
+        return torch.randint(0, epn, (R, S, K), generator=g)
+    if pattern == "one_rank_hot":  # rank 0 routes everything to a random group's experts; others uniform
+        t = torch.randint(0, E, (R, S, K), generator=g)
+        t[0] = torch.randint(0, epn, (S, K), generator=g) + epn * int(torch.randint(0, R, (1,), generator=g))
+        return t
+    if pattern == "empty_experts":  # only every third expert is used
+        used = torch.arange(0, E, 3)
+        return used[torch.randint(0, used.numel(), (R, S, K), generator=g)]
+    if pattern == "duplicates":  # every token repeats one expert K times
+        return torch.randint(0, E, (R, S, 1), generator=g).expand(R, S, K).clone()
+    if pattern == "power_law":
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+        p = p[torch.randperm(E, generator=g)]
+        return torch.multinomial(p, R * S * K, replacement=True, generator=g).view(R, S, K)
+    if pattern == "all_remote":
+        r = torch.arange(R).view(R, 1, 1)
+        return ((r + 1) % R) * epn + (torch.arange(S).view(1, S, 1) + torch.arange(K)) % epn
+    if pattern == "balanced":  # each expert gets the same count; every group fits at home
+        return (torch.arange(R * S * K) % E)[torch.randperm(R * S * K, generator=g)].view(R, S, K)
+    raise ValueError(pattern)
+
+
+def all_plans(topk: torch.Tensor, E: int, padding: int):
+    R = topk.shape[0]
+    tpe = torch.stack([torch.bincount(t.reshape(-1), minlength=E) for t in topk])
+    return [plan(topk[r], tpe, r, padding) for r in range(R)]
+
+
+def check_invariants(topk: torch.Tensor, E: int, padding: int) -> None:
+    R, S, K = topk.shape
+    epn, C = E // R, S * K
+    plans = all_plans(topk, E, padding)
+    p0 = plans[0]
+    cnt = torch.bincount(topk.reshape(-1), minlength=E)
+    alloc = p0.alloc
+    assert (alloc >= 0).all()
+    assert torch.equal(alloc.sum(1), cnt), "work conserved per expert"
+    assert (alloc.sum(0) == C).all(), "every rank executes exactly S·K entries"
+    home = torch.arange(E) // epn
+    for d in range(R):
+        remote = [e for e in range(E) if alloc[e, d] > 0 and home[e] != d]
+        assert len({int(home[e]) for e in remote}) <= 1, "remote entries from at most one home group"
+        assert len(remote) <= epn, "Theorem 1"
+        assert p0.experts_to_copy[d].tolist() == remote + [-1] * (epn - len(remote))
+    fits = (cnt.view(R, epn).sum(1) == C).all()
+    if fits:
+        assert torch.equal(alloc, torch.where(home[:, None] == torch.arange(R), cnt[:, None], 0)), "no migration"
+    assert p0.nvs == num_slots(S, K, E, R, padding) and p0.nvs % padding == 0
+    assert (p0.cu_seqlens[:, -1] <= p0.nvs).all(), "NvS bound"
+    assert (p0.cu_seqlens % padding == 0).all() and (p0.cu_seqlens.diff(dim=1) >= 0).all()
+    # entry level: every slot used once, all entries of a rank land in their expert's segment
+    dst = torch.cat([p.dst for p in plans])
+    assert dst.unique().numel() == dst.numel()
+    assert torch.equal(torch.bincount(dst // p0.nvs, minlength=R), torch.full((R,), C))
+    ent = topk.reshape(-1)
+    for d in range(R):
+        mine = dst // p0.nvs == d
+        loff, e = dst[mine] % p0.nvs, ent[mine]
+        groups = [d * epn + g for g in range(epn)] + p0.experts_to_copy[d].tolist()
+        cu = [0] + p0.cu_seqlens[d].tolist()
+        for gi, ge in enumerate(groups):
+            rows = loff[e == ge] if ge >= 0 else torch.empty(0, dtype=torch.long)
+            n = int(alloc[ge, d]) if ge >= 0 else 0
+            assert rows.numel() == n and (rows.numel() == 0 or (rows.min() >= cu[gi] and rows.max() < cu[gi] + n))
+            zs, zn = p0.zero_fill_ranges[d, gi].tolist()
+            assert (zs, zn) == ((cu[gi] + n, cu[gi + 1] - cu[gi] - n) if cu[gi + 1] - cu[gi] > n else (0, 0))
+    # dedup: an entry is re-encoded iff an earlier k of its token reaches the same rank
+    for p in plans:
+        dest = (p.dst // p.nvs).view(S, K)
+        for s in range(S):
+            for k in range(K):
+                dup = bool((dest[s, :k] == dest[s, k]).any())
+                v = int(p.dst_encoded[s * K + k])
+                assert v == (-int(p.dst[s * K + k]) - 1 if dup else int(p.dst[s * K + k]))
+    # exact agreement with the loop reference
+    r_alloc, r_etc, r_cu, r_dst, r_nvs = ref_dst(topk.tolist(), E, R, padding)
+    assert alloc.tolist() == r_alloc and r_nvs == p0.nvs
+    assert p0.cu_seqlens.tolist() == r_cu
+    assert [p.dst.tolist() for p in plans] == r_dst
+
+
+@settings(max_examples=60, deadline=None)
+@given(R=st.sampled_from([1, 2, 3, 4, 8]), epn=st.integers(1, 5), S=st.integers(1, 9), K=st.integers(1, 5),
+       pattern=st.sampled_from(PATTERNS), padding=st.sampled_from([1, 4, 8]), seed=st.integers(0, 10_000))
+def test_planner_properties(R, epn, S, K, pattern, padding, seed):
+    check_invariants(routing(pattern, R, S, K, R * epn, seed), R * epn, padding)
+
+
+@settings(max_examples=80, deadline=None)
+@given(R=st.sampled_from([2, 4, 8, 16]), epn=st.integers(1, 6), C=st.integers(1, 60), sigma=st.floats(0, 4),
+       seed=st.integers(0, 10_000))
+def test_plan_counts_lognormal(R, epn, C, sigma, seed):
+    """Count level on lognormal loads (the benchmark's imbalance model), incl. one-hot extremes."""
+    E = R * epn
+    g = torch.Generator().manual_seed(seed)
+    p = torch.exp(sigma * torch.randn(E, generator=g, dtype=torch.float64))
+    cnt = torch.bincount(torch.multinomial(p, R * C, replacement=True, generator=g), minlength=E)
+    alloc = plan_counts(cnt, R, C)
+    assert alloc.tolist() == ref_alloc(cnt.tolist(), R, C)
+    assert torch.equal(alloc.sum(1), cnt) and (alloc.sum(0) == C).all()
+    home = torch.arange(E) // epn
+    for d in range(R):
+        donors = home[(alloc[:, d] > 0) & (home != d)].unique()
+        assert donors.numel() <= 1
+
+
+def test_worked_example():
+    """R=4, E=8, C=10, group loads (18,12,6,4): b=(8,2,−4,−6); group0→rank3 6, group0→rank2 4, group1→rank0 2."""
+    cnt = torch.tensor([10, 8, 7, 5, 3, 3, 2, 2])
+    z = phase_a(cnt.view(4, 2).sum(1), 10)
+    expect = torch.zeros(4, 4, dtype=torch.long)
+    expect[0, 3], expect[0, 2], expect[1, 0] = 6, 4, 2
+    assert torch.equal(z, expect)
+    alloc = plan_counts(cnt, 4, 10)
+    # phase B: in group 0 expert 0 (10) fills rank 3's quota 6, then expert 1 (8) fills rank 2's 4
+    assert alloc.tolist() == [[4, 0, 0, 6], [4, 0, 4, 0], [2, 5, 0, 0], [0, 5, 0, 0],
+                              [0, 0, 3, 0], [0, 0, 3, 0], [0, 0, 0, 2], [0, 0, 0, 2]]
+
+
+@pytest.mark.parametrize("R,epn", [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)])
+def test_theorem2_instance(R, epn):
+    """Rank 0's home experts get nothing; the other E(R−1)/R experts share R·S·K entries evenly. Any plan
+    needs ≥ ⌈E(R−1)/R²⌉ remote experts on rank 0 (each carries at most R·C/(E(R−1)/R) entries of C)."""
+    E = R * epn
+    n_hot = E - epn
+    C = n_hot * 3  # R·C divisible by n_hot
+    cnt = torch.zeros(E, dtype=torch.long)
+    cnt[epn:] = R * C // n_hot
+    alloc = plan_counts(cnt, R, C)
+    m0 = int((alloc[epn:, 0] > 0).sum())
+    bound = math.ceil(E * (R - 1) / R**2)
+    assert m0 >= bound and m0 <= epn
+    assert int(alloc[:, 0].sum()) == C
+
+
+# ---- integer program: the optimum of min_P max_r m_r(P) ---------------------------------------------------
+def milp_min_max_remote(cnt: list[int], R: int, C: int) -> int:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    E = len(cnt)
+    epn = E // R
+    nA, nY = E * R, E * R  # A[e, r] integer ≥ 0, Y[e, r] ∈ {0, 1} (remote e hosted by r), then m
+    n = nA + nY + 1
+    c = np.zeros(n)
+    c[-1] = 1
+    rows, lo, hi = [], [], []
+    for e in range(E):  # Σ_r A = T_e
+        a = np.zeros(n)
+        a[e * R:(e + 1) * R] = 1
+        rows.append(a), lo.append(cnt[e]), hi.append(cnt[e])
+    for r in range(R):  # Σ_e A = C ; Σ_{e remote} Y − m ≤ 0
+        a = np.zeros(n)
+        a[r:nA:R] = 1
+        rows.append(a), lo.append(C), hi.append(C)
+        b = np.zeros(n)
+        for e in range(E):
+            if e // epn != r:
+                b[nA + e * R + r] = 1
+        b[-1] = -1
+        rows.append(b), lo.append(-np.inf), hi.append(0)
+    for e in range(E):
+        for r in range(R):  # A ≤ T_e · Y for remote pairs
+            if e // epn != r:
+                a = np.zeros(n)
+                a[e * R + r], a[nA + e * R + r] = 1, -cnt[e]
+                rows.append(a), lo.append(-np.inf), hi.append(0)
+    ub = np.concatenate([np.repeat(cnt, R).astype(float), np.ones(nY), [E]])
+    res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=np.ones(n),
+               bounds=Bounds(np.zeros(n), ub))
+    assert res.success, res.message
+    return int(round(res.fun))
+
+
+def milp_cases():
+    """Small lognormal cases (R, E, C, σ, seed) used by the test and by benchmarks/moonep_milp.py."""
+    return [(R, R * epn, C, sigma, seed) for R, epn, C in [(2, 4, 24), (4, 2, 16), (4, 3, 24)]
+            for sigma in (0.5, 1.5, 3.0) for seed in range(2)]
+
+
+def lognormal_counts(E: int, total: int, sigma: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.exp(sigma * torch.randn(E, generator=g, dtype=torch.float64))
+    return torch.bincount(torch.multinomial(p, total, replacement=True, generator=g), minlength=E)
+
+
+def test_milp_lower_bound():
+    """The planner never beats the integer optimum, stays ≤ E/R, and we record the ratio."""
+    ratios = []
+    for R, E, C, sigma, seed in milp_cases()[::3]:
+        cnt = lognormal_counts(E, R * C, sigma, seed)
+        alloc = plan_counts(cnt, R, C)
+        home = torch.arange(E) // (E // R)
+        greedy = max(int(((alloc[:, r] > 0) & (home != r)).sum()) for r in range(R))
+        opt = milp_min_max_remote(cnt.tolist(), R, C)
+        assert opt <= greedy <= E // R
+        ratios.append(greedy / max(opt, 1))
+    assert len(ratios) == 6
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="num_experts=6"):
+        plan_counts(torch.ones(6, dtype=torch.long), 4, 1)
+    with pytest.raises(ValueError, match="sum to"):
+        plan_counts(torch.ones(8, dtype=torch.long), 4, 3)
+    with pytest.raises(ValueError, match="rank=2"):
+        plan(torch.zeros(2, 2, dtype=torch.long), torch.tensor([[4, 0], [0, 4]]), 2)
