@@ -1,0 +1,282 @@
+"""`Engine`: the in-process serving engine (submit / step / abort / generate) over the paged pool, the
+KDA-aware prefix cache, the continuous-batching scheduler and the model runner.
+
+RL "resume": abort a request (the returned output has the partial tokens and their log-probs), then submit
+`prompt + partial tokens` as a new prompt. The prefix cache makes this cheap: the aborted sequence's MLA
+blocks stay cached and its KDA state at the last fine-block boundary it passed becomes a checkpoint, so
+only the tokens after that boundary are recomputed.
+
+Thread safety: every public method takes one lock, so a server may call submit/abort from request
+handlers while a loop thread calls step().
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .pool import PagePool, PoolLayout
+from .prefix_cache import PrefixCache
+from .request import RequestOutput, SamplingParams, Sequence
+from .runner import ModelRunner, SeqInput, text_model
+from .sampling import sample
+from .scheduler import Scheduler
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Sizes in tokens unless named otherwise.
+
+    block_size: tokens per MLA page (the coarse physical block, default 6144).
+    hash_block_size: fine prefix-hash block (default 512); must divide block_size.
+    num_pages: pool pages; None = from `pool_bytes`, else (CUDA) `gpu_memory_fraction` of the free memory,
+        else (CPU) 256 MiB.
+    max_num_seqs / max_num_batched_tokens: batch limits per step (sequences / tokens incl. prefill chunks).
+    max_model_len: prompt + output limit (None = the model's max_position_embeddings).
+    checkpoint_interval: also keep a KDA checkpoint every this many fine blocks of a prompt (0 = only the
+        sparse endpoints: end of prompt, shared-prefix junction, last boundary of a finished sequence).
+    host_cache_bytes: host-memory tier for evicted prefixes (0 = off).
+    affinity_window: how many waiting requests admission considers for the longest prefix hit.
+    detokenize: token ids → text, needed for `SamplingParams.stop` strings.
+    record_logits: keep every sampled position's fp32 logits in `Engine.recorded_logits` (tests, debugging).
+    """
+    block_size: int = 6144
+    hash_block_size: int = 512
+    num_pages: int | None = None
+    pool_bytes: int | None = None
+    gpu_memory_fraction: float = 0.8
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    checkpoint_interval: int = 0
+    host_cache_bytes: int = 0
+    affinity_window: int = 16
+    detokenize: Callable[[list[int]], str] | None = None
+    kda_backend: str = "auto"
+    record_logits: bool = False
+
+    def __post_init__(self):
+        for name in ("block_size", "hash_block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {v!r}")
+        if self.block_size % self.hash_block_size:
+            raise ValueError(f"EngineConfig.hash_block_size ({self.hash_block_size}) must divide block_size "
+                             f"({self.block_size})")
+        if self.checkpoint_interval < 0 or self.host_cache_bytes < 0:
+            raise ValueError("EngineConfig.checkpoint_interval and host_cache_bytes must be >= 0, got "
+                             f"{self.checkpoint_interval} and {self.host_cache_bytes}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig | None = None):
+        self.config = cfg = config or EngineConfig()
+        self.model = model
+        lm = text_model(model)
+        if lm.training:
+            raise ValueError("Engine needs a model in eval mode (call model.eval())")
+        self.text_config = tc = lm.config
+        w = lm.lm_head.weight
+        self.device, self.dtype = w.device, lm.model.embed_tokens.weight.dtype
+        self.max_model_len = cfg.max_model_len or tc.max_position_embeddings
+        layout = PoolLayout.for_model(tc, cfg.block_size, self.dtype)
+        self.pool = PagePool(layout, self._num_pages(layout), self.device)
+        self.cache = (PrefixCache(self.pool, cfg.hash_block_size, cfg.block_size, cfg.host_cache_bytes)
+                      if cfg.enable_prefix_caching else None)
+        self.scheduler = Scheduler(self.pool, self.cache, cfg.hash_block_size, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, cfg.checkpoint_interval, cfg.affinity_window)
+        self.runner = ModelRunner(model, self.pool, cfg.kda_backend)
+        eos = tc.eos_token_id
+        self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        self.requests: dict[str, Sequence] = {}
+        self.recorded_logits: dict[str, list[torch.Tensor]] = {}
+        self._lock = threading.RLock()
+        self.num_finished = self.num_aborted = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    def _num_pages(self, layout: PoolLayout) -> int:
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if cfg.pool_bytes is not None:
+            nbytes = cfg.pool_bytes
+        elif self.device.type == "cuda":
+            nbytes = int(torch.cuda.mem_get_info(self.device)[0] * cfg.gpu_memory_fraction)
+        else:
+            nbytes = 256 << 20
+        return max(2, nbytes // layout.page_bytes)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir, config: EngineConfig | None = None, device=None,
+                        dtype: torch.dtype | str | None = None) -> "Engine":
+        from ..model.k3 import K3ForConditionalGeneration
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = K3ForConditionalGeneration.from_pretrained(checkpoint_dir, dtype=dtype, device=device)
+        return cls(model.eval(), config)
+
+    # ---- requests --------------------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> str:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = [int(t) for t in prompt_token_ids]
+        V = self.text_config.vocab_size
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; need at least one token")
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {V}), got {bad[:5]}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the limit is max_model_len - 1 = "
+                             f"{self.max_model_len - 1}")
+        if params.stop and self.config.detokenize is None:
+            raise ValueError("stop strings need EngineConfig.detokenize")
+        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+        need = -(-total // self.config.block_size) + 1
+        if need > self.pool.num_pages:
+            raise ValueError(f"a request of {total} tokens needs {need} pages but the pool has "
+                             f"{self.pool.num_pages}")
+        with self._lock:
+            rid = request_id if request_id is not None else uuid.uuid4().hex
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            seq = Sequence(request_id=rid, prompt=prompt, params=params, eos=() if params.ignore_eos else self.eos,
+                           generator=gen)
+            self.requests[rid] = seq
+            self.scheduler.waiting.append(seq)
+            self.prompt_tokens_total += len(prompt)
+            if self.config.record_logits:
+                self.recorded_logits[rid] = []
+            return rid
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now; returns its partial tokens (and log-probs) with finish_reason "abort".
+        Raises KeyError for an unknown or already finished request."""
+        with self._lock:
+            seq = self.requests.pop(request_id, None)
+            if seq is None:
+                raise KeyError(f"unknown or finished request id {request_id!r}")
+            self.scheduler.remove(seq)
+            seq.finished, seq.finish_reason = True, "abort"
+            self.num_aborted += 1
+            return seq.to_output()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: outputs for the requests that got tokens (or finished) in it."""
+        with self._lock:
+            work = self.scheduler.schedule()
+            if not work:
+                return []
+            self.num_steps += 1
+            work.sort(key=lambda w: w.n != 1)  # decodes first (the runner's packed layout)
+            inputs = [SeqInput(tokens=w.seq.tokens[w.start:w.start + w.n], start=w.start,
+                               state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample)
+                      for w in work]
+            logits = self.runner.forward(inputs)
+            self.scheduler.after_forward(work)
+            done = [w.seq for w in work if w.sample]
+            if not done:
+                return []
+            toks, lps = sample(logits, [s.params for s in done], [s.generator for s in done])
+            outs = []
+            for i, (seq, t, lp) in enumerate(zip(done, toks, lps)):
+                if self.config.record_logits:
+                    self.recorded_logits[seq.request_id].append(logits[i].detach().cpu())
+                seq.output.append(t)
+                seq.logprobs.append(lp)
+                self.scheduler.on_token(seq)
+                self.generation_tokens_total += 1
+                self._check_stop(seq, t)
+                if seq.finished:
+                    self.scheduler.remove(seq)
+                    del self.requests[seq.request_id]
+                    self.num_finished += 1
+                outs.append(seq.to_output())
+            return outs
+
+    def _check_stop(self, seq: Sequence, t: int) -> None:
+        p = seq.params
+        if t in seq.eos or t in p.stop_token_ids:
+            seq.finished, seq.finish_reason, seq.stop_reason = True, "stop", t
+            return
+        if p.stop:
+            longest = max(len(s) for s in p.stop)
+            text = self.config.detokenize(seq.output[-(longest + 8):])
+            for s in p.stop:
+                if s in text:
+                    seq.finished, seq.finish_reason, seq.stop_reason = True, "stop", s
+                    return
+        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finished, seq.finish_reason = True, "length"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Blocking: run every prompt to completion; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        rids = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        pending = set(rids)
+        while pending:
+            outs = self.step()
+            for o in outs:
+                if o.finished and o.request_id in pending:
+                    final[o.request_id] = o
+                    pending.discard(o.request_id)
+            if not outs and not self.scheduler.running and not self.scheduler.waiting:
+                break
+        return [final[r] for r in rids]
+
+    def stats(self) -> dict:
+        with self._lock:
+            s, c = self.scheduler, self.cache
+            return dict(
+                running=len(s.running), waiting=len(s.waiting),
+                pool_pages_total=self.pool.num_pages, pool_pages_used=self.pool.num_used,
+                pool_pages_cached=0 if c is None else c.num_pages,
+                pool_pages_evictable=0 if c is None else c.num_evictable,
+                pool_page_bytes=self.pool.layout.page_bytes,
+                kv_cache_usage=(self.pool.num_used - (0 if c is None else c.num_evictable)) / self.pool.num_pages,
+                prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
+                prefix_cache_checkpoints=0 if c is None else len(c.ckpt),
+                prefix_cache_blocks=0 if c is None else len(c.mla),
+                prefix_cache_evictions=0 if c is None else c.evictions,
+                host_cache_bytes=0 if c is None or c.host is None else c.host.used,
+                preemptions=s.num_preemptions, checkpoints_saved=s.checkpoints_saved,
+                num_finished=self.num_finished, num_aborted=self.num_aborted, num_steps=self.num_steps,
+                prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            )
+
+    def check_pool(self) -> None:
+        """Pool accounting invariant (tests): every used page is owned by a running sequence or the cache."""
+        with self._lock:
+            self.pool.check()
+            refs = [0] * self.pool.num_pages
+            for seq in self.scheduler.running:
+                for p in seq.mla_pages + [seq.state_page] + ([seq.snap_page] if seq.snap_page is not None else []):
+                    refs[p] += 1
+            if self.cache is not None:
+                for p in self.cache.lru:
+                    refs[p] += 1
+            if refs != self.pool.refcount:
+                bad = [i for i, (a, b) in enumerate(zip(refs, self.pool.refcount)) if a != b]
+                raise AssertionError(f"page reference counts disagree with owners at pages {bad[:10]}")

@@ -1,0 +1,120 @@
+"""Request-level types: `SamplingParams` (what the caller asks for), `RequestOutput` (what it gets back) and
+the engine's internal per-request state `Sequence`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings.
+
+    temperature 0 = greedy; top_k 0 = off; seed makes the request's samples reproducible regardless of
+    what else is batched with it. `stop_token_ids` and the model's EOS (unless `ignore_eos`) end generation
+    with finish_reason "stop" (the stop token is kept in `token_ids`); `stop` strings need the engine's
+    `detokenize` and end generation once the decoded output contains one (tokens are kept up to and
+    including the one that completed it; trimming the text is the caller's job).
+    """
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestOutput:
+    """Progress of one request. `token_ids` = every generated token so far, `new_token_ids` = those of
+    this step; `logprobs` (when requested) has one entry per generated token: log p(token) under the
+    model's distribution (log-softmax of the raw logits, before temperature / top-k / top-p)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_cached_tokens: int
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-internal state of one request (identity-compared)."""
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    eos: tuple[int, ...]
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = field(default_factory=lambda: next(_ids))
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    emitted: int = 0            # output tokens already returned by step()
+    # pool state (valid while running)
+    mla_pages: list[int] = field(default_factory=list)
+    state_page: int | None = None
+    snap_page: int | None = None  # KDA slot holding the state at `snap_pos` (latest fine boundary in decode)
+    snap_pos: int = 0
+    num_computed: int = 0       # tokens whose KV / state are in the pool
+    num_registered: int = 0     # fine hash blocks registered in the prefix cache
+    ckpt_positions: list[int] = field(default_factory=list)  # wanted KDA checkpoints (ascending)
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full fine blocks of `tokens`
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    preempted: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def to_output(self) -> RequestOutput:
+        new = self.output[self.emitted:]
+        self.emitted = len(self.output)
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=list(self.prompt), token_ids=list(self.output),
+            new_token_ids=list(new), logprobs=list(self.logprobs) if self.params.logprobs else None,
+            finished=self.finished, finish_reason=self.finish_reason,
+            num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)

@@ -1,0 +1,271 @@
+"""Continuous-batching scheduler: which tokens of which sequences go into the next forward, and the pages
+they need.
+
+Each step: running sequences first, oldest first (a decode = 1 token, an unfinished prefill = the next
+chunk), then admissions from the waiting queue, all under `max_num_batched_tokens`. A prefill chunk ends at
+the prompt end, at the budget, or at the next wanted KDA checkpoint position (so the state there can be
+copied out after the forward: vLLM's "align" idea). When a running sequence needs a page and none can be
+had even after evicting idle cache pages, the youngest running sequence is preempted (its pages freed, its
+tokens recomputed later — usually from the prefix cache, since its blocks and a checkpoint at its last fine
+boundary stay cached). Admission picks, among the first `affinity_window` waiting requests, the one with the
+longest prefix hit (cache affinity), with aging so that the head of the queue is not skipped for ever.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+
+from .pool import PagePool
+from .prefix_cache import Hit, PrefixCache, extend_hashes
+from .request import Sequence
+
+
+@dataclass
+class Work:
+    seq: Sequence
+    start: int
+    n: int
+    sample: bool  # the chunk ends at the last token: its logits give the next token
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, cache: PrefixCache | None, hash_block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, checkpoint_interval: int = 0, affinity_window: int = 16):
+        self.pool, self.cache = pool, cache
+        self.B = pool.layout.block_size
+        self.h = hash_block_size
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.interval, self.window = checkpoint_interval, affinity_window
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._head_skips = 0
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0     # of which served from the cache
+        self.checkpoints_saved = 0
+
+    # ---- pages ---------------------------------------------------------------------------------------
+    def alloc(self) -> int | None:
+        """A page, evicting idle cached pages (LRU) if needed; None when nothing can be freed."""
+        while not self.pool.num_free:
+            if self.cache is None or not self.cache.evict_one():
+                return None
+        return self.pool.allocate()
+
+    def _grow(self, seq: Sequence, end: int) -> bool:
+        """Make sure seq has MLA pages for positions [0, end). False if a page could not be had."""
+        while len(seq.mla_pages) * self.B < end:
+            p = self.alloc()
+            if p is None:
+                return False
+            seq.mla_pages.append(p)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a sequence's pages; its decode snapshot becomes a cached checkpoint."""
+        if seq.snap_page is not None:
+            kept = (self.cache is not None and seq.snap_pos // self.h <= seq.num_registered
+                    and self.cache.register_checkpoint(seq.hashes[seq.snap_pos // self.h - 1], seq.snap_page))
+            if kept:
+                self.checkpoints_saved += 1
+            else:
+                self.pool.decref(seq.snap_page)
+            seq.snap_page = None
+        for p in seq.mla_pages:
+            self.pool.decref(p)
+        if seq.state_page is not None:
+            self.pool.decref(seq.state_page)
+        seq.mla_pages, seq.state_page = [], None
+        seq.num_computed = seq.num_registered = seq.snap_pos = 0
+        seq.ckpt_positions = []
+
+    # ---- admission -------------------------------------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> Hit:
+        if self.cache is None:
+            return Hit()
+        extend_hashes(seq.hashes, seq.tokens, self.h)
+        return self.cache.lookup(seq.hashes, seq.num_tokens)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Restore the deepest prefix hit into fresh pages for seq. False (nothing changed) if out of pages."""
+        hit = self._lookup(seq)
+        if hit.host_keys:
+            if not self.cache.fetch(hit.host_keys, self.alloc):
+                hit = Hit(mla_run=hit.mla_run)
+            else:
+                hit = self.cache.lookup(seq.hashes, seq.num_tokens)
+                if hit.host_keys:
+                    hit = Hit(mla_run=hit.mla_run)
+        pins = list(hit.full_pages)  # rule 1: pin every page of the hit before allocating anything
+        if hit.partial:
+            pins.append(hit.partial[0])
+        if hit.checkpoint is not None:
+            pins.append(hit.checkpoint)
+        for p in pins:
+            self.pool.incref(p)
+        state = self.alloc()
+        copy = self.alloc() if (hit.partial and state is not None) else None
+        if state is None or (hit.partial and copy is None):
+            for p in pins + [x for x in (state, copy) if x is not None]:
+                self.pool.decref(p)
+            return False
+        # rule 2: copies on the device, before the forward that reads them
+        if hit.checkpoint is not None:
+            self.pool.copy_slot(hit.checkpoint, state)
+            self.pool.decref(hit.checkpoint)
+        else:
+            self.pool.zero_slot(state)
+        seq.mla_pages = list(hit.full_pages)
+        if hit.partial:
+            self.pool.copy_tokens(hit.partial[0], copy, hit.partial[1])
+            self.pool.decref(hit.partial[0])
+            seq.mla_pages.append(copy)
+        if self.cache is not None:
+            self.cache.touch(pins)
+        L = hit.num_tokens
+        seq.state_page, seq.num_computed, seq.num_registered = state, L, L // self.h
+        N = seq.num_tokens
+        want = {(N - 1) // self.h * self.h, N // self.h * self.h}  # end of prompt (and its last full block)
+        if hit.mla_run > L:
+            want.add(hit.mla_run)  # shared-prefix junction
+        if self.interval:
+            want.update(range(self.interval * self.h, N + 1, self.interval * self.h))
+        seq.ckpt_positions = sorted(x for x in want if L < x <= N) if self.cache is not None else []
+        self.prefix_queries += len(seq.prompt)
+        self.prefix_hits += min(L, len(seq.prompt))
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = min(L, len(seq.prompt))
+        return True
+
+    def _pick(self) -> Sequence:
+        head = self.waiting[0]
+        if head.preempted or self.cache is None or self.window <= 1 or self._head_skips >= self.window:
+            self._head_skips = 0
+            return self.waiting.popleft()
+        best, best_hit = head, self._lookup(head).num_tokens
+        for seq in islice(self.waiting, 1, self.window):
+            if seq.preempted:
+                continue
+            L = self._lookup(seq).num_tokens
+            if L > best_hit:
+                best, best_hit = seq, L
+        if best is head:
+            self._head_skips = 0
+        else:
+            self._head_skips += 1
+        self.waiting.remove(best)
+        return best
+
+    def _chunk_end(self, seq: Sequence, budget: int) -> int:
+        end = min(seq.num_tokens, seq.num_computed + budget)
+        for x in seq.ckpt_positions:
+            if x > seq.num_computed:
+                return min(end, x)
+        return end
+
+    def _push_waiting_front(self, seq: Sequence) -> None:
+        """Preempted sequences go back to the front of the queue, oldest first."""
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].preempted and self.waiting[i].order < seq.order:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        seq.preempted += 1
+        self.num_preemptions += 1
+        self._push_waiting_front(seq)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def schedule(self) -> list[Work]:
+        budget = self.budget
+        work: list[Work] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            end = self._chunk_end(seq, budget)
+            while not self._grow(seq, end):
+                self.preempt(self.running[-1])  # the youngest; possibly seq itself
+                if seq.state_page is None:
+                    break
+            if seq.state_page is None:
+                continue
+            work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
+            budget -= end - seq.num_computed
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._pick()
+            if not self._admit(seq):
+                self._return(seq)
+                break
+            end = self._chunk_end(seq, budget)
+            if not self._grow(seq, end):
+                self.release(seq)
+                self._return(seq)
+                break
+            bisect.insort(self.running, seq, key=lambda s: s.order)
+            work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
+            budget -= end - seq.num_computed
+        return work
+
+    def _return(self, seq: Sequence) -> None:
+        if seq.preempted:
+            self._push_waiting_front(seq)
+        else:  # back to its place by arrival order
+            i = bisect.bisect_left([s.order for s in self.waiting], seq.order)
+            self.waiting.insert(i, seq)
+
+    def after_forward(self, work: list[Work]) -> None:
+        """Advance the computed counts; register completed fine blocks and wanted checkpoints."""
+        h, cache = self.h, self.cache
+        for w in work:
+            seq = w.seq
+            seq.num_computed += w.n
+            if cache is None:
+                continue
+            X = seq.num_computed
+            while seq.num_registered < len(seq.hashes) and (seq.num_registered + 1) * h <= X:
+                j = seq.num_registered
+                cache.register_block(seq.hashes[j], seq.mla_pages[j * h // self.B], (j % (self.B // h) + 1) * h)
+                seq.num_registered += 1
+            while seq.ckpt_positions and seq.ckpt_positions[0] < X:
+                seq.ckpt_positions.pop(0)
+            if seq.ckpt_positions and seq.ckpt_positions[0] == X:
+                seq.ckpt_positions.pop(0)
+                self._checkpoint(seq, X)
+            elif w.n == 1 and X % h == 0 and X // h <= seq.num_registered:
+                if seq.snap_page is None:
+                    seq.snap_page = self.alloc()
+                if seq.snap_page is not None:
+                    self.pool.copy_slot(seq.state_page, seq.snap_page)
+                    seq.snap_pos = X
+
+    def _checkpoint(self, seq: Sequence, X: int) -> None:
+        if X // self.h > seq.num_registered:
+            return
+        key = seq.hashes[X // self.h - 1]
+        if key in self.cache.ckpt:
+            return
+        page = self.alloc()
+        if page is None:
+            return
+        self.pool.copy_slot(seq.state_page, page)
+        self.cache.register_checkpoint(key, page)
+        self.checkpoints_saved += 1
+
+    def on_token(self, seq: Sequence) -> None:
+        """A token was appended to seq: hash the fine block it completed, if any."""
+        if self.cache is not None and seq.num_tokens % self.h == 0:
+            extend_hashes(seq.hashes, seq.tokens, self.h)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted), releasing its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

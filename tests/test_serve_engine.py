@@ -1,0 +1,214 @@
+"""Serving engine: runner vs the model's own forward, batching = alone, sampling, stops, abort/resume,
+preemption, and pool accounting under a randomized load (k3-tiny, fp32, CPU)."""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from k3.serve import Engine, EngineConfig, RequestOutput, SamplingParams
+
+TOL = 1e-4  # max |Δlogit| (fp32)
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny(seed=3)
+
+
+def tiny_engine(model, **kw) -> Engine:
+    args = dict(block_size=16, hash_block_size=4, num_pages=96, record_logits=True)
+    args.update(kw)
+    return Engine(model, EngineConfig(**args))
+
+
+def prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[g.randrange(0, 4000) for _ in range(g.randrange(lo, hi))] for _ in range(n)]
+
+
+def full_logits(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """Teacher-forced logits of the model's own forward at every sampled position."""
+    with torch.no_grad():
+        lg = model(torch.tensor([prompt + out])).logits[0]
+    return lg[len(prompt) - 1: len(prompt) - 1 + len(out)]
+
+
+def test_greedy_tokens_and_logits_equal_model_forward(model):
+    eng = tiny_engine(model, max_num_batched_tokens=7)  # several prefill chunks
+    p = prompts(1, 0, 30, 31)[0]
+    out = eng.generate([p], GREEDY)[0]
+    ref = model.generate(torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist()
+    assert out.token_ids == ref
+    diff = (full_logits(model, p, out.token_ids) - torch.stack(eng.recorded_logits[out.request_id])).abs().max()
+    assert diff <= TOL, diff
+    assert out.finished and out.finish_reason == "length" and out.num_cached_tokens == 0
+
+
+def test_batched_requests_equal_each_alone(model):
+    ps = prompts(6, 1)
+    maxt = [3, 9, 5, 12, 1, 7]
+    params = [SamplingParams(max_tokens=m, temperature=0, logprobs=True) for m in maxt]
+    alone = []
+    for p, sp in zip(ps, params):
+        e = tiny_engine(model, enable_prefix_caching=False)
+        alone.append(e.generate([p], sp)[0])
+    eng = tiny_engine(model, enable_prefix_caching=False, max_num_batched_tokens=24)  # mixed prefill + decode
+    together = eng.generate(ps, params)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert len(b.token_ids) == len(b.logprobs)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    for p, b in zip(ps, together):
+        diff = (full_logits(model, p, b.token_ids) - torch.stack(eng.recorded_logits[b.request_id])).abs().max()
+        assert diff <= TOL, diff
+    assert eng.stats()["num_steps"] < sum(len(p) for p in ps)  # they really were batched
+
+
+def test_sampling_seeded_topk_and_logprobs(model):
+    p = prompts(1, 2)[0]
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=123, logprobs=True)
+    e1 = tiny_engine(model)
+    a = e1.generate([p], sp)[0]
+    e2 = tiny_engine(model)
+    others = prompts(3, 3)
+    b = e2.generate(others[:1] + [p] + others[1:], [SamplingParams(max_tokens=6, temperature=1.0)] + [sp]
+                    + [SamplingParams(max_tokens=6, temperature=1.0)] * 2)[1]
+    assert a.token_ids == b.token_ids  # seeded: independent of the batch
+    lg = torch.stack(e1.recorded_logits[a.request_id])
+    ref_lp = torch.log_softmax(lg, -1).gather(-1, torch.tensor(a.token_ids)[:, None])[:, 0]
+    assert torch.allclose(ref_lp, torch.tensor(a.logprobs), atol=1e-5)
+    for row, t in zip(lg, a.token_ids):  # each sampled token lies in the top-k and nucleus sets
+        probs = torch.softmax(row / 0.9, -1)
+        order = probs.argsort(descending=True)
+        rank = (order == t).nonzero().item()
+        assert rank < 50 and probs[order[:rank]].sum() < 0.9
+    k1 = e1.generate([p], SamplingParams(max_tokens=10, temperature=1.3, top_k=1))[0]
+    g = e1.generate([p], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert k1.token_ids == g.token_ids
+    c = e1.generate([p], SamplingParams(max_tokens=10, temperature=0.9, seed=124))[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_stop_tokens_eos_and_stop_strings(model):
+    p = prompts(1, 4)[0]
+    eng = tiny_engine(model, detokenize=lambda ids: " ".join(f"<{i}>" for i in ids))
+    ref = eng.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    out = eng.generate([p], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(ref[4],)))[0]
+    assert out.token_ids == ref[:ref.index(ref[4]) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == ref[4]
+    s = f"<{ref[2]}> <{ref[3]}>"
+    out = eng.generate([p], SamplingParams(max_tokens=12, temperature=0, stop=(s, "never")))[0]
+    assert out.token_ids == ref[:4] and out.finish_reason == "stop" and out.stop_reason == s
+    eng.eos = (ref[1],)  # the model's EOS stops unless ignore_eos
+    assert eng.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].token_ids == ref[:2]
+    assert eng.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids == ref
+    with pytest.raises(ValueError, match="detokenize"):
+        tiny_engine(model).submit(p, SamplingParams(stop=("x",)))
+
+
+def test_abort_returns_partial_and_resume_uses_the_cache(model):
+    p = prompts(1, 5, 21, 22)[0]
+    eng = tiny_engine(model)
+    full = eng.generate([p], SamplingParams(max_tokens=16, temperature=0, logprobs=True))[0]
+    eng.cache.clear()
+    rid = eng.submit(p, SamplingParams(max_tokens=16, temperature=0, logprobs=True))
+    got = []
+    while len(got) < 9:
+        for o in eng.step():
+            got += o.new_token_ids
+    part = eng.abort(rid)
+    assert part.finished and part.finish_reason == "abort"
+    assert part.token_ids == full.token_ids[:len(part.token_ids)] and len(part.token_ids) >= 9
+    assert part.logprobs == pytest.approx(full.logprobs[:len(part.token_ids)], abs=1e-5)
+    with pytest.raises(KeyError):
+        eng.abort(rid)
+    # resume: prompt + partial tokens; the aborted sequence left a checkpoint at its last fine boundary
+    resumed = eng.generate([p + part.token_ids],
+                           SamplingParams(max_tokens=16 - len(part.token_ids), temperature=0))[0]
+    n = len(p) + len(part.token_ids)
+    assert resumed.num_cached_tokens == (n - 1) // 4 * 4 > len(p)
+    assert part.token_ids + resumed.token_ids == full.token_ids
+    eng.check_pool()
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(model):
+    ps = prompts(6, 6, 20, 40)
+    sp = SamplingParams(max_tokens=14, temperature=0)
+    ref = tiny_engine(model, enable_prefix_caching=False).generate(ps, sp)
+    for caching in (False, True):
+        eng = tiny_engine(model, num_pages=14, enable_prefix_caching=caching)
+        outs = eng.generate(ps, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        assert eng.stats()["preemptions"] > 0
+        eng.check_pool()
+
+
+def test_bad_requests_are_rejected(model):
+    eng = tiny_engine(model)
+    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(seed=1.5),
+                dict(stop_token_ids=(-3,)), dict(stop=("",))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="empty"):
+        eng.submit([], GREEDY)
+    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
+        eng.submit([1, 4096], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_engine(model, max_model_len=8).submit(list(range(8)), GREEDY)
+    with pytest.raises(ValueError, match="pages"):
+        tiny_engine(model, num_pages=3).submit(list(range(40)), SamplingParams(max_tokens=20))
+    eng.submit([1, 2], GREEDY, request_id="a")
+    with pytest.raises(ValueError, match="in flight"):
+        eng.submit([1, 2], GREEDY, request_id="a")
+    with pytest.raises(ValueError, match="divide"):
+        EngineConfig(block_size=16, hash_block_size=5)
+
+
+def run_random_load(model, seconds: float, seed: int = 0) -> dict:
+    """Random submissions (shared prefixes, branching), aborts and a pool small enough to force
+    preemptions; checks accounting at every step and that each request ends exactly once."""
+    rng = random.Random(seed)
+    eng = tiny_engine(model, num_pages=20, max_num_batched_tokens=48, max_num_seqs=8, record_logits=False)
+    systems = prompts(3, seed + 100, 8, 20)
+    submitted, finished, final = set(), {}, {}
+    t0, i = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds or eng.has_unfinished():
+        if time.monotonic() - t0 < seconds and rng.random() < 0.5 and len(submitted) - len(finished) < 12:
+            p = rng.choice(systems) + [rng.randrange(4000) for _ in range(rng.randrange(1, 30))]
+            sp = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0, 0.8]),
+                                seed=rng.choice([None, i]), logprobs=True)
+            rid = eng.submit(p, sp, request_id=f"r{i}")
+            submitted.add(rid)
+            i += 1
+        live = sorted(submitted - set(finished))
+        if live and rng.random() < 0.08:
+            rid = rng.choice(live)
+            o = eng.abort(rid)
+            assert rid not in finished and o.finish_reason == "abort"
+            finished[rid] = o
+        for o in eng.step():
+            assert isinstance(o, RequestOutput) and o.request_id not in finished
+            assert len(o.token_ids) == len(o.logprobs) <= 39
+            if o.finished:
+                finished[o.request_id] = o
+        eng.check_pool()
+    assert set(finished) == submitted
+    st = eng.stats()
+    assert st["running"] == st["waiting"] == 0
+    assert st["pool_pages_used"] == st["pool_pages_cached"]  # only the cache holds pages
+    eng.cache.clear()
+    assert eng.pool.num_free == eng.pool.num_pages
+    eng.pool.check()
+    return dict(st, requests=len(submitted))
+
+
+def test_randomized_load_frees_every_page(model):
+    seconds = float(os.environ.get("K3_SERVE_LOAD_SECONDS", "20"))
+    st = run_random_load(model, seconds)
+    assert st["preemptions"] > 0 and st["num_aborted"] > 0 and st["prefix_cache_hits"] > 0
+    print(st)
