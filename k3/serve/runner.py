@@ -15,6 +15,7 @@ model's own forward.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,9 @@ class ModelRunner:
         self.pool = pool
         self.B = pool.layout.block_size
         self.kda_backend = kda_backend
-        self.decode_backend = "torch" if kda_backend in ("torch", "reference") else "auto"
+        # the decode dispatch takes a backend once the Triton kernel is in (older versions: torch only)
+        self.decode_kw = ({"backend": "torch" if kda_backend in ("torch", "reference") else "auto"}
+                          if "backend" in inspect.signature(kda_decode_step).parameters else {})
         self.layers = self.lm.model.decoder_layers
         self.slot = {}  # layer index -> index among KDA (resp. MLA) layers in the pool
         nk = nm = 0
@@ -163,7 +166,7 @@ class ModelRunner:
         if nd:  # gather the slots into a contiguous batch (the Triton decode kernel wants one), scatter back
             st = state_pool[slots[:nd]]
             o[:nd], st = kda_decode_step(q[:nd], kk[:nd], v[:nd], g[:nd], beta[:nd], st,
-                                         use_qk_l2norm_in_kernel=True, backend=self.decode_backend)
+                                         use_qk_l2norm_in_kernel=True, **self.decode_kw)
             state_pool[slots[:nd]] = st
         if nd < len(seqs):
             lens = [len(s.tokens) for s in seqs[nd:]]
