@@ -274,12 +274,20 @@ def planner_timing(a, device) -> list[dict]:
                            for _ in range(R)])
         idx = torch.multinomial(p, S * K, replacement=True, generator=g).view(S, K)
         tpe[0] = torch.bincount(idx.reshape(-1), minlength=E)
-        fns = {"plan_counts": lambda: plan_counts(tpe.sum(0), R, S * K),
-               "plan": lambda: plan(idx, tpe, 0, a.padding)}
+        fns = {"plan_counts[torch]": lambda: plan_counts(tpe.sum(0), R, S * K, backend="torch"),
+               "plan[torch]": lambda: plan(idx, tpe, 0, a.padding, backend="torch")}
+        if cuda:
+            fns.update({"plan_counts[triton]": lambda: plan_counts(tpe.sum(0), R, S * K, backend="triton"),
+                        "plan[auto]": lambda: plan(idx, tpe, 0, a.padding)})
         for name, fn in fns.items():
             row = {"E": E, "R": R, "SK": S * K, "fn": name}
-            for _ in range(3):
-                fn()
+            try:
+                for _ in range(3):
+                    fn()
+            except Exception as e:  # noqa: BLE001 - report, keep going
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                continue
             ts = []
             for _ in range(a.reps * 2):
                 sw = Stopwatch(cuda)
@@ -363,6 +371,8 @@ def run(a) -> dict | None:
         if cuda:
             torch.cuda.empty_cache()
     dist.barrier()
+    from k3.dist.moonep.planner import _TRITON
+    result["config"]["triton_planner"] = _TRITON["status"]
     if rank == 0:
         result["planner"] = planner_timing(a, device)
     dist.barrier()
@@ -375,6 +385,7 @@ STAGES_N = ["plan", "dispatch", "gemm", "combine", "backward", "total"]
 
 def report(res: dict, a) -> None:
     c = res["config"]
+    print(f"grouped_mm: {c['grouped_mm']}; MoonEP planner Triton kernel: {c.get('triton_planner')}")
     print(f"\nMoonEP vs naive all-to-all-v: R={c['R']} S={c['S']} H={c['H']} K={c['K']} ffn={c['ffn']} "
           f"padding={c['padding']} {c['dtype']} on {c['device']} (ms, median of {c['reps']}, max over ranks)")
     hdr = "| E | maxvio | method | " + " | ".join(STAGES_M) + " | recv rows | peak GiB |"
@@ -388,7 +399,10 @@ def report(res: dict, a) -> None:
                   f"{m.get('peak_mem_gib', float('nan')):.2f} |")
     print("\nPlanner alone (rank 0):")
     for p in res.get("planner", []):
-        print(f"  {p['fn']:12s} E={p['E']} R={p['R']} S·K={p['SK']}: eager {p['eager_us']:.0f} µs"
+        if "error" in p:
+            print(f"  {p['fn']:20s} E={p['E']} R={p['R']}: failed: {p['error']}")
+            continue
+        print(f"  {p['fn']:20s} E={p['E']} R={p['R']} S·K={p['SK']}: eager {p['eager_us']:.0f} µs"
               + (f", CUDA graph {p['graph_us']:.0f} µs" if "graph_us" in p else "")
               + (f", graph failed: {p['graph_error']}" if "graph_error" in p else ""))
 

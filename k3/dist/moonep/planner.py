@@ -67,12 +67,38 @@ def phase_b(counts: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return moved
 
 
-def plan_counts(tokens_per_expert: torch.Tensor, num_ranks: int, capacity: int) -> torch.Tensor:
+_TRITON = {"status": "untried"}  # "ok" after the first successful GPU launch, or the error that disabled it
+
+
+def plan_counts(tokens_per_expert: torch.Tensor, num_ranks: int, capacity: int, backend: str = "auto") -> torch.Tensor:
     """Count-level plan: tokens_per_expert [E] global counts summing to num_ranks·capacity → alloc [E, R].
 
     alloc[e, r] = entries of expert e executed on rank r; Σ_r alloc[e] = counts[e], Σ_e alloc[:, r] = capacity.
-    Sizes are checked; the sum is checked only on CPU (on GPU that would be a host sync).
+    Sizes are checked; the sum is checked only on CPU (on GPU that would be a host sync). backend: "torch",
+    "triton" (one single-program kernel), or "auto" (Triton on CUDA when it works, else torch; a failed
+    Triton launch is reported once with a warning and the torch path is used from then on).
     """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    use_triton = backend == "triton" or (backend == "auto" and tokens_per_expert.is_cuda
+                                         and _TRITON["status"] in ("untried", "ok"))
+    if use_triton:
+        _check_geometry(tokens_per_expert.numel(), num_ranks, capacity)
+        try:
+            from .planner_triton import plan_counts_triton
+            out = plan_counts_triton(tokens_per_expert, num_ranks, capacity)
+            _TRITON["status"] = "ok"
+            return out
+        except Exception as e:  # noqa: BLE001
+            if backend == "triton":
+                raise
+            import warnings
+            _TRITON["status"] = f"{type(e).__name__}: {e}"[:300]
+            warnings.warn(f"MoonEP Triton planner unavailable ({_TRITON['status']}); using the torch path")
+    return _plan_counts_torch(tokens_per_expert, num_ranks, capacity)
+
+
+def _plan_counts_torch(tokens_per_expert: torch.Tensor, num_ranks: int, capacity: int) -> torch.Tensor:
     E = tokens_per_expert.numel()
     _check_geometry(E, num_ranks, capacity)
     cnt = tokens_per_expert.reshape(num_ranks, E // num_ranks).long()
@@ -122,7 +148,8 @@ class MoonEPPlan:
         return self.cu_seqlens[self.rank]
 
 
-def plan(topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor, rank: int, padding: int = 1) -> MoonEPPlan:
+def plan(topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor, rank: int, padding: int = 1,
+         backend: str = "auto") -> MoonEPPlan:
     """Full plan for this rank: topk_idx [S, K] (own routing; a token may repeat an expert), tokens_per_expert
     [R, E] (every rank's bincount, e.g. all-gathered) → MoonEPPlan. Pure tensor code, no collectives."""
     if topk_idx.dim() != 2 or tokens_per_expert.dim() != 2:
@@ -136,7 +163,7 @@ def plan(topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor, rank: int, pad
     dev, epn, C = topk_idx.device, E // R, S * K
     nvs = num_slots(S, K, E, R, padding)
     tpe = tokens_per_expert.long()
-    alloc = plan_counts(tpe.sum(0), R, C)  # [E, R]
+    alloc = plan_counts(tpe.sum(0), R, C, backend)  # [E, R]
     ranks, experts = torch.arange(R, device=dev), torch.arange(E, device=dev)
     home = experts // epn
 
