@@ -1,24 +1,30 @@
-"""Kimi Delta Attention (KDA) ops, with `chunk_kda` as the one dispatch point.
+"""Kimi Delta Attention (KDA) ops, with `chunk_kda` / `chunk_kda_gated` as the dispatch points.
 
-Backends: "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), "torch" (chunk_kda_torch, chunked
-PyTorch with autograd, any device), "reference" (recurrent_kda, token loop). "auto" picks fla
-when it is importable and the inputs are on CUDA, else torch. All share the fla contract:
+Backends: "triton" (k3's own Triton kernels, `k3.ops.kda.triton`: 16-token tiles that need K3's
+lower-bounded gate, g >= -5), "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), "torch"
+(chunk_kda_torch, chunked PyTorch with autograd, any device), "reference" (recurrent_kda, token
+loop). "auto" picks triton for CUDA inputs when triton imports (and, for an activated g, when
+g >= -5), else fla when importable and on CUDA, else torch. All share the fla contract:
 q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (K-first).
 """
 from __future__ import annotations
 
 import functools
 
+import torch
+
 from ._common import check_inputs
 from .chunk import chunk_kda_torch
-from .decode import fused_recurrent_kda, kda_decode_step
+from .decode import fused_recurrent_kda as _fused_recurrent_torch
+from .decode import kda_decode_step as _decode_step_torch
 from .gate import kda_gate, l2norm
 from .reference import recurrent_kda
 
-__all__ = ["chunk_kda", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
-           "kda_decode_step", "kda_gate", "l2norm", "fla_available", "BACKENDS"]
+__all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
+           "kda_decode_step", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS"]
 
-BACKENDS = ("auto", "fla", "torch", "reference")
+BACKENDS = ("auto", "fla", "torch", "reference", "triton")
+TRITON_G_MIN = -5.0  # the Triton tiles need every per-token log decay >= this (K3's lower bound)
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,36 +37,159 @@ def fla_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when k3's Triton KDA kernels import (tried once, on first use)."""
+    try:
+        from . import triton as _  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def _fla_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                   use_qk_l2norm_in_kernel):
+                   use_qk_l2norm_in_kernel, **gate_kw):
     from fla.ops.kda import chunk_kda as fla_chunk_kda
     return fla_chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, **gate_kw)
+
+
+def _check_backend(fn, backend, q):
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if backend == "fla":
+        if not q.is_cuda:
+            raise ValueError(f"{fn}: backend 'fla' needs CUDA tensors")
+        if not fla_available():
+            raise ValueError(f"{fn}: backend 'fla' requested but fla is not importable")
+    if backend == "triton" and not triton_available():
+        raise ValueError(f"{fn}: backend 'triton' requested but triton is not importable")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto"):
+              cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", states_at=None):
     """KDA over whole sequences (training and prefill); returns (o [B, T, H, V], final state or None).
 
     g is the activated per-token log decay (see `kda_gate`), beta is post-sigmoid; see the
-    module docstring for shapes and `BACKENDS` for the choices of `backend`.
+    module docstring for shapes and `BACKENDS` for the choices of `backend`. `states_at` (triton
+    only): packed token positions, each a multiple of 16 tokens into its sequence or its end; the
+    states there are returned as a third output [M, H, K, V] fp32 (for the serving prefix cache).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    _check_backend("chunk_kda", backend, q)
     check_inputs("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
+        if q.is_cuda and triton_available() and (states_at is not None or bool(g.min() >= TRITON_G_MIN)):
+            backend = "triton"
+        else:
+            backend = "fla" if q.is_cuda and fla_available() else "torch"
+    if states_at is not None and backend != "triton":
+        raise ValueError(f"chunk_kda: states_at is supported by backend 'triton' only, not {backend!r}")
     args = (q, k, v, g, beta)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if backend == "triton":
+        if g.numel() and bool(g.min() < TRITON_G_MIN):
+            raise ValueError(f"chunk_kda: backend 'triton' needs g >= {TRITON_G_MIN} (K3's lower-bounded gate) "
+                             f"but min(g) = {float(g.min()):.3g}; use backend 'fla' or 'torch'")
+        from .triton import chunk_kda_triton
+        return chunk_kda_triton(*args, states_at=states_at, **kw)
     if backend == "fla":
-        if not q.is_cuda:
-            raise ValueError("chunk_kda: backend 'fla' needs CUDA tensors")
-        if not fla_available():
-            raise ValueError("chunk_kda: backend 'fla' requested but fla is not importable")
         return _fla_chunk_kda(*args, **kw)
     if backend == "reference":
         return recurrent_kda(*args, **kw)
     return chunk_kda_torch(*args, **kw)
+
+
+def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, initial_state=None,
+                    output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True,
+                    lower_bound=-5.0, backend="auto", states_at=None):
+    """KDA from the raw gate pre-activation f [B, T, H, K] and the beta logits [B, T, H].
+
+    g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)) (K3's gate, `kda_gate`), beta =
+    sigmoid(beta_logit); the triton backend fuses both (and the l2norm) into its kernels, with
+    gradients for f, beta_logit, A_log [H] and dt_bias [H*K]; fla runs its in-kernel safe gate; torch
+    and reference apply `kda_gate` and the sigmoid first. Returns as `chunk_kda`.
+    """
+    _check_backend("chunk_kda_gated", backend, q)
+    check_inputs("chunk_kda_gated", q, k, v, f, beta_logit, initial_state, cu_seqlens,
+                 strict_state_dtype=backend != "reference")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and triton_available() else ("fla" if q.is_cuda and fla_available() else "torch")
+    if states_at is not None and backend != "triton":
+        raise ValueError(f"chunk_kda_gated: states_at is supported by backend 'triton' only, not {backend!r}")
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if backend == "triton":
+        from .triton import chunk_kda_gated_triton
+        return chunk_kda_gated_triton(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound=lower_bound,
+                                      states_at=states_at, **kw)
+    if backend == "fla":
+        return _fla_chunk_kda(q, k, v, f, beta_logit, A_log=A_log.reshape(-1), dt_bias=dt_bias,
+                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                              lower_bound=lower_bound, **kw)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(beta_logit.float())
+    if backend == "reference" or f.dtype == torch.float64:
+        g, beta = g.to(torch.promote_types(g.dtype, f.dtype)), beta.to(torch.promote_types(beta.dtype, f.dtype))
+    return (recurrent_kda if backend == "reference" else chunk_kda_torch)(q, k, v, g, beta, **kw)
+
+
+def _use_triton_decode(backend, q, state, *grad_inputs):
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown decode backend {backend!r}; valid backends are auto, torch, triton")
+    if backend == "torch":
+        return False
+    ok = (q.is_cuda or backend == "triton") and triton_available()
+    ok = ok and (state is None or (state.dtype == torch.float32 and state.is_contiguous()))
+    ok = ok and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in grad_inputs))
+    if backend == "triton" and not ok:
+        raise ValueError("decode backend 'triton' needs triton, an fp32 contiguous state and no autograd")
+    return ok
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto"):
+    """Token-recurrent KDA for decode and short prefills (fla's `fused_recurrent_kda` contract).
+
+    backend "auto" runs the Triton decode kernel on CUDA without autograd, else the PyTorch loop
+    (`decode.fused_recurrent_kda`, differentiable). Returns (o [B, T, H, V], final state or None).
+    """
+    if not _use_triton_decode(backend, q, initial_state, q, k, v, g, beta, initial_state):
+        return _fused_recurrent_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel)
+    from .triton import kda_decode_triton
+    N = check_inputs("fused_recurrent_kda", q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if initial_state is None:
+        state = torch.zeros(N, H, K, V, device=q.device, dtype=torch.float32)
+    else:
+        state = initial_state.clone()
+    cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=q.device)
+    flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o = kda_decode_triton(*flat, state, cu_seqlens=cu, scale=scale,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o.reshape(B, T, H, V), (state if output_final_state else None)
+
+
+def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False,
+                    state_indices=None, inplace=True, backend="auto"):
+    """Advance N sequences by ONE token each (see `decode.kda_decode_step` for the contract).
+
+    backend "auto" runs the Triton decode kernel on CUDA (fp32 contiguous state, no autograd):
+    the indexed pool slots are updated in place and every other slot is left untouched.
+    """
+    if not _use_triton_decode(backend, q, state, q, k, v, g, beta) or q.dim() != 3:
+        return _decode_step_torch(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, state_indices, inplace)
+    from .triton import kda_decode_triton
+    N, H, K = q.shape
+    if state_indices is None and tuple(state.shape) != (N, H, K, v.shape[-1]):
+        raise ValueError(f"kda_decode_step: state must have shape [N,H,K,V]={(N, H, K, v.shape[-1])} "
+                         f"but got {tuple(state.shape)}")
+    if not inplace:
+        state = state.clone()
+    o = kda_decode_triton(q, k, v, g, beta, state, state_indices=state_indices, scale=scale,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o, state

@@ -24,7 +24,8 @@ CFG = {
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "4")),
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
-    "dot_prec": os.environ.get("K3_KDA_DOT_PREC", "tf32"),
+    # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
+    "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
 }
 
 
@@ -82,13 +83,17 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags):
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK, BV = _blk(K), _blk(V)
     kda_intra_fwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, chunks, w, u, qe, kg, aqk, gc,
-                                  H, K, V, scale, lb, BK=BK, BV=BV, DOT_PREC=CFG["dot_prec"],
+                                  H, K, V, scale, lb, BK=BK, BV=BV, DOT_PREC=_prec(q.dtype),
                                   num_warps=CFG["intra_warps"], **flags)
     return w, u, qe, kg, aqk, gc
 
 
 def _blk(d):
     return max(16, triton.next_power_of_2(d))
+
+
+def _prec(dtype):
+    return CFG["dot_prec"] or ("ieee" if dtype == torch.float32 else "tf32")
 
 
 def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0):
@@ -104,7 +109,7 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
         w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
-        STORE_SEL=slot is not None, DOT_PREC=CFG["dot_prec"], num_warps=CFG["fwd_warps"])
+        STORE_SEL=slot is not None, DOT_PREC=_prec(w.dtype), num_warps=CFG["fwd_warps"])
     return o, ht, hall, vnew, hsel
 
 
@@ -150,7 +155,7 @@ class _ChunkKDA(torch.autograd.Function):
         kda_recur_bwd_kernel[(N, H, NV)](
             qe, kg, w, aqk, gc, hall, vnew, do, dht, dh0, dqe, dw, dkg, daqk, du, dgc, cu, coff,
             H, K, V, NC, Tt, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            DOT_PREC=CFG["dot_prec"], num_warps=CFG["bwd_warps"])
+            DOT_PREC=_prec(qp.dtype), num_warps=CFG["bwd_warps"])
         del hall, vnew, w, u, qe, kg, aqk
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)
         dv = torch.empty_like(vp)
@@ -162,7 +167,7 @@ class _ChunkKDA(torch.autograd.Function):
         kda_intra_bwd_kernel[(NC, H)](
             qp, kp, vp, gp, bp, A_log, dt_bias, chunks, dqe, dw, dkg, daqk, du, dgc,
             dq, dk, dv, dg, db, ddtb, dalog, H, K, V, NC, Tt, scale, lb,
-            NV=NV, BK=_blk(K), BV=_blk(V), DOT_PREC=CFG["dot_prec"], num_warps=CFG["intra_bwd_warps"], **flags)
+            NV=NV, BK=_blk(K), BV=_blk(V), DOT_PREC=_prec(qp.dtype), num_warps=CFG["intra_bwd_warps"], **flags)
         dA_log = dalog.sum(0).reshape(ashape) if gate else None
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731

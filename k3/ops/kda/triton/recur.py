@@ -64,8 +64,8 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
         S = S * tl.exp(gC)[:, None] + tl.dot(tl.trans(kg), vn, input_precision=DOT_PREC)
         if STORE_SEL:
             slot = tl.load(slot_ptr + c0 + i)
-            tl.store(hsel_ptr + (tl.maximum(slot, 0) * H + h).to(tl.int64) * K * V + soff, S,
-                     mask=sm & (slot >= 0))
+            if slot >= 0:
+                tl.store(hsel_ptr + (slot * H + h).to(tl.int64) * K * V + soff, S, mask=sm)
     if STORE_HT:
         tl.store(ht_ptr + (n * H + h) * K * V + soff, S, mask=sm)
 

@@ -1,0 +1,307 @@
+"""k3's Triton KDA kernels against the fp64 token-recurrent oracle.
+
+Without CUDA the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set
+before the kernel modules are imported), at small sizes; with CUDA the same checks run on the GPU
+plus bf16 / head-dim-128 cases. Metric: relative RMS error ||ref - x|| / ||ref|| with the issue's
+bars: o, final state 5e-3; dq, dk, dv, dh0 8e-3; df (dg), dbeta, dA_log, ddt_bias 2e-2.
+"""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from k3.ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_gate,  # noqa: E402
+                        recurrent_kda)
+
+DEV = "cuda" if CUDA else "cpu"
+TOL = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3,
+       "df": 2e-2, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2}
+# fp32 through the interpreter is near-exact (measured <= 1e-6): a tighter bar there also catches
+# small systematic errors. On the GPU, fp32 inputs use exact-fp32 dots too.
+STRICT = 1e-4
+
+
+def _kernels():
+    """The Triton submodules, (re)imported so that they honour TRITON_INTERPRET on CPU-only hosts."""
+    names = ["k3.ops.kda.triton.intra", "k3.ops.kda.triton.recur", "k3.ops.kda.triton.decode",
+             "k3.ops.kda.triton.chunk", "k3.ops.kda.triton"]
+    mods = [importlib.import_module(n) for n in names]
+    if not CUDA and "Interpreted" not in type(mods[0].kda_intra_fwd_kernel).__name__:
+        mods = [importlib.reload(sys.modules[n]) for n in names]  # imported before the env var was set
+    return mods[-1]
+
+
+KT = _kernels()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rmse(ref, x):
+    ref, x = ref.double(), x.double()
+    return ((ref - x).norm() / ref.norm()).item()
+
+
+def make(B, T, H, K, V, seed, f_shift=0.0, f_scale=1.0, N=None, h0=True):
+    """Raw inputs of the fused path: q, k unnormalised; f the gate pre-activation; beta logits;
+    a distinct A_log per head; dt_bias; h0; and the upstream gradients do, dht."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    N = N or B
+    x = dict(q=r(B, T, H, K) + 0.5, k=r(B, T, H, K), v=r(B, T, H, V), f=f_shift + f_scale * r(B, T, H, K),
+             beta=r(B, T, H), A_log=torch.linspace(-1.0, 1.5, H), dt_bias=r(H * K),
+             h0=r(N, H, K, V) if h0 else None)
+    grads = dict(do=r(B, T, H, V), dht=r(N, H, K, V))
+    return x, grads
+
+
+def run_gated(fn, x, gr, dtype, **kw):
+    """fn(q, k, v, f, beta_logit, A_log, dt_bias, initial_state=...) on leaf copies; returns outputs and grads."""
+    leaf = {n: (t.detach().to(DEV, dtype if n not in ("A_log", "dt_bias", "h0") or dtype == torch.float64
+                               else torch.float32).requires_grad_() if t is not None else None)
+            for n, t in x.items()}
+    o, ht = fn(leaf["q"], leaf["k"], leaf["v"], leaf["f"], leaf["beta"], leaf["A_log"], leaf["dt_bias"],
+               initial_state=leaf["h0"], output_final_state=True, **kw)
+    ((o.double() * gr["do"].to(DEV).double()).sum() + (ht.double() * gr["dht"].to(DEV).double()).sum()).backward()
+    out = {"o": o.detach(), "ht": ht.detach()}
+    out.update({"d" + ("f" if n == "f" else n): t.grad for n, t in leaf.items() if t is not None})
+    return out
+
+
+def reference_gated(q, k, v, f, beta, A_log, dt_bias, **kw):
+    return chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, backend="reference", **kw)
+
+
+def triton_gated(q, k, v, f, beta, A_log, dt_bias, **kw):
+    return chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, backend="triton", **kw)
+
+
+def compare(x, gr, dtype=torch.float32, strict=None, **kw):
+    ref = run_gated(reference_gated, x, gr, torch.float64, **kw)
+    out = run_gated(triton_gated, x, gr, dtype, **kw)
+    errs = {}
+    for name, r in ref.items():
+        t = out[name]
+        assert torch.isfinite(t).all(), f"{name} has NaN/Inf"
+        errs[name] = rmse(r, t)
+    bad = {n: e for n, e in errs.items() if e > (TOL[n] if strict is None else min(TOL[n], strict))}
+    assert not bad, f"over tolerance: {bad}; all: {errs}"
+    return errs
+
+
+# ---------------------------------------------------------------- values and gradients
+GATES = [(-8.0, 1.0), (-4.0, 1.0), (0.0, 1.0), (8.0, 1.0), (0.0, 8.0)]
+
+
+@pytest.mark.parametrize("f_shift,f_scale", GATES, ids=["f~-8", "f~-4", "f~0", "f~+8", "f~N(0,64)"])
+def test_gated_extreme_gates(f_shift, f_scale):
+    """Fused gate/beta/l2norm, per-head A_log, T = 37 (not a multiple of 16), gate regimes near -5 and 0."""
+    x, gr = make(1, 37, 2, 32, 16, seed=int(f_shift * 10 + f_scale), f_shift=f_shift, f_scale=f_scale)
+    compare(x, gr, strict=None if CUDA else STRICT)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_short_and_boundary_lengths(T):
+    x, gr = make(2, T, 2, 16, 32, seed=100 + T)
+    compare(x, gr, strict=None if CUDA else STRICT)
+
+
+def test_head_dim_128():
+    x, gr = make(1, 20, 2, 128, 128, seed=7)
+    compare(x, gr, strict=None if CUDA else STRICT)
+
+
+def test_varlen():
+    cu = [0, 5, 21, 21, 60, 77]
+    x, gr = make(1, cu[-1], 2, 32, 16, seed=8, N=len(cu) - 1, f_scale=4.0)
+    compare(x, gr, strict=None if CUDA else STRICT, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
+
+
+def test_activated_gate_path():
+    """chunk_kda(backend='triton'): activated g and post-sigmoid beta, no l2norm in the kernel."""
+    x, gr = make(1, 40, 2, 32, 16, seed=9)
+    g = kda_gate(x["f"], x["A_log"], x["dt_bias"])
+    q = torch.nn.functional.normalize(x["q"], dim=-1)
+    k = torch.nn.functional.normalize(x["k"], dim=-1)
+    beta = torch.sigmoid(x["beta"])
+    res = {}
+    for name, dt in (("triton", torch.float32), ("reference", torch.float64)):
+        leaf = [t.detach().to(DEV, dt).clone().requires_grad_() for t in (q, k, x["v"], g, beta, x["h0"])]
+        o, ht = chunk_kda(*leaf[:5], initial_state=leaf[5], output_final_state=True, backend=name)
+        ((o.double() * gr["do"].to(DEV).double()).sum() + (ht.double() * gr["dht"].to(DEV).double()).sum()).backward()
+        res[name] = [o, ht] + [t.grad for t in leaf]
+    for n, r, t in zip(["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"], res["reference"], res["triton"]):
+        assert rmse(r, t) <= min(TOL[n], STRICT if not CUDA else 1.0), (n, rmse(r, t))
+
+
+def test_no_initial_state_no_dht():
+    """Without h0 and without using the final state (the training call)."""
+    x, _ = make(2, 30, 2, 32, 32, seed=10, h0=False)
+    leaf = {n: t.to(DEV).requires_grad_() for n, t in x.items() if t is not None}
+    o, ht = triton_gated(*(leaf[n] for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias")))
+    assert ht is None
+    o.square().sum().backward()
+    ref = {n: t.double().detach().requires_grad_() for n, t in leaf.items()}
+    ro, _ = reference_gated(*(ref[n] for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias")))
+    ro.square().sum().backward()
+    assert rmse(ro, o) <= 5e-3
+    for n in leaf:
+        assert rmse(ref[n].grad, leaf[n].grad) <= 2e-2, n
+
+
+# ---------------------------------------------------------------- causality and continuation
+def _gated_args(x, dev=DEV):
+    return [x[n].to(dev) for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias")]
+
+
+def test_prefix_causality():
+    x, _ = make(1, 50, 2, 32, 16, seed=11)
+    y, _ = make(1, 50, 2, 32, 16, seed=12)
+    P = 21  # inside the second 16-token chunk
+    z = dict(x)
+    for n in ("q", "k", "v", "f", "beta"):
+        z[n] = torch.cat([x[n][:, :P], y[n][:, P:]], 1)
+    oa, _ = triton_gated(*_gated_args(x), initial_state=x["h0"].to(DEV))
+    ob, _ = triton_gated(*_gated_args(z), initial_state=x["h0"].to(DEV))
+    assert (oa[:, :P] - ob[:, :P]).abs().max().item() <= 1e-6
+    assert not torch.allclose(oa[:, P:], ob[:, P:])
+
+
+def test_split_and_carry_equals_whole():
+    x, _ = make(2, 70, 2, 32, 16, seed=13)
+    a = _gated_args(x)
+    o, ht = triton_gated(*a, initial_state=x["h0"].to(DEV), output_final_state=True)
+    P = 27
+    cut = lambda s: [t[:, s] for t in a[:5]] + a[5:]  # noqa: E731
+    o1, h1 = triton_gated(*cut(slice(0, P)), initial_state=x["h0"].to(DEV), output_final_state=True)
+    o2, h2 = triton_gated(*cut(slice(P, None)), initial_state=h1, output_final_state=True)
+    assert rmse(o, torch.cat([o1, o2], 1)) <= 1e-5 and rmse(ht, h2) <= 1e-5
+
+
+def test_prefill_then_decode_with_state_pool():
+    """Prefill 50 tokens of 3 sequences, then decode 2 tokens per call (speculative-style) into pool
+    slots [4, 0, 2] of a 6-slot pool: equals the whole run; slots 1, 3, 5 stay bit-identical."""
+    N, T, P, H, K, V = 3, 56, 50, 2, 32, 16
+    x, _ = make(N, T, H, K, V, seed=14)
+    a = _gated_args(x)
+    ro, rht = reference_gated(*(t.double() for t in a), initial_state=x["h0"].double().to(DEV), output_final_state=True)
+    _, h1 = triton_gated(*[t[:, :P] for t in a[:5]], *a[5:], initial_state=x["h0"].to(DEV), output_final_state=True)
+    pool = torch.randn(6, H, K, V, device=DEV)
+    idx = torch.tensor([4, 0, 2], device=DEV)
+    pool[idx] = h1
+    before = pool.clone()
+    outs = []
+    for t in range(P, T, 2):
+        q, k, v, f, b = (u[:, t:t + 2].reshape(N * 2, *u.shape[2:]) for u in a[:5])
+        cu = torch.arange(0, 2 * N + 1, 2, device=DEV, dtype=torch.int32)
+        o = KT.kda_decode_triton(q, k, v, f, b, pool, state_indices=idx, cu_seqlens=cu,
+                                 use_qk_l2norm_in_kernel=True, A_log=a[5], dt_bias=a[6], beta_logits=True)
+        outs.append(o.reshape(N, 2, H, V))
+    assert rmse(ro[:, P:], torch.cat(outs, 1)) <= 5e-5 and rmse(rht, pool[idx]) <= 5e-5
+    rest = torch.tensor([1, 3, 5], device=DEV)
+    assert torch.equal(pool[rest], before[rest])
+
+
+def test_states_at_offsets():
+    cu = [0, 40, 40, 75]
+    x, _ = make(1, 75, 2, 32, 16, seed=15, N=3)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    pos = [16, 40, 72, 75, 56]  # seq 0 at 16 and its end; seq 2 at 32 and 16 tokens in, and its end
+    o, ht, st = chunk_kda_gated(*_gated_args(x), initial_state=x["h0"].to(DEV), output_final_state=True,
+                                cu_seqlens=cu_t, backend="triton", states_at=torch.tensor(pos))
+    assert st.shape == (5, 2, 32, 16) and st.dtype == torch.float32
+    for m, p in enumerate(pos):
+        n = 0 if p <= 40 else 2
+        bos = cu[n]
+        _, ref = reference_gated(*[t[:, bos:p].double() for t in _gated_args(x)[:5]],
+                                 *[t.double() for t in _gated_args(x)[5:]],
+                                 initial_state=x["h0"][n:n + 1].double().to(DEV), output_final_state=True)
+        assert rmse(ref[0], st[m]) <= 1e-5, p
+    assert torch.equal(st[3], ht[2]) and torch.equal(st[1], ht[0])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        chunk_kda_gated(*_gated_args(x), cu_seqlens=cu_t, backend="triton", states_at=torch.tensor([20]))
+
+
+# ---------------------------------------------------------------- decode entry points
+def test_decode_entry_points():
+    """fused_recurrent_kda / kda_decode_step with backend='triton' equal the PyTorch versions."""
+    x, _ = make(3, 6, 2, 32, 16, seed=16)
+    g = kda_gate(x["f"], x["A_log"], x["dt_bias"])
+    args = [t.to(DEV) for t in (x["q"], x["k"], x["v"], g, torch.sigmoid(x["beta"]))]
+    h0 = x["h0"].to(DEV)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_t, h_t = fused_recurrent_kda(*args, backend="triton", **kw)
+    o_r, h_r = fused_recurrent_kda(*args, backend="torch", **kw)
+    assert rmse(o_r, o_t) <= 1e-5 and rmse(h_r, h_t) <= 1e-5 and torch.equal(h0, x["h0"].to(DEV))
+    pool = torch.randn(5, 2, 32, 16, device=DEV)
+    idx = torch.tensor([3, 1, 4], device=DEV)
+    p_t, p_r = pool.clone(), pool.clone()
+    o1, ret = kda_decode_step(*(t[:, 0] for t in args), p_t, state_indices=idx, backend="triton")
+    o2, _ = kda_decode_step(*(t[:, 0] for t in args), p_r, state_indices=idx, backend="torch")
+    assert ret is p_t and rmse(o2, o1) <= 1e-5 and rmse(p_r, p_t) <= 1e-5
+    assert torch.equal(p_t[[0, 2]], pool[[0, 2]])
+
+
+# ---------------------------------------------------------------- dispatch and validation
+def test_dispatch_and_errors():
+    x, _ = make(1, 20, 2, 16, 16, seed=17)
+    a = _gated_args(x)
+    o_t, _ = chunk_kda_gated(*a, backend="triton")
+    o_c, _ = chunk_kda_gated(*a, backend="torch")
+    assert rmse(o_c, o_t) <= 1e-5
+    g = torch.full_like(a[0], -6.0)
+    with pytest.raises(ValueError, match="g >= -5"):
+        chunk_kda(a[0], a[1], a[2], g, torch.rand(1, 20, 2, device=DEV), backend="triton")
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda_gated(*a, backend="triton", lower_bound=-6.0)
+    with pytest.raises(ValueError, match="A_log"):
+        chunk_kda_gated(*a[:5], torch.zeros(3, device=DEV), a[6], backend="triton")
+    with pytest.raises(ValueError, match="states_at"):
+        chunk_kda_gated(*a, backend="torch", states_at=torch.tensor([16]))
+    big = torch.randn(1, 4, 1, 256, device=DEV)
+    with pytest.raises(ValueError, match="up to 128"):
+        chunk_kda(big, big, big, -torch.rand_like(big), torch.rand(1, 4, 1, device=DEV), backend="triton")
+
+
+# ---------------------------------------------------------------- GPU only: bf16, K3 sizes, fla
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("f_shift,f_scale", GATES, ids=["f~-8", "f~-4", "f~0", "f~+8", "f~N(0,64)"])
+def test_gpu_bf16_k128(f_shift, f_scale):
+    x, gr = make(2, 500, 4, 128, 128, seed=20, f_shift=f_shift, f_scale=f_scale)
+    for n in ("q", "k", "v", "f", "beta"):  # the oracle sees the same bf16-rounded inputs
+        x[n] = x[n].bfloat16().float()
+    compare(x, gr, dtype=torch.bfloat16)
+
+
+@cuda
+@needs_cuda
+def test_gpu_bf16_varlen():
+    cu = [0, 15, 100, 300, 1200, 2000]
+    x, gr = make(1, cu[-1], 4, 128, 128, seed=21, N=len(cu) - 1, f_scale=4.0)
+    for n in ("q", "k", "v", "f", "beta"):
+        x[n] = x[n].bfloat16().float()
+    compare(x, gr, dtype=torch.bfloat16, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
+
+
+@cuda
+@needs_cuda
+def test_gpu_fp32_tight():
+    x, gr = make(2, 300, 3, 64, 64, seed=22, f_scale=4.0)
+    compare(x, gr, dtype=torch.float32, strict=STRICT)
