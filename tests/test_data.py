@@ -378,3 +378,16 @@ def test_mixture_exact_resume(tok):
     kinds = ["answer_mask" in r for r in ref]
     assert 3 <= sum(kinds) <= 20  # both sources used
     assert collate(ref[:4])["input_ids"].shape == (4, 256)
+
+
+def test_labels_agree_with_model_varlen_convention(tok):
+    """Our shifted labels match what the model's packed loss derives from input_ids and cu_seqlens."""
+    from k3.ops.varlen import doc_ids, row_aligned
+
+    rows = list(itertools.islice(iter(PackedDataset(random_docs(40, seed=8), tok, 96, shuffle_buffer=3)), 6))
+    b = collate(rows)
+    B, T = b["input_ids"].shape
+    assert row_aligned(b["cu_seqlens"], B, T)
+    docs = doc_ids(b["cu_seqlens"], B, T)
+    model_target = b["input_ids"][:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE_INDEX)
+    assert torch.equal(b["labels"][:, :-1], model_target)

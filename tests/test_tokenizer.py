@@ -219,3 +219,15 @@ def test_bad_layout_rejected(cfg):
     bad.eos_token_id = 4001
     with pytest.raises(ValueError, match="K3 layout"):
         train_bpe(["abc"], bad)
+
+
+def test_small_training_text_leaves_unused_ids(cfg, tmp_path):
+    t = train_bpe(["hello world, hello there"] * 5, cfg)
+    assert 256 < t.num_regular_tokens < 300 and t.vocab_size == 4096 and len(t.special_tokens) == 96
+    t.save_pretrained(tmp_path)
+    t2 = K3Tokenizer.from_pretrained(tmp_path)
+    assert t2.special_tokens == t.special_tokens and t2.mergeable_ranks == t.mergeable_ranks
+    with pytest.raises(ValueError, match="not in this tokenizer"):
+        t2.decode([3000])
+    s = "hello world 🙂"
+    assert t2.decode(t2.encode(s)) == s and len(t2.encode("hello world")) < len(b"hello world")

@@ -257,8 +257,9 @@ class K3Tokenizer:
         """Load a directory holding `tiktoken.model` (+ `tokenizer_config.json`): a real K2/K3 checkpoint
         or one written by `save_pretrained`. Offline; reads only those two files.
 
-        Special ids run from the number of regular tokens up to the largest id in `added_tokens_decoder`
-        (256 ids, as in the release, when the config lists none); unnamed slots are reserved tokens.
+        Release files: the special ids run from the smallest to the largest id in `added_tokens_decoder`
+        (the 256 ids after the regular ones, as in the release, when it lists none); unnamed slots become
+        `<|reserved_token_{id}|>`. Files from `save_pretrained` list every special id.
         """
         d = Path(path)
         model = d / "tiktoken.model"
@@ -279,9 +280,12 @@ class K3Tokenizer:
         if below:
             raise ValueError(f"{cfg_path}: special ids {sorted(below)[:5]} collide with tiktoken.model ranks "
                              f"(which run to {n_base - 1})")
-        end = max(named) + 1 if named else n_base + K3_NUM_RESERVED_SPECIAL
-        end = max(end, int(extra.get("vocab_size", end)))
-        specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, end)}
+        if extra:  # written by save_pretrained: every special is listed
+            specials = {name: i for i, name in named.items()}
+        else:  # a release: the block [first special, last special] with unnamed slots reserved
+            start = min(named) if named else n_base
+            end = max(named) + 1 if named else n_base + K3_NUM_RESERVED_SPECIAL
+            specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(start, end)}
 
         def role(key: str, default: str | None) -> str | None:
             v = cfg.get(key, default)
