@@ -1,0 +1,412 @@
+"""OpenAI-compatible server: the official `openai` client against a real uvicorn server on 127.0.0.1.
+
+Two servers: one over a real random-weight k3-tiny Engine (chat, streaming, usage and cached tokens,
+completions, metrics, malformed requests, context limits, disconnects; greedy outputs checked against the
+model's own `generate()` loop), and one over `ScriptedEngine`, a test double with the Engine API that
+answers with a fixed token script, for what a random model cannot produce on demand (tool calls,
+reasoning, stop strings)."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_tiny
+from k3 import K3Config
+from k3.io.tokenizer import default_tokenizer
+from k3.post import xtml
+from k3.serve import Engine, EngineConfig, RequestOutput
+from k3.serve.server import create_app
+
+MAX_LEN = 384
+MODEL = "k3-tiny"
+
+
+class _Uvicorn:
+    def __init__(self, app):
+        import uvicorn
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            assert time.monotonic() - t0 < 30 and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+class ScriptedEngine:
+    """Engine API test double: each request emits the next queued token script, one token per step,
+    honouring max_tokens and stop_token_ids like the real engine (stop token kept in the output)."""
+
+    def __init__(self):
+        self.scripts: list[list[int]] = []
+        self.prompts: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+        self.live: dict[str, dict] = {}
+        self.lock = threading.Lock()
+
+    def submit(self, prompt, params, request_id=None):
+        with self.lock:
+            self.prompts[request_id] = list(prompt)
+            self.live[request_id] = dict(prompt=list(prompt), params=params, script=list(self.scripts.pop(0)), out=[])
+        return request_id
+
+    def step(self):
+        time.sleep(0.002)
+        outs = []
+        with self.lock:
+            for rid, r in list(self.live.items()):
+                t = r["script"].pop(0)
+                r["out"].append(t)
+                reason = ("stop" if t in r["params"].stop_token_ids else
+                          "length" if len(r["out"]) >= r["params"].max_tokens or not r["script"] else None)
+                if reason:
+                    del self.live[rid]
+                outs.append(RequestOutput(rid, r["prompt"], list(r["out"]), [t], None, reason is not None, reason, 0))
+        return outs
+
+    def abort(self, rid):
+        with self.lock:
+            r = self.live.pop(rid)
+            self.aborted.append(rid)
+        return RequestOutput(rid, r["prompt"], r["out"], [], None, True, "abort", 0)
+
+    def has_unfinished(self):
+        with self.lock:
+            return bool(self.live)
+
+    def stats(self):
+        with self.lock:
+            return {"running": len(self.live), "waiting": 0}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer(K3Config.preset("k3-tiny").text_config)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return make_tiny(0)
+
+
+@pytest.fixture(scope="module")
+def real(tok, model):
+    engine = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=48, max_model_len=MAX_LEN))
+    with _Uvicorn(create_app(engine, tok, MODEL, MAX_LEN)) as srv:
+        yield srv, engine
+
+
+@pytest.fixture(scope="module")
+def scripted(tok):
+    engine = ScriptedEngine()
+    with _Uvicorn(create_app(engine, tok, MODEL, MAX_LEN)) as srv:
+        yield srv, engine
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _greedy(model, prompt, n, stop):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, temperature=0.0, eos_token_id=stop)
+    ids = out[0, len(prompt):].tolist()
+    return ids[:ids.index(stop) + 1] if stop in ids else ids
+
+
+MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+# ----------------------------------------------------------------------------------------------- real engine
+
+def test_chat_non_stream_and_stream_match_generate(real, tok, model):
+    srv, _ = real
+    c = _client(srv)
+    prompt = xtml.render(tok, MSGS)
+    want = xtml.parse(tok, _greedy(model, prompt, 10, tok.eos_token_id))
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=10, temperature=0)
+    ch = r.choices[0]
+    assert r.object == "chat.completion" and r.model == MODEL and ch.message.role == "assistant"
+    assert ch.message.reasoning_content == want.reasoning_content and (ch.message.content or "") == want.content
+    assert r.usage.prompt_tokens == len(prompt) and 1 <= r.usage.completion_tokens <= 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert ch.finish_reason in ("length", "stop", "tool_calls")
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == ch.finish_reason
+    reasoning = "".join(getattr(k.choices[0].delta, "reasoning_content", None) or "" for k in chunks[:-1])
+    content = "".join(k.choices[0].delta.content or "" for k in chunks[:-1])
+    assert (reasoning, content) == (want.reasoning_content, want.content)
+    # the identical prompt hits the prefix cache: whole 16-token hash blocks, consistent with /metrics
+    u = chunks[-1].usage
+    assert u.prompt_tokens == len(prompt)
+    assert 16 <= u.prompt_tokens_details.cached_tokens < len(prompt)
+    assert u.prompt_tokens_details.cached_tokens % 16 == 0
+
+
+def test_n_choices_seed_and_logprobs(real):
+    srv, _ = real
+    c = _client(srv)
+    kw = dict(model=MODEL, messages=MSGS, max_tokens=6, temperature=1.0, seed=1234, n=2, logprobs=True)
+    a, b = c.chat.completions.create(**kw), c.chat.completions.create(**kw)
+    assert [x.index for x in a.choices] == [0, 1]
+    assert [x.message.reasoning_content for x in a.choices] == [x.message.reasoning_content for x in b.choices]
+    for ch in a.choices:
+        lps = ch.logprobs.content
+        assert lps and all(x.logprob <= 0 and x.top_logprobs == [] for x in lps)
+    assert a.usage.completion_tokens == sum(len(x.logprobs.content) for x in a.choices)
+
+
+def test_completions(real, tok, model):
+    srv, _ = real
+    c = _client(srv)
+    ids = tok.encode("The quick brown fox")
+    want = _greedy(model, ids, 6, tok.eos_token_id)
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=0, echo=True)
+    text = r.choices[0].text
+    gen = [t for t in want if t not in tok.special_tokens.values()]
+    assert text == tok.decode(ids) + tok.decode(gen)
+    assert len(r.choices[0].logprobs.token_logprobs) == len(want) == r.usage.completion_tokens
+    s = list(c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0,
+                                  stream=True, stream_options={"include_usage": True}))
+    assert "".join(k.choices[0].text for k in s if k.choices) == tok.decode(gen)
+    assert s[-1].usage.prompt_tokens == len(ids)
+    batch = c.completions.create(model=MODEL, prompt=["a b", "c d e"], max_tokens=3, temperature=0)
+    assert [x.index for x in batch.choices] == [0, 1]
+
+
+def test_models_health_metrics(real):
+    srv, _ = real
+    c = _client(srv)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, temperature=0)
+    text = httpx.get(srv.url + "/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("k3:num_requests_running", "k3:num_requests_waiting", "k3:kv_cache_usage_perc",
+                 "k3:prefix_cache_queries", "k3:prefix_cache_hits", "k3:time_to_first_token_seconds",
+                 "k3:inter_token_latency_seconds", "k3:e2e_request_latency_seconds", "k3:generation_tokens"):
+        assert name in fams, name
+
+    def value(fam, suffix):
+        return sum(s.value for s in fams[fam].samples if s.name == fam + suffix)
+
+    assert value("k3:num_requests_running", "") == 0 and value("k3:num_requests_waiting", "") == 0
+    assert value("k3:time_to_first_token_seconds", "_count") >= 1
+    assert value("k3:inter_token_latency_seconds", "_count") >= 3
+    assert value("k3:prefix_cache_queries", "_total") > 0
+    assert 0 < value("k3:prefix_cache_hits", "_total") <= value("k3:prefix_cache_queries", "_total")
+    assert value("k3:generation_tokens", "_total") >= 4
+
+
+BAD_CHAT = [
+    ("not json", 400), ("[1, 2]", 400), ({"model": MODEL}, 400), ({"model": MODEL, "messages": []}, 400),
+    ({"messages": MSGS}, 400),
+    ({"model": "nope", "messages": MSGS}, 404),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ({"model": MODEL, "messages": MSGS, "temperature": -1}, 400),
+    ({"model": MODEL, "messages": MSGS, "temperature": "hot"}, 400),
+    ({"model": MODEL, "messages": MSGS, "top_p": 0}, 400),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": 0}, 400),
+    ({"model": MODEL, "messages": MSGS, "n": 0}, 400),
+    ({"model": MODEL, "messages": MSGS, "stop": 7}, 400),
+    ({"model": MODEL, "messages": MSGS, "reasoning_effort": "medium"}, 400),
+    ({"model": MODEL, "messages": MSGS, "frobnicate": True}, 400),
+    ({"model": MODEL, "messages": MSGS, "stream_options": {"include_usage": True}}, 400),
+    ({"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 5}, 400),
+    ({"model": MODEL, "messages": MSGS, "presence_penalty": 1.0}, 400),
+    ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, 400),
+    ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "r"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "r"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x " * (2 * MAX_LEN)}]}, 400),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": MAX_LEN}, 400),
+    ({"model": MODEL, "messages": MSGS, "seed": 2 ** 70}, 400),
+]
+BAD_COMPLETION = [
+    ({"model": MODEL, "prompt": ""}, 400), ({"model": MODEL, "prompt": []}, 400),
+    ({"model": MODEL, "prompt": [1, 99999]}, 400), ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400),
+    ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400), ({"model": MODEL, "prompt": "x", "best_of": 3}, 400),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400),
+    ({"model": MODEL, "prompt": [[1, 2], []]}, 400),
+]
+
+
+def test_malformed_requests_get_openai_errors(real):
+    srv, engine = real
+    h = httpx.Client(base_url=srv.url, timeout=30)
+    cases = [("/v1/chat/completions", b, s) for b, s in BAD_CHAT] + \
+            [("/v1/completions", b, s) for b, s in BAD_COMPLETION]
+    assert len(cases) >= 20
+    for path, body, status in cases:
+        content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        r = h.post(path, content=content, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error", body
+    r = h.post("/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": MAX_LEN})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert h.post("/v1/chat/completions", content=b"x" * (33 << 20)).status_code == 413
+    assert h.get("/v1/chat/completions").status_code == 405
+    r = h.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    # the openai client maps them to its exception types, and the server keeps serving
+    c = _client(srv)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=MSGS, temperature=5)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4o", messages=MSGS)
+    assert c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).choices[0].finish_reason
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+
+
+def test_client_disconnect_aborts(real):
+    srv, engine = real
+    before = engine.stats()["num_aborted"]
+    with httpx.Client(base_url=srv.url, timeout=30) as h:
+        with h.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 300,
+                                                            "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert all(x.startswith("data: ") or x == "" for x in got)
+    t0 = time.monotonic()
+    while engine.has_unfinished() and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    assert not engine.has_unfinished() and engine.stats()["num_aborted"] == before + 1
+
+
+# ----------------------------------------------------------------------------------------------- scripted engine
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
+
+
+def _assistant_ids(tok, msg):
+    """The ids a model would generate for `msg` after the (thinking) generation prompt."""
+    user = [{"role": "user", "content": "q"}]
+    head = xtml.render(tok, user, add_bos=False)
+    full = xtml.render(tok, user + [msg], add_bos=False, add_generation_prompt=False)
+    assert full[:len(head)] == head
+    return full[len(head):]
+
+
+def test_streaming_tool_call_round_trip(scripted, tok):
+    srv, engine = scripted
+    c = _client(srv)
+    calls = [{"id": "x", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris \\"centre\\"", "days": 2}'}},
+             {"id": "y", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]
+    engine.scripts.append(_assistant_ids(tok, {"role": "assistant", "reasoning_content": "I need the weather.",
+                                               "content": "Let me check.", "tool_calls": calls}))
+    msgs = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, stream=True,
+                                       stream_options={"include_usage": True})
+    reasoning, content, got, finish = "", "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = got.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id:
+                assert slot["id"] is None
+                slot["id"], slot["name"] = tc.id, tc.function.name
+            slot["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (reasoning, content, finish) == ("I need the weather.", "Let me check.", "tool_calls")
+    assert [(g["name"], json.loads(g["arguments"])) for g in (got[0], got[1])] == \
+           [("get_weather", {"city": 'Paris "centre"', "days": 2}), ("clock", {})]
+    prompt = next(iter(engine.prompts.values()))
+    assert prompt == xtml.render(tok, msgs, tools=TOOLS)
+
+    # round trip: the returned calls plus tool results (answered in reverse order) → reordered XTML prompt
+    engine.prompts.clear()
+    engine.scripts.append(_assistant_ids(tok, {"role": "assistant", "reasoning_content": "", "content": "Sunny, 9:00."}))
+    assistant = {"role": "assistant", "content": content, "reasoning_content": reasoning,
+                 "tool_calls": [{"id": got[i]["id"], "type": "function",
+                                 "function": {"name": got[i]["name"], "arguments": got[i]["arguments"]}}
+                                for i in (0, 1)]}
+    follow = msgs + [assistant, {"role": "tool", "tool_call_id": got[1]["id"], "content": "09:00"},
+                     {"role": "tool", "tool_call_id": got[0]["id"], "content": "sunny"}]
+    r = c.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS)
+    assert r.choices[0].message.content == "Sunny, 9:00." and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.tool_calls is None
+    text = tok.decode(next(iter(engine.prompts.values())))
+    i0 = text.index('<|open|>message role="tool" tool="get_weather" index="0"<|sep|>sunny<|end_of_msg|>')
+    i1 = text.index('<|open|>message role="tool" tool="clock" index="1"<|sep|>09:00<|end_of_msg|>')
+    assert i0 < i1 and text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+
+
+def test_reasoning_effort_and_thinking_off(scripted, tok):
+    srv, engine = scripted
+    c = _client(srv)
+    answer = {"role": "assistant", "reasoning_content": "hmm", "content": "ok"}
+    for effort in ("low", "high", "max"):
+        engine.prompts.clear()
+        engine.scripts.append(_assistant_ids(tok, answer))
+        r = c.chat.completions.create(model=MODEL, messages=MSGS, reasoning_effort=effort)
+        assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == ("hmm", "ok")
+        assert r.usage.completion_tokens_details.reasoning_tokens > 0
+        assert next(iter(engine.prompts.values())) == xtml.render(tok, MSGS, reasoning_effort=effort)
+    engine.prompts.clear()
+    engine.scripts.append(tok.encode("plain") + xtml.encode_segments(tok, [(True, xtml.CLOSE), (False, "response"),
+                                                                           (True, xtml.SEP), (True, xtml.END_OF_MSG)]))
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert r.choices[0].message.content == "plain"
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    assert next(iter(engine.prompts.values())) == xtml.render(tok, MSGS, thinking=False)
+
+
+def test_stop_strings_cut_content_and_abort(scripted, tok):
+    srv, engine = scripted
+    c = _client(srv)
+    ids = _assistant_ids(tok, {"role": "assistant", "reasoning_content": "a STOP in reasoning is kept",
+                               "content": "Hello STOP world"})
+    for stream in (False, True):
+        engine.scripts.append(ids)
+        engine.aborted.clear()
+        r = c.chat.completions.create(model=MODEL, messages=MSGS, stop=["STOP", "never"], stream=stream)
+        if stream:
+            chunks = list(r)
+            content = "".join(k.choices[0].delta.content or "" for k in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert (content, finish) == ("Hello ", "stop")
+        t0 = time.monotonic()
+        while not engine.aborted and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert len(engine.aborted) == 1
