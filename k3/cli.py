@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     add_train(sub)
     from .env.cli import add_parser as add_sandbox
     add_sandbox(sub)
+    from .serve.cli import add_parser as add_serve
+    add_serve(sub)
     args = p.parse_args(argv)
     try:
         return args.func(args)
