@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3.dist.moonep import num_slots, phase_a, plan, plan_counts
+from k3.dist.moonep.milp import lognormal_counts, max_remote_experts, milp_cases, milp_min_max_remote
 
 
 # ---- an independent, loop-by-loop reference of the greedy (lists, no tensors) ---------------------------
@@ -237,64 +237,13 @@ def test_theorem2_instance(R, epn):
     assert int(alloc[:, 0].sum()) == C
 
 
-# ---- integer program: the optimum of min_P max_r m_r(P) ---------------------------------------------------
-def milp_min_max_remote(cnt: list[int], R: int, C: int) -> int:
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    E = len(cnt)
-    epn = E // R
-    nA, nY = E * R, E * R  # A[e, r] integer ≥ 0, Y[e, r] ∈ {0, 1} (remote e hosted by r), then m
-    n = nA + nY + 1
-    c = np.zeros(n)
-    c[-1] = 1
-    rows, lo, hi = [], [], []
-    for e in range(E):  # Σ_r A = T_e
-        a = np.zeros(n)
-        a[e * R:(e + 1) * R] = 1
-        rows.append(a), lo.append(cnt[e]), hi.append(cnt[e])
-    for r in range(R):  # Σ_e A = C ; Σ_{e remote} Y − m ≤ 0
-        a = np.zeros(n)
-        a[r:nA:R] = 1
-        rows.append(a), lo.append(C), hi.append(C)
-        b = np.zeros(n)
-        for e in range(E):
-            if e // epn != r:
-                b[nA + e * R + r] = 1
-        b[-1] = -1
-        rows.append(b), lo.append(-np.inf), hi.append(0)
-    for e in range(E):
-        for r in range(R):  # A ≤ T_e · Y for remote pairs
-            if e // epn != r:
-                a = np.zeros(n)
-                a[e * R + r], a[nA + e * R + r] = 1, -cnt[e]
-                rows.append(a), lo.append(-np.inf), hi.append(0)
-    ub = np.concatenate([np.repeat(cnt, R).astype(float), np.ones(nY), [E]])
-    res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=np.ones(n),
-               bounds=Bounds(np.zeros(n), ub))
-    assert res.success, res.message
-    return int(round(res.fun))
-
-
-def milp_cases():
-    """Small lognormal cases (R, E, C, σ, seed) used by the test and by benchmarks/moonep_milp.py."""
-    return [(R, R * epn, C, sigma, seed) for R, epn, C in [(2, 4, 24), (4, 2, 16), (4, 3, 24)]
-            for sigma in (0.5, 1.5, 3.0) for seed in range(2)]
-
-
-def lognormal_counts(E: int, total: int, sigma: float, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    p = torch.exp(sigma * torch.randn(E, generator=g, dtype=torch.float64))
-    return torch.bincount(torch.multinomial(p, total, replacement=True, generator=g), minlength=E)
-
-
+# ---- integer program: the optimum of min_P max_r m_r(P) (k3.dist.moonep.milp) ----------------------------
 def test_milp_lower_bound():
     """The planner never beats the integer optimum, stays ≤ E/R, and we record the ratio."""
     ratios = []
     for R, E, C, sigma, seed in milp_cases()[::3]:
         cnt = lognormal_counts(E, R * C, sigma, seed)
-        alloc = plan_counts(cnt, R, C)
-        home = torch.arange(E) // (E // R)
-        greedy = max(int(((alloc[:, r] > 0) & (home != r)).sum()) for r in range(R))
+        greedy = max_remote_experts(plan_counts(cnt, R, C))
         opt = milp_min_max_remote(cnt.tolist(), R, C)
         assert opt <= greedy <= E // R
         ratios.append(greedy / max(opt, 1))
