@@ -1,0 +1,232 @@
+"""Serving-engine benchmark (k3.serve.Engine) against a plain `model.generate()` loop, same weights, same run.
+
+Measures, for `k3-small` with random bf16 weights on one GPU:
+  - decode tokens/s at batch 1 / 32 / 256 (median step time over the decode phase, CUDA events), and at batch 1
+    the fraction of the HBM-bandwidth limit: (active weights + KDA states + MLA latents read per token) ÷ 4.3 TB/s;
+  - prefill tokens/s (one long prompt, chunked under the token budget);
+  - TTFT for a long shared prefix: cold, then a second request that hits the prefix cache;
+  - end-to-end greedy throughput of `Engine.generate` vs `model.generate()` on the same batch, and how many
+    generated tokens agree.
+
+    python benchmarks/serve.py --out serve.json              # GPU, k3-small (≤ 4 min on one H200)
+    python benchmarks/serve.py --smoke --out serve_smoke.json  # CPU, k3-tiny, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from k3 import K3Config, K3ForConditionalGeneration
+from k3.serve import Engine, EngineConfig, SamplingParams
+
+HBM_BYTES_PER_S = 4.3e12  # H200
+
+
+class Clock:
+    """Wall time of a region: CUDA events on GPU (after a synchronize), perf_counter on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.b.record()
+            torch.cuda.synchronize()
+            self.s = self.a.elapsed_time(self.b) / 1e3
+        else:
+            self.s = time.perf_counter() - self.t
+
+
+def build(preset: str, device: str, dtype: torch.dtype, seed: int = 0):
+    cfg = K3Config.preset(preset)
+    cfg.vision_config = None
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = K3ForConditionalGeneration(cfg, dtype=dtype)
+    return model.eval()
+
+
+def decode_bytes_per_token(model, ctx: int) -> dict:
+    """Bytes a batch-1 decode step must read: non-routed weights (embedding: one row; MTP unused), top-k of
+    the routed experts per MoE layer, every KDA state + conv window, and `ctx` MLA latent rows per MLA layer."""
+    lm = model.language_model
+    cfg = lm.config
+    n_layers = cfg.num_hidden_layers
+    w = 0
+    for name, p in lm.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.startswith("model.embed_tokens"):
+            w += p.shape[1] * p.element_size()
+        elif name.startswith("model.layers.") and int(name.split(".")[2]) >= n_layers:
+            continue  # MTP
+        elif ".experts.w" in name:
+            w += nbytes * cfg.num_experts_per_token // cfg.num_experts
+        else:
+            w += nbytes
+    la = cfg.linear_attn_config
+    n_kda = sum(cfg.is_kda_layer(i) for i in range(n_layers))
+    el = lm.lm_head.weight.element_size()
+    states = n_kda * (la.num_heads * la.head_dim ** 2 * 4 + 3 * la.num_heads * la.head_dim * (la.short_conv_kernel_size - 1) * el)
+    kv = (n_layers - n_kda) * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * el
+    return dict(weights=w, states=states, mla_kv=kv, total=w + states + kv)
+
+
+def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 16, (n, length), generator=g).tolist()
+
+
+def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
+    """Prefill everything, then time `steps` pure decode steps; tokens/s = batch / median step time."""
+    sp = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    rids = [engine.submit(p, sp) for p in prompts]
+    started = set()
+    while len(started) < len(rids):
+        for o in engine.step():
+            started.add(o.request_id)
+    times, n_tok = [], []
+    for _ in range(steps):
+        with Clock(cuda) as c:
+            outs = engine.step()
+        times.append(c.s)
+        n_tok.append(sum(len(o.new_token_ids) for o in outs))
+    for r in rids:
+        engine.abort(r)
+    med = statistics.median(times)
+    assert all(n == len(prompts) for n in n_tok), n_tok
+    return dict(batch=len(prompts), step_ms=med * 1e3, tokens_per_s=len(prompts) / med)
+
+
+def run(a) -> dict:
+    cuda = not a.smoke
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if a.smoke:
+        preset, blocks, prompt_len, batches, steps = "k3-tiny", (16, 64), 24, (1, 4, 8), 4
+        long_prefill, shared, budget, gen_batch, gen_tokens = 300, 256, 128, 4, 8
+    else:
+        preset, blocks, prompt_len, batches, steps = "k3-small", (512, 6144), 128, (1, 32, 256), 24
+        long_prefill, shared, budget, gen_batch, gen_tokens = 8192, 16384, 8192, 32, 64
+    model = build(preset, device, dtype)
+    V = model.config.text_config.vocab_size
+    ecfg = EngineConfig(hash_block_size=blocks[0], block_size=blocks[1], max_num_batched_tokens=budget,
+                        max_num_seqs=max(batches), gpu_memory_fraction=0.5, enable_prefix_caching=True)
+    eng = Engine(model, ecfg)
+    res = dict(preset=preset, device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
+               hash_block_size=blocks[0], block_size=blocks[1], pool_pages=eng.pool.num_pages,
+               page_mib=eng.pool.layout.page_bytes / 2 ** 20)
+    # warm-up (kernels, autotuning)
+    eng.generate(rand_prompts(2, prompt_len, V, 99), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    eng.cache.clear()
+
+    res["decode"] = []
+    for b in batches:
+        eng.cache.clear()
+        r = decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)
+        if b == 1:
+            ctx = prompt_len + steps // 2
+            by = decode_bytes_per_token(model, ctx)
+            r["bytes_per_token"] = by
+            r["hbm_limit_tokens_per_s"] = HBM_BYTES_PER_S / by["total"]
+            r["hbm_fraction"] = r["tokens_per_s"] / r["hbm_limit_tokens_per_s"]
+        res["decode"].append(r)
+
+    eng.cache.clear()
+    p = rand_prompts(1, long_prefill, V, 7)[0]
+    with Clock(cuda) as c:
+        eng.generate([p], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    res["prefill"] = dict(tokens=long_prefill, seconds=c.s, tokens_per_s=long_prefill / c.s)
+
+    eng.cache.clear()
+    prefix = rand_prompts(1, shared, V, 8)[0]
+    tails = rand_prompts(3, 64, V, 9)
+    ttft = {}
+    # the first request computes everything; the second shares only the prefix, so it stores a KDA checkpoint
+    # at the junction (the end of the shared prefix); the third restores it and prefills only its own tail
+    for name, tail in (("cold", tails[0]), ("junction", tails[1]), ("prefix_hit", tails[2])):
+        with Clock(cuda) as c:
+            out = eng.generate([prefix + tail], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
+        ttft[name] = dict(seconds=c.s, cached_tokens=out.num_cached_tokens, prompt_tokens=shared + 64)
+    ttft["speedup"] = ttft["cold"]["seconds"] / ttft["prefix_hit"]["seconds"]
+    res["ttft_shared_prefix"] = ttft
+
+    eng.cache.clear()
+    prompts = rand_prompts(gen_batch, prompt_len, V, 10)
+    sp = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
+    ids = torch.tensor(prompts, device=device)
+    model.generate(ids[:2], max_new_tokens=2)  # warm-up
+    t_gen, t_eng = [], []
+    for _ in range(a.reps):
+        with Clock(cuda) as c:
+            ref = model.generate(ids, max_new_tokens=gen_tokens)
+        t_gen.append(c.s)
+        eng.cache.clear()
+        with Clock(cuda) as c:
+            outs = eng.generate(prompts, sp)
+        t_eng.append(c.s)
+    ref = ref[:, prompt_len:].tolist()
+    agree = sum(x == y for o, r in zip(outs, ref) for x, y in zip(o.token_ids, r)) / (gen_batch * gen_tokens)
+    n = gen_batch * gen_tokens
+    res["vs_generate"] = dict(batch=gen_batch, prompt_tokens=prompt_len, new_tokens=gen_tokens,
+                              engine_tokens_per_s=n / statistics.median(t_eng),
+                              generate_tokens_per_s=n / statistics.median(t_gen),
+                              speedup=statistics.median(t_gen) / statistics.median(t_eng),
+                              greedy_token_agreement=agree)
+    res["engine_stats"] = eng.stats()
+    return res
+
+
+def table(res: dict) -> str:
+    lines = [f"serve benchmark: {res['preset']} on {res['device']} ({res['dtype']}), blocks "
+             f"{res['hash_block_size']}/{res['block_size']}, {res['pool_pages']} pages of {res['page_mib']:.2f} MiB",
+             f"{'decode batch':>14} {'step ms':>9} {'tok/s':>10}"]
+    for r in res["decode"]:
+        extra = f"   {100 * r['hbm_fraction']:.2f}% of the HBM limit ({r['hbm_limit_tokens_per_s']:.0f} tok/s)" \
+            if "hbm_fraction" in r else ""
+        lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")
+    p = res["prefill"]
+    lines.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s")
+    t = res["ttft_shared_prefix"]
+    lines.append(f"TTFT {t['cold']['prompt_tokens']}-token prompt: cold {1e3 * t['cold']['seconds']:.1f} ms, "
+                 f"prefix hit ({t['prefix_hit']['cached_tokens']} cached) {1e3 * t['prefix_hit']['seconds']:.1f} ms "
+                 f"({t['speedup']:.1f}x); the 2nd request, which stores the junction checkpoint: "
+                 f"{1e3 * t['junction']['seconds']:.1f} ms")
+    g = res["vs_generate"]
+    lines.append(f"batch {g['batch']} x {g['new_tokens']} greedy tokens: engine {g['engine_tokens_per_s']:.0f} tok/s, "
+                 f"model.generate {g['generate_tokens_per_s']:.0f} tok/s ({g['speedup']:.2f}x), "
+                 f"token agreement {100 * g['greedy_token_agreement']:.1f}%")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="k3-tiny on CPU, tiny sizes")
+    ap.add_argument("--reps", type=int, default=2, help="repeats of the engine-vs-generate comparison")
+    ap.add_argument("--out", default="serve.json")
+    a = ap.parse_args()
+    if not a.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --smoke for the CPU check")
+    t0 = time.time()
+    res = run(a)
+    res["wall_seconds"] = time.time() - t0
+    print(table(res))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {a.out} ({res['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
