@@ -29,6 +29,7 @@ time.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -38,6 +39,7 @@ import torch
 from .sources import Document
 
 IGNORE_INDEX = -100
+_ENCODE_AHEAD = 32  # documents tokenised per batch (threads run in parallel; tiktoken releases the GIL)
 _STATE_VERSION = 1
 
 DocsFactory = Callable[[], Iterable["str | Document"]]
@@ -98,7 +100,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
     """Packed, sharded, shuffled training rows with exact resume (see the module docstring)."""
 
     def __init__(self, docs_factory: DocsFactory | Sequence, tokenizer, seq_len: int, *, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle_buffer: int = 256, loop: bool = True):
+                 world_size: int = 1, seed: int = 0, shuffle_buffer: int = 256, loop: bool = True,
+                 tokenizer_threads: int = 4):
         if seq_len < 1:
             raise ValueError(f"seq_len must be ≥ 1, got {seq_len}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -113,6 +116,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.seq_len = seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle_buffer, self.loop = shuffle_buffer, loop
+        self.tokenizer_threads = max(1, min(tokenizer_threads, os.cpu_count() or 1))
         self._reset()
 
     def _reset(self) -> None:
@@ -168,11 +172,16 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 order = list(range(len(win)))
                 if W > 1:
                     random.Random(_window_seed(self.seed, self.rank, self.epoch, self.window)).shuffle(order)
+                ahead: dict[int, list[int]] = {}  # tokenised a few documents ahead (not part of the state)
                 while self.window_pos < len(win):
-                    text = win[order[self.window_pos]]
+                    p = self.window_pos
+                    if p not in ahead:
+                        idx = range(p, min(len(win), p + _ENCODE_AHEAD))
+                        ahead = dict(zip(idx, self._encode_many([win[order[q]] for q in idx])))
+                    ids = ahead.pop(p)
                     self.window_pos += 1
-                    if text:
-                        yield [tok.bos_token_id, *tok.encode(text), tok.eod_token_id]
+                    if win[order[p]]:
+                        yield [tok.bos_token_id, *ids, tok.eod_token_id]
                 self.window += 1
                 self.window_pos = 0
             if not seen_any:
@@ -185,6 +194,12 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
     def _pending(self) -> int:
         return len(self._carry) - self._off
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        batch = getattr(self.tokenizer, "encode_batch", None)
+        if batch is not None and self.tokenizer_threads > 1:
+            return batch(texts, num_threads=self.tokenizer_threads)
+        return [self.tokenizer.encode(t) for t in texts]
 
     def _take_row(self, n: int) -> tuple[list[int], list[int]]:
         row = self._carry[self._off:self._off + n]
