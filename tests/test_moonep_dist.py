@@ -126,6 +126,57 @@ def _check_functional(rank: int, R: int, routing: str, S: int = 7, K: int = 4) -
     return {"errs": errs}
 
 
+def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
+    """k3-tiny (text) converted with enable_expert_parallel: per-rank loss on its own sequence; the summed
+    loss and all gradients (expert grads arrive summed over ranks; data-parallel grads all-reduced) match
+    the single-process model on the whole batch."""
+    from k3 import K3Config, K3ForConditionalGeneration
+    from k3.dist.moonep import enable_expert_parallel, full_state_dict
+
+    cfg = K3Config.preset("k3-tiny")
+    cfg.vision_config = None
+    torch.manual_seed(3)
+    ref = K3ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n, b in ref.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    ep_model = enable_expert_parallel(copy.deepcopy(ref), None, padding=4)
+    ids = torch.randint(0, 256, (R, T), generator=g)
+
+    def objective(m, x):
+        o = m(x, labels=x)
+        return o.loss + 0.1 * o.mtp_loss
+
+    (objective(ref, ids) * R).backward()  # = Σ_r per-rank losses (equal token counts)
+    loss = objective(ep_model, ids[rank:rank + 1])
+    loss.backward()
+    tot = loss.detach().clone()
+    dist.all_reduce(tot)
+    ref_loss = objective(ref, ids).detach() * R
+    errs = {"loss": _rel(ref_loss, tot)}
+    E, epn = cfg.text_config.num_experts, cfg.text_config.num_experts // R
+    refp = dict(ref.named_parameters())
+    n_expert = 0
+    for name, p in ep_model.named_parameters():
+        if p.grad is None:
+            assert refp[name].grad is None, name
+            continue
+        if ".experts.w" in name:
+            n_expert += 1
+            errs[name] = _rel(refp[name].grad[rank * epn:(rank + 1) * epn], p.grad)
+        else:
+            gsum = p.grad.clone()
+            dist.all_reduce(gsum)
+            errs[name] = _rel(refp[name].grad, gsum)
+    assert n_expert >= 3 and E % R == 0
+    full = full_state_dict(ep_model)
+    assert full.keys() == sd.keys() and all(torch.equal(full[k], sd[k]) for k in sd)
+    return {"errs": errs}
+
+
 def _worker(rank: int, R: int, port: int, cases: list, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -133,7 +184,8 @@ def _worker(rank: int, R: int, port: int, cases: list, out_dir: str) -> None:
     try:
         res = {}
         for kind, arg in cases:
-            res[(kind, arg)] = (_check_model if kind == "model" else _check_functional)(rank, R, arg)
+            fn = {"model": _check_model, "functional": _check_functional, "full_model": _check_full_model}[kind]
+            res[(kind, arg)] = fn(rank, R, arg)
         torch.save(res, os.path.join(out_dir, f"r{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -144,10 +196,11 @@ CASES = [("model", "balanced"), ("model", "extreme"), ("functional", "dup_balanc
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_ep_matches_single_process(R, tmp_path):
-    mp.spawn(_worker, args=(R, _free_port(), CASES, str(tmp_path)), nprocs=R)
+    cases = CASES + ([("full_model", "k3-tiny")] if R == 2 else [])
+    mp.spawn(_worker, args=(R, _free_port(), cases, str(tmp_path)), nprocs=R)
     for r in range(R):
         res = torch.load(tmp_path / f"r{r}.pt")
-        assert set(res) == set(CASES)
+        assert set(res) == set(cases)
         for case, v in res.items():
             bad = {k: e for k, e in v["errs"].items() if not e <= TOL}
             print(f"R={R} rank={r} {case}: max rel err {max(v['errs'].values()):.2e}")
