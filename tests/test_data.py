@@ -251,6 +251,19 @@ def test_sources_stream(tmp_path, monkeypatch):
         next(src_mod.read_parquet(q, text_field="body"))
 
 
+def test_sources_split(tmp_path):
+    with open(tmp_path / "x.jsonl", "w") as fh:
+        for i in range(400):
+            fh.write(json.dumps({"text": f"doc {i}"}) + "\n")
+    alld = list(open_sources(tmp_path, validation_percent=10))
+    tr = [d.text for d in open_sources(tmp_path, split="train", validation_percent=10)]
+    va = [d.text for d in open_sources(tmp_path, split="validation", validation_percent=10)]
+    assert sorted(tr + va) == sorted(d.text for d in alld) and not set(tr) & set(va)
+    assert 15 <= len(va) <= 70 and [d.text for d in alld if d.split == "validation"] == va
+    with pytest.raises(ValueError, match="split"):
+        next(open_sources(tmp_path, split="test"))
+
+
 def test_packing_from_sources(tok, tmp_path):
     _write_parquet(tmp_path / "c.parquet", [f"parquet row {i} " * (i % 7) for i in range(40)], 8)
     factory = lambda: open_sources(tmp_path / "c.parquet")  # noqa: E731

@@ -16,7 +16,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
-from .sources import Document
+from .sources import Document, split_of
 
 VALIDATION_PERCENT = 3
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -24,10 +24,6 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "_
 
 def _key(name: str) -> bytes:
     return hashlib.sha256(name.encode("utf-8")).digest()
-
-
-def _split(name: str) -> str:
-    return "validation" if int.from_bytes(_key(name)[:8], "big") % 100 < VALIDATION_PERCENT else "train"
 
 
 def _walk_py(root: Path):
@@ -61,7 +57,7 @@ def _all_documents() -> tuple[Document, ...]:
     if not named:
         raise FileNotFoundError(f"no Python sources under {root} to build the built-in corpus")
     named.sort(key=lambda kv: (_key(kv[0]), kv[0]))
-    return tuple(Document(text, name, _split(name)) for name, text in named)
+    return tuple(Document(text, name, split_of(name, VALIDATION_PERCENT)) for name, text in named)
 
 
 def builtin_corpus(max_bytes: int | None = None, split: str | None = None) -> list[Document]:

@@ -8,6 +8,7 @@ deterministic: files in the order given, directories and globs expanded in sorte
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +28,12 @@ class Document:
     text: str
     source: str = ""
     split: str = "train"
+
+
+def split_of(name: str, validation_percent: float) -> str:
+    """'validation' for about `validation_percent` % of names (by a hash of the name), else 'train'."""
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    return "validation" if h % 10_000 < validation_percent * 100 else "train"
 
 
 def expand_paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -107,13 +114,25 @@ def read_parquet(path: str | os.PathLike, text_field: str = "text", batch_rows: 
             row += 1
 
 
-def open_sources(paths: str | os.PathLike | Iterable[str | os.PathLike], text_field: str = "text") -> Iterator[Document]:
-    """Stream the documents of every file in `paths` (see `expand_paths`), file after file."""
+def open_sources(paths: str | os.PathLike | Iterable[str | os.PathLike], text_field: str = "text",
+                 split: str | None = None, validation_percent: float = 1.0) -> Iterator[Document]:
+    """Stream the documents of every file in `paths` (see `expand_paths`), file after file.
+
+    Each document's `split` is drawn from a hash of its `source` (file, line or row), so train and
+    validation are disjoint and stable; `split="train"` / `"validation"` keeps only that part."""
+    if split not in (None, "train", "validation"):
+        raise ValueError(f"split must be 'train', 'validation' or None, got {split!r}")
+    if not 0 <= validation_percent <= 100:
+        raise ValueError(f"validation_percent must be in [0, 100], got {validation_percent}")
     for f in expand_paths(paths):
         kind = _kind(f)
         if kind == "text":
-            yield from read_text(f)
+            docs = read_text(f)
         elif kind == "jsonl":
-            yield from read_jsonl(f, text_field)
+            docs = read_jsonl(f, text_field)
         else:
-            yield from read_parquet(f, text_field)
+            docs = read_parquet(f, text_field)
+        for d in docs:
+            part = split_of(d.source, validation_percent)
+            if split is None or part == split:
+                yield Document(d.text, d.source, part)
