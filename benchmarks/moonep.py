@@ -353,7 +353,11 @@ def run(a) -> dict | None:
             dist.all_reduce(tpe)
             ctx = dict(device=device, cuda=cuda, R=R, E=E, x=x, idx=idx, w=w, go=go, W=W, gmm=gmm)
             row = {"E": E, "target_maxvio": target, "sigma": sigma, "maxvio": maxvio(tpe),
-                   "max_group_entries": int(tpe.view(R, epn).sum(1).max()), "SK": S * K}
+                   "max_group_entries": int(tpe.view(R, epn).sum(1).max()), "SK": S * K,
+                   "planner_auto_equals_torch": torch.equal(plan_counts(tpe, R, S * K),
+                                                            plan_counts(tpe, R, S * K, backend="torch"))}
+            if not row["planner_auto_equals_torch"]:
+                print(f"WARNING: planner backends disagree at E={E}, target {target}", flush=True)
             row["moonep"], out_m = measure("moonep", a, ctx)
             row["naive"], out_n = measure("naive", a, ctx)
             diff = ((out_m.float() - out_n.float()).norm() ** 2).reshape(1)
