@@ -159,6 +159,8 @@ def test_sharding_disjoint_and_complete(tok):
     assert sorted(map(tuple, got)) == sorted(map(tuple, want))
     with pytest.raises(ValueError, match="no documents"):
         next(iter(PackedDataset(["only one"], tok, 8, rank=1, world_size=2)))
+    with pytest.raises(ValueError, match="every document is empty"):
+        next(iter(PackedDataset(["", ""], tok, 8)))
 
 
 def test_collate_cu_seqlens(tok):

@@ -164,6 +164,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 if next(src, None) is None:
                     break
             seen_any = self.window > 0
+            full_pass, produced = self.window == 0 and self.window_pos == 0, False
             while True:
                 win = [t for _, t in zip(range(W), src)]
                 if not win:
@@ -181,12 +182,15 @@ class PackedDataset(torch.utils.data.IterableDataset):
                     ids = ahead.pop(p)
                     self.window_pos += 1
                     if win[order[p]]:
+                        produced = True
                         yield [tok.bos_token_id, *ids, tok.eod_token_id]
                 self.window += 1
                 self.window_pos = 0
             if not seen_any:
                 raise ValueError(f"rank {self.rank} of {self.world_size} received no documents: the corpus has "
                                  f"fewer documents than data-parallel ranks")
+            if full_pass and not produced:
+                raise ValueError(f"rank {self.rank} of {self.world_size}: every document is empty")
             if not self.loop:
                 return
             self.epoch += 1
