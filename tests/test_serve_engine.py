@@ -212,3 +212,39 @@ def test_randomized_load_frees_every_page(model):
     st = run_random_load(model, seconds)
     assert st["preemptions"] > 0 and st["num_aborted"] > 0 and st["prefix_cache_hits"] > 0
     print(st)
+
+
+def test_submit_and_abort_from_another_thread_while_stepping(model):
+    import threading
+    eng = tiny_engine(model)
+    done, errors, stop = {}, [], threading.Event()
+
+    def loop():
+        try:
+            while not stop.is_set():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                if not eng.has_unfinished():
+                    time.sleep(0.001)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    th = threading.Thread(target=loop)
+    th.start()
+    try:
+        ps = prompts(5, 9)
+        rids = [eng.submit(p, GREEDY) for p in ps]
+        long = eng.submit(ps[0], SamplingParams(max_tokens=60, temperature=0))
+        time.sleep(0.05)
+        assert eng.abort(long).finish_reason == "abort"
+        deadline = time.monotonic() + 60
+        while len(done) < len(rids) and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        th.join()
+    assert not errors and set(done) == set(rids)
+    alone = tiny_engine(model).generate(ps, GREEDY)
+    assert [done[r].token_ids for r in rids] == [a.token_ids for a in alone]
+    eng.check_pool()

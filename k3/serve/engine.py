@@ -6,8 +6,8 @@ RL "resume": abort a request (the returned output has the partial tokens and the
 blocks stay cached and its KDA state at the last fine-block boundary it passed becomes a checkpoint, so
 only the tokens after that boundary are recomputed.
 
-Thread safety: every public method takes one lock, so a server may call submit/abort from request
-handlers while a loop thread calls step().
+Thread safety: step() and abort() hold the engine lock; submit() only touches an inbox (under its own
+lock) that the next step drains, so a server may submit from request handlers while a loop thread steps.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class EngineConfig:
     hash_block_size: fine prefix-hash block (default 512); must divide block_size.
     num_pages: pool pages; None = from `pool_bytes`, else (CUDA) `gpu_memory_fraction` of the free memory,
         else (CPU) 256 MiB.
-    max_num_seqs / max_num_batched_tokens: batch limits per step (sequences / tokens incl. prefill chunks).
+    max_num_seqs / max_num_batched_tokens: batch limits per step (sequences / tokens incl. prefill chunks);
+        at most max_num_batched_tokens sequences run at once (each decode needs one token of the budget).
     max_model_len: prompt + output limit (None = the model's max_position_embeddings).
     checkpoint_interval: also keep a KDA checkpoint every this many fine blocks of a prompt (0 = only the
         sparse endpoints: end of prompt, shared-prefix junction, last boundary of a finished sequence).
@@ -98,7 +99,9 @@ class Engine:
         self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self.requests: dict[str, Sequence] = {}
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # engine state (scheduler, pool, cache): held by step / abort
+        self._inbox_lock = threading.Lock()  # `requests` and the submission inbox
+        self._inbox: list[Sequence] = []
         self.num_finished = self.num_aborted = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.num_steps = 0
@@ -146,27 +149,34 @@ class Engine:
         if need > self.pool.num_pages:
             raise ValueError(f"a request of {total} tokens needs {need} pages but the pool has "
                              f"{self.pool.num_pages}")
-        with self._lock:
-            rid = request_id if request_id is not None else uuid.uuid4().hex
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(request_id=rid, prompt=prompt, params=params, eos=() if params.ignore_eos else self.eos,
+                       generator=gen)
+        with self._inbox_lock:  # not the step lock: submitting never waits for a forward
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in flight")
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            seq = Sequence(request_id=rid, prompt=prompt, params=params, eos=() if params.ignore_eos else self.eos,
-                           generator=gen)
             self.requests[rid] = seq
-            self.scheduler.waiting.append(seq)
+            self._inbox.append(seq)
             self.prompt_tokens_total += len(prompt)
             if self.config.record_logits:
                 self.recorded_logits[rid] = []
-            return rid
+        return rid
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            self.scheduler.waiting.extend(self._inbox)
+            self._inbox.clear()
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; returns its partial tokens (and log-probs) with finish_reason "abort".
         Raises KeyError for an unknown or already finished request."""
         with self._lock:
-            seq = self.requests.pop(request_id, None)
+            self._drain_inbox()
+            with self._inbox_lock:
+                seq = self.requests.pop(request_id, None)
             if seq is None:
                 raise KeyError(f"unknown or finished request id {request_id!r}")
             self.scheduler.remove(seq)
@@ -175,13 +185,14 @@ class Engine:
             return seq.to_output()
 
     def has_unfinished(self) -> bool:
-        with self._lock:
+        with self._inbox_lock:
             return bool(self.requests)
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: outputs for the requests that got tokens (or finished) in it."""
         with self._lock:
+            self._drain_inbox()
             work = self.scheduler.schedule()
             if not work:
                 return []
@@ -207,7 +218,8 @@ class Engine:
                 self._check_stop(seq, t)
                 if seq.finished:
                     self.scheduler.remove(seq)
-                    del self.requests[seq.request_id]
+                    with self._inbox_lock:
+                        del self.requests[seq.request_id]
                     self.num_finished += 1
                 outs.append(seq.to_output())
             return outs
@@ -242,7 +254,7 @@ class Engine:
                 if o.finished and o.request_id in pending:
                     final[o.request_id] = o
                     pending.discard(o.request_id)
-            if not outs and not self.scheduler.running and not self.scheduler.waiting:
+            if not outs and not self.scheduler.running and not self.scheduler.waiting and not self._inbox:
                 break
         return [final[r] for r in rids]
 
@@ -250,7 +262,7 @@ class Engine:
         with self._lock:
             s, c = self.scheduler, self.cache
             return dict(
-                running=len(s.running), waiting=len(s.waiting),
+                running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
                 pool_pages_total=self.pool.num_pages, pool_pages_used=self.pool.num_used,
                 pool_pages_cached=0 if c is None else c.num_pages,
                 pool_pages_evictable=0 if c is None else c.num_evictable,

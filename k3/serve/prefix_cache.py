@@ -115,28 +115,19 @@ class PrefixCache:
         host = self.host
         for key in keys:
             if key in host.mla and key not in self.mla:
-                bid = host.mla[key][0]
-                buf, bkeys = host.blocks[bid]
                 page = alloc()
                 if page is None:
                     return False
+                buf, bkeys = host.take_block(host.mla[key][0])
                 self.pool.mla[page, :, :buf.shape[1]].copy_(buf)
-                del host.blocks[bid]
-                host.used -= buf.numel() * buf.element_size()
-                host.loads += 1
                 for k, r in bkeys:
-                    if host.mla.get(k, (None,))[0] == bid:
-                        del host.mla[k]
                     self.register_block(k, page, r)
                 self.pool.decref(page)  # the cache's reference (taken in register_block) keeps it
             if key in host.ckpt and key not in self.ckpt:
                 page = alloc()
                 if page is None:
                     return False
-                buf = host.ckpt.pop(key)
-                host.used -= buf.numel()
-                host.loads += 1
-                self.pool.from_host(buf, page)
+                self.pool.from_host(host.take_checkpoint(key), page)
                 self.register_checkpoint(key, page)
         return True
 
@@ -180,6 +171,8 @@ class PrefixCache:
     def _evict(self, p: int) -> None:
         self.evictions += 1
         if p in self.ckpt_key:
+            if self.host is not None:
+                self.host.store_checkpoint(self.ckpt_key[p], p)
             self.drop_checkpoint(self.ckpt_key[p])
             return
         keys = self.page_keys.pop(p)
@@ -224,23 +217,20 @@ class PrefixCache:
 class HostTier:
     """Idle prefixes written back to host memory on eviction and fetched again on reuse.
 
-    An evicted MLA page is stored once (bytes of its valid rows) with all its keys; checkpoints registered
-    under those keys are stored with it (KDA state travels with its MLA block). LRU over stored pages; a
-    checkpoint is dropped with the block it belongs to.
+    An evicted MLA page is stored once (its valid rows) with all its keys, and the checkpoints registered
+    under those keys go with it (KDA state travels with its MLA block); a checkpoint evicted on its own is
+    stored alone. One LRU over stored items; dropping a block drops the checkpoints under its keys.
     """
 
     def __init__(self, pool: PagePool, capacity_bytes: int):
         self.pool, self.capacity = pool, capacity_bytes
-        self.blocks: OrderedDict[int, tuple[torch.Tensor, list[tuple[bytes, int]]]] = OrderedDict()
+        self.items: OrderedDict[tuple, int] = OrderedDict()  # ("blk", id) | ("ckpt", key) -> bytes
+        self.blocks: dict[int, tuple[torch.Tensor, list[tuple[bytes, int]]]] = {}
         self.mla: dict[bytes, tuple[int, int]] = {}  # key -> (block id, rows)
         self.ckpt: dict[bytes, torch.Tensor] = {}
         self._next = 0
         self.used = 0
         self.stores = self.loads = 0
-
-    def _row_bytes(self, rows: int) -> int:
-        L = self.pool.layout
-        return L.num_mla_layers * rows * L.mla_width * L.elem
 
     def store_block(self, page: int, keys: list[tuple[bytes, int]]) -> None:
         rows = max(r for _, r in keys)
@@ -249,27 +239,50 @@ class HostTier:
         self.blocks[bid] = (buf, keys)
         for k, r in keys:
             self.mla[k] = (bid, r)
-        self.used += buf.numel() * buf.element_size()
-        self.stores += 1
-        self._shrink()
+        self._add(("blk", bid), buf.numel() * buf.element_size())
 
     def store_checkpoint(self, key: bytes, page: int) -> None:
+        if key in self.ckpt:
+            return
         buf = self.pool.to_host(page, self.pool.layout.slot_bytes)
         self.ckpt[key] = buf
-        self.used += buf.numel()
-        self._shrink()
+        self._add(("ckpt", key), buf.numel())
 
-    def _shrink(self) -> None:
-        while self.used > self.capacity and self.blocks:
-            bid, (buf, keys) = self.blocks.popitem(last=False)
-            self.used -= buf.numel() * buf.element_size()
-            for k, _ in keys:
-                if self.mla.get(k, (None,))[0] == bid:
-                    del self.mla[k]
-                c = self.ckpt.pop(k, None)
-                if c is not None:
-                    self.used -= c.numel()
+    def _add(self, item: tuple, nbytes: int) -> None:
+        self.items[item] = nbytes
+        self.used += nbytes
+        self.stores += 1
+        while self.used > self.capacity and self.items:
+            self._drop(next(iter(self.items)))
+
+    def _drop(self, item: tuple) -> None:
+        self.used -= self.items.pop(item)
+        if item[0] == "ckpt":
+            del self.ckpt[item[1]]
+            return
+        _, keys = self.blocks.pop(item[1])
+        for k, _ in keys:
+            if self.mla.get(k, (None,))[0] == item[1]:
+                del self.mla[k]
+            if ("ckpt", k) in self.items:
+                self._drop(("ckpt", k))
+
+    def take_block(self, bid: int) -> tuple[torch.Tensor, list[tuple[bytes, int]]]:
+        """Remove a block (not its checkpoints) for loading back into a device page."""
+        buf, keys = self.blocks[bid]
+        self.used -= self.items.pop(("blk", bid))
+        del self.blocks[bid]
+        for k, _ in keys:
+            if self.mla.get(k, (None,))[0] == bid:
+                del self.mla[k]
+        self.loads += 1
+        return buf, keys
+
+    def take_checkpoint(self, key: bytes) -> torch.Tensor:
+        self.used -= self.items.pop(("ckpt", key))
+        self.loads += 1
+        return self.ckpt.pop(key)
 
     def clear(self) -> None:
-        self.blocks.clear(), self.mla.clear(), self.ckpt.clear()
+        self.items.clear(), self.blocks.clear(), self.mla.clear(), self.ckpt.clear()
         self.used = 0

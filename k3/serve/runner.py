@@ -85,6 +85,19 @@ class ModelRunner:
             m["dec_page"] = table[:, pos // B]
             m["dec_off"] = (pos % B).expand(nd, S)
             m["dec_valid"] = pos[None, :] < torch.tensor(lens, device=dev)[:, None]
+        if nd < len(seqs):  # packed conv layout for prefill: per sequence W-1 window rows, then its tokens
+            Wm1 = self.pool.layout.conv_width
+            st_rows, tok_rows, last_rows, r = [], [], [], 0
+            for s in seqs[nd:]:
+                T = len(s.tokens)
+                st_rows.extend(range(r, r + Wm1))
+                tok_rows.extend(range(r + Wm1, r + Wm1 + T))
+                last_rows.append(list(range(r + T, r + T + Wm1)))
+                r += Wm1 + T
+            m["ext_len"] = r
+            m["ext_state_rows"] = torch.tensor(st_rows, device=dev, dtype=torch.long)
+            m["ext_tok_rows"] = torch.tensor(tok_rows, device=dev, dtype=torch.long)
+            m["ext_last_rows"] = torch.tensor(last_rows, device=dev, dtype=torch.long)  # [np, W-1]
         rows, n = [], 0
         for s in seqs:
             n += len(s.tokens)
@@ -148,14 +161,17 @@ class ModelRunner:
                 xp = torch.cat([st, y[:nd, :, None]], dim=-1)  # [nd, C, W]
                 out[:nd] = F.conv1d(xp, w, groups=C)[..., 0]
                 conv_pool[slots[:nd], j] = xp[..., 1:].to(conv_pool.dtype)
-            off = nd
-            for i in range(nd, len(seqs)):
-                T = len(seqs[i].tokens)
-                st = conv_pool[seqs[i].state_page, j].to(y.dtype)  # [C, W-1]
-                xp = torch.cat([st, y[off:off + T].T], dim=-1)[None]  # [1, C, W-1+T]
-                out[off:off + T] = F.conv1d(xp, w, groups=C)[0].T
-                conv_pool[seqs[i].state_page, j] = xp[0, :, -st.shape[-1]:].to(conv_pool.dtype)
-                off += T
+            if nd < len(seqs):  # prefill chunks: [window ‖ chunk] per sequence, packed; W taps gathered
+                st = conv_pool[slots[nd:], j].to(y.dtype)  # [np, C, W-1]
+                ext = y.new_empty(meta["ext_len"], C)
+                ext[meta["ext_state_rows"]] = st.transpose(1, 2).reshape(-1, C)
+                ext[meta["ext_tok_rows"]] = y[nd:]
+                W = w.shape[-1]
+                acc = torch.zeros(y.shape[0] - nd, C, dtype=torch.float32, device=y.device)
+                for t in range(W):  # fp32 accumulation, like conv1d's
+                    acc += ext[meta["ext_tok_rows"] - (W - 1) + t].float() * w[:, 0, t].float()
+                out[nd:] = acc.to(y.dtype)
+                conv_pool[slots[nd:], j] = ext[meta["ext_last_rows"]].transpose(1, 2).to(conv_pool.dtype)
             qkv.append(F.silu(out).view(N, H, -1))
         q, kk, v = qkv
         g = kda_gate(attn.f_b_proj(attn.f_a_proj(x)).view(1, N, H, K), attn.A_log[:H], attn.dt_bias,
@@ -217,13 +233,16 @@ class ModelRunner:
             kvb = attn.kv_b_proj(cc).view(S, attn.num_heads, attn.nope + attn.vdim)
             k_nope, v = kvb.split([attn.nope, attn.vdim], dim=-1)
             kk = torch.cat([k_nope, kp[:, None, :].expand(-1, attn.num_heads, -1)], dim=-1)
-            allowed = (torch.arange(S, device=x.device)[None, :]
-                       <= torch.arange(s.start, S, device=x.device)[:, None])  # [T, S]
             qq = q[off:off + T].transpose(0, 1)[None]  # [1, H, T, Dq]
-            bias = torch.zeros(allowed.shape, dtype=qq.dtype, device=x.device).masked_fill(
-                ~allowed, torch.finfo(qq.dtype).min)
+            if s.start == 0:
+                bias = None
+            else:
+                allowed = (torch.arange(S, device=x.device)[None, :]
+                           <= torch.arange(s.start, S, device=x.device)[:, None])  # [T, S]
+                bias = torch.zeros(allowed.shape, dtype=qq.dtype, device=x.device).masked_fill(
+                    ~allowed, torch.finfo(qq.dtype).min)
             out = F.scaled_dot_product_attention(qq, kk.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                                 attn_mask=bias, scale=attn.scale)
+                                                 attn_mask=bias, is_causal=bias is None, scale=attn.scale)
             o[off:off + T] = out[0].transpose(0, 1)
             off += T
         o = o.reshape(N, attn.num_heads * attn.vdim)

@@ -197,7 +197,7 @@ class Scheduler:
             work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
             budget -= end - seq.num_computed
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < min(self.max_num_seqs, self.budget):
             seq = self._pick()
             if not self._admit(seq):
                 self._return(seq)

@@ -455,6 +455,29 @@ class _Server:
                 if not c.done or c.stop.hit:
                     self.driver.abort(c.rid)
 
+    @staticmethod
+    async def _drain(request: Request, events) -> None:
+        """Run a non-streaming request to the end; if the client goes away first, abort it."""
+        async def run():
+            async with contextlib.aclosing(events) as ev:
+                async for _ in ev:
+                    pass
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise APIError(499, "the client closed the connection", code="client_closed_request")
+        finally:
+            if not task.done():
+                task.cancel()
+
     def _usage(self, n_prompt: int, choices: list[_Choice]) -> api.Usage:
         comp = sum(len(c.token_ids) for c in choices)
         reasoning = sum(c.parser.num_reasoning_tokens for c in choices if c.parser is not None)
@@ -498,9 +521,7 @@ class _Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(self._chat_stream(cid, created, len(prompt), choices, queue, include_usage,
                                                req.logprobs))
-        async with contextlib.aclosing(self._events(choices, queue, True)) as ev:
-            async for _ in ev:
-                pass
+        await self._drain(request, self._events(choices, queue, True))
         out = []
         for c in choices:
             msg = c.message
@@ -577,9 +598,7 @@ class _Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(self._completion_stream(cid, created, n_prompt, choices, queue, include_usage, echo,
                                                      logprobs))
-        async with contextlib.aclosing(self._events(choices, queue, False)) as ev:
-            async for _ in ev:
-                pass
+        await self._drain(request, self._events(choices, queue, False))
         out = [api.CompletionChoice(index=c.index, text=echo[c.index] + c.completion, finish_reason=c.finish_reason,
                                     logprobs=self._completion_logprobs(zip(c.token_ids, c.logprobs))
                                     if logprobs else None) for c in choices]
