@@ -77,7 +77,7 @@ def k3_special_tokens(bos_token_id: int, vocab_size: int) -> dict[str, int]:
 @lru_cache(maxsize=1)
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable character map (the form HF byte-level vocabularies use)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     out, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -132,7 +132,8 @@ class K3Tokenizer:
         self._id_to_bytes = {i: b for b, i in self.mergeable_ranks.items()}
         self._enc = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=self.mergeable_ranks,
                                       special_tokens=self.special_tokens)
-        self._special_re = re.compile("|".join(re.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
+        longest_first = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(s) for s in longest_first))
         self.vocab_size = max(max(regular_ids), max(special_tokens.values(), default=-1)) + 1
         self.num_regular_tokens = len(mergeable_ranks)
         self.bos_token, self.eos_token, self.pad_token, self.unk_token, self.eod_token = \
@@ -184,7 +185,8 @@ class K3Tokenizer:
                 name = self._special_names.get(i)
                 if name is None:
                     raise ValueError(f"token id {i} is not in this tokenizer (vocab_size {self.vocab_size}; "
-                                     f"{self.num_regular_tokens} regular ids, specials from {min(self._special_names)})")
+                                     f"{self.num_regular_tokens} regular ids, specials from "
+                                     f"{min(self._special_names)})")
                 if skip_special:
                     continue
                 b = name.encode("utf-8")
@@ -238,7 +240,8 @@ class K3Tokenizer:
         """Write `tiktoken.model` and `tokenizer_config.json` (the release's format) into directory `path`."""
         d = Path(path)
         d.mkdir(parents=True, exist_ok=True)
-        lines = [f"{base64.b64encode(b).decode('ascii')} {r}\n" for b, r in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])]
+        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
+        lines = [f"{base64.b64encode(b).decode('ascii')} {r}\n" for b, r in by_rank]
         _atomic_write(d / "tiktoken.model", "".join(lines))
         cfg = {
             "tokenizer_class": "TikTokenTokenizer",
@@ -358,7 +361,8 @@ def _atomic_write(path: Path, text: str) -> None:
 def _check_layout(config: "K3TextConfig") -> None:
     bos, eos, pad, v = config.bos_token_id, config.eos_token_id, config.pad_token_id, config.vocab_size
     if bos < 512:
-        raise ValueError(f"bos_token_id {bos} leaves fewer than 512 regular ids; byte-level BPE needs 256 bytes + merges")
+        raise ValueError(f"bos_token_id {bos} leaves fewer than 512 regular ids; "
+                         "byte-level BPE needs the 256 bytes plus merges")
     k3_special_tokens(bos, v)  # validates the block size
     if eos != bos + K3_SPECIAL_OFFSETS["<|end_of_msg|>"] or pad != v - 1:
         raise ValueError(f"config token ids (bos {bos}, eos {eos}, pad {pad}, vocab {v}) do not follow the K3 layout: "
