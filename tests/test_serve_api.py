@@ -289,19 +289,46 @@ def test_malformed_requests_get_openai_errors(real):
     assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
 
 
+def _wait_idle(engine, timeout=20):
+    t0 = time.monotonic()
+    while engine.has_unfinished() and time.monotonic() - t0 < timeout:
+        time.sleep(0.05)
+    return not engine.has_unfinished()
+
+
 def test_client_disconnect_aborts(real):
     srv, engine = real
     before = engine.stats()["num_aborted"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 300, "ignore_eos": True}
     with httpx.Client(base_url=srv.url, timeout=30) as h:
-        with h.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 300,
-                                                            "stream": True, "ignore_eos": True}) as r:
+        with h.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert all(x.startswith("data: ") or x == "" for x in got)
-    t0 = time.monotonic()
-    while engine.has_unfinished() and time.monotonic() - t0 < 20:
-        time.sleep(0.05)
-    assert not engine.has_unfinished() and engine.stats()["num_aborted"] == before + 1
+    assert _wait_idle(engine) and engine.stats()["num_aborted"] == before + 1
+    # a non-streaming request whose client gives up is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=0.5)
+    assert _wait_idle(engine) and engine.stats()["num_aborted"] == before + 2
+
+
+def test_message_forms(real, tok):
+    """Content-part lists, the developer role, and a response message object appended to the history."""
+    srv, _ = real
+    c = _client(srv)
+    msgs = [{"role": "developer", "content": "Be terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a colour."}]}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0)
+    assert r.usage.prompt_tokens == len(xtml.render(tok, [{"role": "system", "content": "Be terse."},
+                                                          {"role": "user", "content": "Name a colour."}]))
+    follow = msgs + [r.choices[0].message, {"role": "user", "content": "Another."}]
+    r2 = c.chat.completions.create(model=MODEL, messages=follow, max_tokens=3, temperature=0)
+    m = r.choices[0].message
+    want = xtml.render(tok, msgs[:1] + [{"role": "user", "content": "Name a colour."},
+                                          {"role": "assistant", "content": m.content,
+                                           "reasoning_content": m.reasoning_content},
+                                          {"role": "user", "content": "Another."}])
+    assert r2.usage.prompt_tokens == len(want)
 
 
 # ----------------------------------------------------------------------------------------------- scripted engine
@@ -410,3 +437,30 @@ def test_stop_strings_cut_content_and_abort(scripted, tok):
         while not engine.aborted and time.monotonic() - t0 < 5:
             time.sleep(0.01)
         assert len(engine.aborted) == 1
+
+
+def test_k3_serve_cli(tmp_path, tok, model, capsys):
+    import argparse
+
+    from k3.cli import main
+    from k3.serve.cli import add_parser, build_app
+
+    ckpt = tmp_path / "tiny-ckpt"
+    model.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["serve", "--checkpoint", str(ckpt), "--device", "cpu", "--block-size", "64",
+                         "--hash-block-size", "16", "--num-pages", "16", "--max-model-len", "256"])
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    app, engine = build_app(args)
+    assert engine.max_model_len == 256
+    ids = tok.encode("hello there")
+    with _Uvicorn(app) as srv:
+        c = _client(srv)
+        assert [m.id for m in c.models.list().data] == ["tiny-ckpt"]
+        r = c.completions.create(model="tiny-ckpt", prompt=ids, max_tokens=5, temperature=0)
+    gen = [t for t in _greedy(model, ids, 5, tok.eos_token_id) if t not in tok.special_tokens.values()]
+    assert r.choices[0].text == tok.decode(gen)
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err
