@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--config", help="a config.json or a checkpoint directory")
     pi.add_argument("--json", action="store_true", help="print JSON")
     pi.set_defaults(func=cmd_info)
-    from .train.quickstart import add_parser as add_train
+    from .train.cli import add_parser as add_train
     add_train(sub)
     from .env.cli import add_parser as add_sandbox
     add_sandbox(sub)

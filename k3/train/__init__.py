@@ -1,1 +1,2 @@
-"""Pre-training. `quickstart` is the built-in `k3 train` job (tiny model, built-in corpus, CPU)."""
+"""Pre-training (K3_SPEC §7): Per-Head Muon + QK-clip (`optim`, `qkclip`), Quantile Balancing (`balance`),
+the trainer behind `k3 train` (`trainer`, `config`, `state`, `metrics`)."""

@@ -1,0 +1,104 @@
+"""`k3 train` (flags and/or a TOML/YAML config file) and `k3 generate` (continue text from a checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from .config import TrainConfig, load_config_file
+
+_HELP = {
+    "preset": "model preset (k3-tiny: CPU demo; k3-small: one GPU)",
+    "model_config": "a config.json or checkpoint dir instead of a preset",
+    "init_from": "initial weights (a checkpoint dir in the HF layout)",
+    "data": "text / JSONL (text field) / Parquet files, dirs or globs; default: the built-in corpus",
+    "tokenizer": "tokenizer dir (tiktoken.model + tokenizer_config.json, or ours); default: BPE on the built-in corpus",
+    "seq_len": "base context length (curriculum stages are multiples of it)",
+    "batch_size": "rows per micro-batch at the base length",
+    "tokens_per_step": "tokens per optimizer step (constant across curriculum stages)",
+    "curriculum": "'auto', 'none', or 'frac:mult,...' e.g. '0.85:1,0.15:8'",
+    "optimizer": "'muon' (Per-Head Muon + AdamW) or 'adamw'",
+    "balance": "router bias update: 'qb' (Quantile Balancing, histogram), 'qb-exact', 'sign' (DeepSeek-V3) or 'none'",
+    "qk_clip_tau": "QK-clip threshold on MLA logits (0: off)",
+    "stop_after": "stop after this many steps (resume later with the same command)",
+    "out": "run directory (checkpoints, log.jsonl, tb/, training.png, summary.json)",
+}
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", dest="config_file", help="a TOML or YAML file of settings (flags override it)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(dest=f.name, default=None, help=_HELP.get(f.name))
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif f.name == "data":
+            p.add_argument(flag, nargs="+", **kw)
+        else:
+            typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            p.add_argument(flag, type=typ, **kw)
+
+
+def config_from_args(args) -> TrainConfig:
+    values = load_config_file(args.config_file) if args.config_file else {}
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    if "out" not in values and "preset" in values:
+        values["out"] = f"runs/{values['preset']}"
+    return TrainConfig(**values)
+
+
+def cmd_train(args) -> int:
+    from .trainer import TrainingDiverged, train
+    try:
+        summary = train(config_from_args(args))
+    except TrainingDiverged as e:
+        print(f"k3 train: stopped: {e}", file=sys.stderr)
+        return 3
+    if summary.get("finished"):
+        print(f"\nvalidation loss {summary['first_val_loss']:.3f} → {summary['final_val_loss']:.3f} "
+              f"(nats/token); checkpoint {summary['checkpoint']}; plot {summary['plot']}")
+        print("sample:\n" + summary["sample"])
+    else:
+        print(json.dumps({k: summary[k] for k in ("step", "loss") if k in summary}))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from ..io.tokenizer import K3Tokenizer
+    from ..model import K3ForConditionalGeneration
+    from .state import resolve_checkpoint
+
+    ck = resolve_checkpoint(args.checkpoint)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = K3ForConditionalGeneration.from_pretrained(ck).to(device).eval()
+    tok = K3Tokenizer.from_pretrained(ck)
+    ids = [tok.bos_token_id] + tok.encode(args.prompt)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p)
+    print(args.prompt + tok.decode(out[0, len(ids):].tolist(), skip_special=True))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="pre-train a preset (default k3-tiny on the built-in corpus; CPU is enough)")
+    _add_train_flags(p)
+    p.set_defaults(func=cmd_train)
+    g = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
+    g.add_argument("--checkpoint", required=True, help="a checkpoint dir or a run dir (uses its latest)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None)
+    g.set_defaults(func=cmd_generate)

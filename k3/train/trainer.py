@@ -1,0 +1,382 @@
+"""The pre-training loop behind `k3 train` (K3_SPEC §7).
+
+Per step: `grad_accum` micro-batches of packed documents (KDA state, short convs, MLA attention and the
+losses never cross a document boundary), LM loss + `mtp_weight` × MTP loss, gradient clipping, Per-Head
+Muon + AdamW, the cosine schedule, QK-clip on the MLA heads, the router's selection bias updated by
+Quantile Balancing. The context-length curriculum changes the row length at stage boundaries while
+keeping the tokens per step. bf16 autocast on GPU, fp32 on CPU.
+
+Resume is exact: a checkpoint holds the weights, optimizer, schedule, QK-clip and balancing state, the
+data position and every RNG, so stopping at step N and resuming reproduces an uninterrupted run (bitwise on
+CPU). A non-finite loss stops the run, naming the step, and keeps the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import Stage, TrainConfig
+from .metrics import MetricsLog, plot_run, read_log
+from .state import STATE_FILE, clean_staging, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became NaN/Inf; the last good checkpoint is kept."""
+
+
+def init_distributed() -> tuple[int, int, torch.device | None]:
+    """(rank, world_size, device) under torchrun (WORLD_SIZE > 1), else (0, 1, None)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, None
+    if not dist.is_initialized():
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = None
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    return dist.get_rank(), world, device
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from ..config import K3Config
+        from ..io.tokenizer import K3Tokenizer, default_tokenizer
+        from ..model import K3ForConditionalGeneration
+        from .balance import BalanceController
+        from .optim import OptimConfig, build_optimizer, build_scheduler
+        from .qkclip import QKClip
+
+        self.cfg = cfg = cfg.resolved()
+        self.rank, self.world, dev = init_distributed()
+        self.device = torch.device(cfg.device) if cfg.device else (
+            dev or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        self.run_dir = Path(cfg.out)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+
+        if cfg.init_from:
+            self.model = K3ForConditionalGeneration.from_pretrained(cfg.init_from)
+        else:
+            mcfg = K3Config.from_pretrained(cfg.model_config) if cfg.model_config else K3Config.preset(cfg.preset)
+            mcfg.vision_config = None  # text pre-training
+            self.model = K3ForConditionalGeneration(mcfg)
+        self.model.to(self.device).train()
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.text_config = self.model.config.text_config
+        self.tokenizer = (K3Tokenizer.from_pretrained(cfg.tokenizer) if cfg.tokenizer
+                          else default_tokenizer(self.text_config))
+        if self.tokenizer.vocab_size > self.text_config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
+                             f"{self.text_config.vocab_size}")
+
+        ocfg = OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "muon":
+            self.opt = build_optimizer(self.model, ocfg)
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                         weight_decay=cfg.weight_decay)
+        self.sched = build_scheduler(self.opt, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
+        self.qkclip = QKClip(self.model, cfg.qk_clip_tau) if cfg.qk_clip_tau > 0 else None
+        self.balance = None
+        if cfg.balance != "none":
+            self.balance = BalanceController(self.model, method="sign" if cfg.balance == "sign" else "qb",
+                                             gamma=cfg.balance_gamma, exact=cfg.balance == "qb-exact",
+                                             group=dist.group.WORLD if self.world > 1 else None)
+        self.stages = cfg.stages()
+        self.step = 0
+        self.stage_idx = -1
+        self.data = None
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else nullcontext())
+
+    # ---- data --------------------------------------------------------------------------------------
+    def _docs(self, split: str):
+        from ..data.corpus import builtin_corpus
+        from ..data.sources import open_sources
+        cfg = self.cfg
+        if cfg.data:
+            if split == "validation":
+                return None
+            return lambda: open_sources(cfg.data, text_field=cfg.text_field)
+        return lambda: iter(builtin_corpus(split=split))
+
+    def _dataset(self, stage: Stage):
+        from ..data.packing import PackedDataset
+        ds = PackedDataset(self._docs("train"), self.tokenizer, stage.seq_len, rank=self.rank,
+                           world_size=self.world, seed=self.cfg.seed)
+        if stage.seq_len > self.cfg.seq_len and self.cfg.long_context_frac > 0:
+            task = self._long_context_task(stage.seq_len)
+            if task is not None:
+                from .mixing import MixedRows
+                ds = MixedRows(ds, task, self.cfg.long_context_frac)
+        return ds
+
+    def _long_context_task(self, seq_len: int):
+        """The synthetic long-context task at the most facts/hops that fit `seq_len` (None: nothing fits)."""
+        from ..data.longctx import LongContextTask
+        for n_facts, hops in ((16, 3), (8, 2), (4, 2), (2, 1), (1, 1)):
+            try:
+                return LongContextTask(self.tokenizer, seq_len, seed=self.cfg.seed + 7919 * (self.rank + 1),
+                                       n_facts=n_facts, hops=hops)
+            except ValueError:
+                continue
+        return None
+
+    def _enter_stage(self, idx: int, data_state: dict | None = None) -> None:
+        """Start curriculum stage `idx`; the document stream continues where the previous stage left it
+        (or where `data_state`, from a checkpoint, says)."""
+        prev = self.data
+        self.stage_idx = idx
+        self.data = self._dataset(self.stages[idx])
+        if data_state is None and prev is not None:
+            data_state = {"packed": _packed(prev).state_dict()}
+        if data_state is not None:
+            if hasattr(self.data, "packed"):
+                self.data.load_state_dict(data_state)
+            else:
+                self.data.load_state_dict(data_state["packed"])
+        self.data_iter = iter(self.data)
+
+    def _stage_for(self, step: int) -> int:
+        return max(i for i, s in enumerate(self.stages) if s.start <= step)
+
+    def _batch(self, rows: int) -> dict:
+        from ..data.packing import collate
+        b = collate([next(self.data_iter) for _ in range(rows)])
+        return {k: v.to(self.device) for k, v in b.items()}
+
+    def _val_batches(self) -> list[dict]:
+        if not hasattr(self, "_val"):
+            from ..data.packing import PackedDataset, collate
+            docs = self._docs("validation")
+            self._val = []
+            if docs is not None:
+                it = iter(PackedDataset(docs, self.tokenizer, self.cfg.seq_len, rank=self.rank,
+                                        world_size=self.world, seed=0, loop=True))
+                self._val = [collate([next(it) for _ in range(self.cfg.batch_size)])
+                             for _ in range(self.cfg.eval_batches)]
+        return self._val
+
+    # ---- model calls -------------------------------------------------------------------------------
+    @staticmethod
+    def _hf_labels(b: dict) -> torch.Tensor:
+        """Data labels are next-token targets at t (−100: none); the model's labels are HF-style (target
+        of position t sits at t + 1)."""
+        lab = b["labels"]
+        return torch.cat([torch.full_like(lab[:, :1], -100), lab[:, :-1]], dim=1)
+
+    def _loss(self, b: dict):
+        with self.autocast:
+            out = self.model(b["input_ids"], labels=self._hf_labels(b), cu_seqlens=b["cu_seqlens"])
+        loss = out.loss
+        if out.mtp_loss is not None and self.cfg.mtp_weight > 0:
+            loss = loss + self.cfg.mtp_weight * out.mtp_loss
+        return loss, out
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        vb = self._val_batches()
+        if not vb:
+            return None
+        self.model.eval()
+        tot = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for b in vb:
+            b = {k: v.to(self.device) for k, v in b.items()}
+            _, out = self._loss(b)
+            n = (self._hf_labels(b)[:, 1:] != -100).sum()
+            tot += torch.stack([out.loss.double() * n, n.double()])
+        if self.world > 1:
+            dist.all_reduce(tot)
+        self.model.train()
+        return (tot[0] / tot[1]).item()
+
+    @torch.no_grad()
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, seed: int = 0) -> str:
+        """Sampled continuation (temperature 0.8, top-p 0.95, fixed seed so it does not disturb training RNG)."""
+        prompt = self.cfg.sample_prompt if prompt is None else prompt
+        ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(prompt)
+        self.model.eval()
+        cpu_state = torch.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        torch.manual_seed(seed)
+        try:
+            with self.autocast:
+                out = self.model.generate(torch.tensor([ids], device=self.device),
+                                          max_new_tokens=max_new_tokens or self.cfg.sample_tokens,
+                                          temperature=0.8, top_p=0.95)
+        finally:
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state_all(cuda_state)
+            self.model.train()
+        return prompt + self.tokenizer.decode(out[0, len(ids):].tolist(), skip_special=True)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "stage": self.stage_idx, "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(),
+                "qkclip": self.qkclip.state_dict() if self.qkclip else None,
+                "balance": self.balance.state_dict() if self.balance else None,
+                "data": self._data_state(),
+                "rng": rng_state(), "config": self.cfg.to_dict()}
+
+    def _data_state(self) -> dict | None:
+        if self.data is None:
+            return None
+        return self.data.state_dict() if hasattr(self.data, "packed") else {"packed": self.data.state_dict()}
+
+    def save(self) -> Path | None:
+        if self.rank != 0:
+            return None
+        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.state_dict(),
+                               keep=self.cfg.keep_checkpoints)
+
+    def try_resume(self) -> bool:
+        clean_staging(self.run_dir)
+        ck = latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        if ck is None:
+            return False
+        from ..io.checkpoint import load_pretrained
+        with torch.no_grad():  # into the existing modules: the optimizer holds references to them
+            self.model.load_state_dict(load_pretrained(ck, dtype=next(self.model.parameters()).dtype).state_dict())
+        st = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=False)
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        if self.qkclip and st["qkclip"] is not None:
+            self.qkclip.load_state_dict(st["qkclip"])
+        if self.balance and st["balance"] is not None:
+            self.balance.load_state_dict(st["balance"])
+        self.step = st["step"]
+        if st["stage"] >= 0:
+            self._enter_stage(st["stage"], st["data"])
+        set_rng_state(st["rng"])
+        return True
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        from tqdm import tqdm
+        cfg = self.cfg
+        resumed = self.try_resume()
+        log = MetricsLog(self.run_dir, cfg.tensorboard and self.rank == 0, resume_step=self.step)
+        if self.rank == 0:
+            (self.run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.step + cfg.stop_after)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="k3 train", unit="step", dynamic_ncols=True,
+                   disable=not cfg.progress or self.rank != 0)
+        first_val = self.evaluate() if self.step == 0 else None
+        if first_val is not None and self.rank == 0:
+            log.write("val", 0, loss=first_val)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        last = {}
+        try:
+            while self.step < end:
+                idx = self._stage_for(self.step)
+                if idx != self.stage_idx:
+                    self._enter_stage(idx)
+                stage = self.stages[idx]
+                t0 = time.perf_counter()
+                tot_loss = torch.zeros((), device=self.device)
+                tot_mtp = torch.zeros((), device=self.device)
+                ntok = 0
+                for _ in range(cfg.grad_accum):
+                    b = self._batch(stage.batch_size)
+                    loss, out = self._loss(b)
+                    (loss / cfg.grad_accum).backward()
+                    tot_loss += out.loss.detach() / cfg.grad_accum
+                    if out.mtp_loss is not None:
+                        tot_mtp += out.mtp_loss.detach() / cfg.grad_accum
+                    ntok += b["input_ids"].numel()
+                if self.world > 1:
+                    self._all_reduce_grads(params)
+                    dist.all_reduce(tot_loss)
+                    tot_loss /= self.world
+                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                lv, gv = tot_loss.item(), gnorm.item()
+                if not (math.isfinite(lv) and math.isfinite(gv)):
+                    raise TrainingDiverged(
+                        f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(lv) else 'gradient norm'} "
+                        f"(loss={lv}, grad_norm={gv}); the last good checkpoint is kept "
+                        f"({latest_checkpoint(self.run_dir) or 'none written yet'})")
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                clip = self.qkclip.step() if self.qkclip else {}
+                bal = self.balance.step() if self.balance else {}
+                self.step += 1
+                dt = time.perf_counter() - t0
+                tps = ntok * self.world / dt
+                last = {"loss": lv, "mtp_loss": tot_mtp.item(), "grad_norm": gv,
+                        "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps, "seq_len": stage.seq_len,
+                        "step_time_s": dt}
+                last.update({k: v for k, v in (clip or {}).items() if isinstance(v, (int, float))})
+                vio = [v for v in (bal or {}).values() if isinstance(v, (int, float))]
+                if vio:  # per-MoE-layer maxvio of this step's loads
+                    last.update(maxvio_mean=sum(vio) / len(vio), maxvio_max=max(vio))
+                if self.rank == 0:
+                    log.write("train", self.step, **last)
+                bar.update(1)
+                bar.set_postfix(loss=f"{lv:.3f}", tok_s=f"{tps:,.0f}", seq=stage.seq_len, refresh=False)
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    v = self.evaluate()
+                    if v is not None and self.rank == 0:
+                        log.write("val", self.step, loss=v)
+                        bar.write(f"step {self.step}: validation loss {v:.4f}")
+                if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step < cfg.steps and self.rank == 0:
+                    text = self.sample()
+                    log.write("sample", self.step, text=text)
+                    bar.write(f"step {self.step} sample: {text[:200]!r}")
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save()
+        finally:
+            bar.close()
+            log.close()
+        if self.step % max(cfg.save_every, 1) != 0 or not cfg.save_every:
+            self.save()
+        summary = {"step": self.step, "finished": self.step >= cfg.steps, "resumed": resumed, **last}
+        if self.step >= cfg.steps and self.rank == 0:
+            log = MetricsLog(self.run_dir, False, resume_step=self.step)
+            v = self.evaluate()
+            text = self.sample()
+            if v is not None:
+                log.write("val", self.step, loss=v)
+            log.write("sample", self.step, text=text)
+            log.close()
+            vals = [r for r in read_log(self.run_dir / "log.jsonl") if r["kind"] == "val"]
+            summary.update(first_val_loss=vals[0]["loss"] if vals else None, final_val_loss=v, sample=text,
+                           checkpoint=str(latest_checkpoint(self.run_dir)),
+                           plot=str(plot_run(self.run_dir)), params=self.model.num_parameters())
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _all_reduce_grads(self, params) -> None:
+        """Data-parallel gradient average (one flat bucket per dtype)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        for dt in {g.dtype for g in grads}:
+            gs = [g for g in grads if g.dtype == dt]
+            flat = torch.cat([g.flatten() for g in gs])
+            dist.all_reduce(flat)
+            flat /= self.world
+            off = 0
+            for g in gs:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+
+def _packed(ds):
+    return getattr(ds, "packed", ds)
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).fit()
