@@ -290,3 +290,28 @@ def test_bad_inputs():
         plan_counts(torch.ones(8, dtype=torch.long), 4, 2, backend="cuda")
     with pytest.raises(ValueError, match="rank=2"):
         plan(torch.zeros(2, 2, dtype=torch.long), torch.tensor([[4, 0], [0, 4]]), 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_plan_no_host_sync_matches_cpu():
+    """The GPU plan (Triton greedy) runs under sync-debug 'error' and inside a CUDA graph, and equals the CPU plan."""
+    R, S, K, E = 8, 256, 8, 64
+    topk = routing("power_law", R, S, K, E, 5)
+    tpe = torch.stack([torch.bincount(t.reshape(-1), minlength=E) for t in topk])
+    ref = plan(topk[3], tpe, 3, 16)
+    it, tt = topk[3].cuda(), tpe.cuda()
+    plan(it, tt, 3, 16)  # compile / warm up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = plan(it, tt, 3, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cap = plan(it, tt, 3, 16)
+    g.replay()
+    torch.cuda.synchronize()
+    for p in (got, cap):
+        for f in ("alloc", "experts_to_copy", "cu_seqlens", "zero_fill_ranges", "remote_stats", "dst", "dst_encoded"):
+            assert torch.equal(getattr(p, f).cpu(), getattr(ref, f)), f
