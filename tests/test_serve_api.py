@@ -61,6 +61,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.live: dict[str, dict] = {}
         self.lock = threading.Lock()
+        self.fail_next = False
 
     def submit(self, prompt, params, request_id=None):
         with self.lock:
@@ -70,6 +71,9 @@ class ScriptedEngine:
 
     def step(self):
         time.sleep(0.002)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected engine failure")
         outs = []
         with self.lock:
             for rid, r in list(self.live.items()):
@@ -178,6 +182,29 @@ def test_n_choices_seed_and_logprobs(real):
     assert a.usage.completion_tokens == sum(len(x.logprobs.content) for x in a.choices)
 
 
+def test_concurrent_requests_routed(real, tok, model):
+    """Concurrent greedy requests batched by the engine each get their own tokens (= a solo generate())."""
+    srv, _ = real
+    c = _client(srv)
+    prompts = [tok.encode(t) for t in ("one two", "three four five", "six", "seven eight nine ten")]
+    results = [None] * len(prompts)
+
+    def run(i):
+        chunks = c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        results[i] = "".join(k.choices[0].text for k in chunks if k.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    specials = set(tok.special_tokens.values())
+    for p, got in zip(prompts, results):
+        want = model.generate(torch.tensor([p]), max_new_tokens=6, temperature=0.0)[0, len(p):].tolist()
+        assert got == tok.decode([t for t in want if t not in specials])
+
+
 def test_completions(real, tok, model):
     srv, _ = real
     c = _client(srv)
@@ -187,7 +214,9 @@ def test_completions(real, tok, model):
     text = r.choices[0].text
     gen = [t for t in want if t not in tok.special_tokens.values()]
     assert text == tok.decode(ids) + tok.decode(gen)
-    assert len(r.choices[0].logprobs.token_logprobs) == len(want) == r.usage.completion_tokens
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(want) == r.usage.completion_tokens
+    assert lp.text_offset[0] == len(tok.decode(ids)) and all(x <= 0 for x in lp.token_logprobs)
     s = list(c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0,
                                   stream=True, stream_options={"include_usage": True}))
     assert "".join(k.choices[0].text for k in s if k.choices) == tok.decode(gen)
@@ -223,6 +252,7 @@ def test_models_health_metrics(real):
     assert value("k3:generation_tokens", "_total") >= 4
 
 
+TOOL_F = {"type": "function", "function": {"name": "f"}}
 BAD_CHAT = [
     ("not json", 400), ("[1, 2]", 400), ({"model": MODEL}, 400), ({"model": MODEL, "messages": []}, 400),
     ({"messages": MSGS}, 400),
@@ -251,6 +281,8 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "x " * (2 * MAX_LEN)}]}, 400),
     ({"model": MODEL, "messages": MSGS, "max_tokens": MAX_LEN}, 400),
     ({"model": MODEL, "messages": MSGS, "seed": 2 ** 70}, 400),
+    ({"model": MODEL, "messages": MSGS, "tools": [TOOL_F], "parallel_tool_calls": False}, 400),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema"}}, 400),
 ]
 BAD_COMPLETION = [
     ({"model": MODEL, "prompt": ""}, 400), ({"model": MODEL, "prompt": []}, 400),
@@ -464,3 +496,17 @@ def test_k3_serve_cli(tmp_path, tok, model, capsys):
     assert r.choices[0].text == tok.decode(gen)
     assert main(["serve", "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_engine_failure_is_contained(scripted, tok):
+    """An exception inside engine.step fails the requests in flight with a 500 error; the server lives on."""
+    srv, engine = scripted
+    c = _client(srv)
+    engine.scripts.append(tok.encode("never seen"))
+    engine.fail_next = True
+    with pytest.raises(openai.InternalServerError) as e:
+        c.chat.completions.create(model=MODEL, messages=MSGS)
+    assert "injected engine failure" in str(e.value)
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    engine.scripts.append(_assistant_ids(tok, {"role": "assistant", "reasoning_content": "", "content": "fine"}))
+    assert c.chat.completions.create(model=MODEL, messages=MSGS).choices[0].message.content == "fine"

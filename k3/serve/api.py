@@ -175,6 +175,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"tool_choice={self.tool_choice!r} needs tools")
         if self.store:
             raise ValueError("store=true is not supported")
+        if self.parallel_tool_calls is False:
+            raise ValueError("parallel_tool_calls=false is not supported (the model may call several tools)")
         return self
 
     def max_new_tokens(self) -> int | None:

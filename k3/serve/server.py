@@ -8,15 +8,19 @@
 
 One background thread owns the engine: it applies queued submit / abort commands between `engine.step()`
 calls and hands each request's outputs to that request's asyncio queue, so the event loop never blocks
-on the model. A client that disconnects mid-stream has its requests aborted.
+on the model. A client that disconnects (streaming or not) has its requests aborted.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 for anything wrong with
 the request (unparsable JSON, wrong types, unknown fields, an invalid conversation, a prompt or
 max_tokens beyond the context), 404 for an unknown model or route, 405 for a wrong method, 413 for a body
 over `max_body_bytes`. 500 is reserved for bugs; the server keeps serving after any of them.
 
-Stop strings are applied by the server to the visible text (chat `content`, or the completion text): the
-output is cut before the stop string, finish_reason is "stop" and the engine request is aborted.
+Stop strings are applied by the server to the visible text (chat `content`, not `reasoning_content`; or
+the completion text): the output is cut before the stop string, finish_reason is "stop" and the engine
+request is aborted. Chat log-probs cover every generated token, XTML markup included (the engine returns
+the sampled token's log-prob only, so `top_logprobs` must be 0). `response_format` is passed to the model
+as K3's response-format system message; the output is not constrained. `usage.prompt_tokens_details.
+cached_tokens` is the engine's prefix-cache hit (a prompt shared by n choices counts once, smallest hit).
 """
 
 from __future__ import annotations
@@ -275,6 +279,7 @@ class _Choice:
     index: int
     rid: str
     stop: StopChecker
+    prompt_index: int = 0
     parser: xtml.XTMLStreamParser | None = None        # chat
     text: IncrementalText | None = None                # completions
     message: xtml.ParsedMessage = field(default_factory=xtml.ParsedMessage)
@@ -481,8 +486,11 @@ class _Server:
     def _usage(self, n_prompt: int, choices: list[_Choice]) -> api.Usage:
         comp = sum(len(c.token_ids) for c in choices)
         reasoning = sum(c.parser.num_reasoning_tokens for c in choices if c.parser is not None)
+        per_prompt: dict[int, int] = {}   # a prompt shared by n choices counts once, with its smallest hit
+        for c in choices:
+            per_prompt[c.prompt_index] = min(per_prompt.get(c.prompt_index, c.cached), c.cached)
         return api.Usage(prompt_tokens=n_prompt, completion_tokens=comp, total_tokens=n_prompt + comp,
-                         prompt_tokens_details=api.PromptTokensDetails(cached_tokens=max(c.cached for c in choices)),
+                         prompt_tokens_details=api.PromptTokensDetails(cached_tokens=sum(per_prompt.values())),
                          completion_tokens_details=api.CompletionTokensDetails(reasoning_tokens=reasoning))
 
     def _chat_logprobs(self, pairs) -> api.ChoiceLogprobs:
@@ -589,8 +597,8 @@ class _Server:
         params = [self._params(req, budgets[j], k, (), logprobs) for j, k in flat]
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids, queue = await self._submit(cid, [prompts[j] for j, _ in flat], params)
-        choices = [_Choice(i, rids[i], StopChecker(req.stop_strings()), text=IncrementalText(self.tok))
-                   for i in range(len(flat))]
+        choices = [_Choice(i, rids[i], StopChecker(req.stop_strings()), prompt_index=flat[i][0],
+                           text=IncrementalText(self.tok)) for i in range(len(flat))]
         echo = [xtml.safe_decode(self.tok, prompts[j]) if req.echo else "" for j, _ in flat]
         n_prompt = sum(len(p) for p in prompts)
         created = int(time.time())
@@ -600,15 +608,17 @@ class _Server:
                                                      logprobs))
         await self._drain(request, self._events(choices, queue, False))
         out = [api.CompletionChoice(index=c.index, text=echo[c.index] + c.completion, finish_reason=c.finish_reason,
-                                    logprobs=self._completion_logprobs(zip(c.token_ids, c.logprobs))
-                                    if logprobs else None) for c in choices]
+                                    logprobs=self._completion_logprobs(zip(c.token_ids, c.logprobs),
+                                                                       len(echo[c.index])) if logprobs else None)
+               for c in choices]
         body = api.CompletionResponse(id=cid, created=created, model=self.model_name, choices=out,
                                       usage=self._usage(n_prompt, choices))
         return JSONResponse(body.model_dump(exclude_none=True))
 
-    def _completion_logprobs(self, pairs) -> api.CompletionLogprobs:
+    def _completion_logprobs(self, pairs, offset: int = 0) -> api.CompletionLogprobs:
+        """Log-probs of the generated tokens (none for echoed prompt tokens; offsets count the echo)."""
         r = api.CompletionLogprobs()
-        off = 0
+        off = offset
         for t, lp in pairs:
             s, _ = _token_str(self.tok, t)
             r.tokens.append(s)
@@ -629,7 +639,8 @@ class _Server:
                 yield chunk(c.index, echo[c.index])
         async with contextlib.aclosing(self._events(choices, queue, False)) as ev:
             async for ch, text, lps in ev:
-                lp = self._completion_logprobs(lps).model_dump() if logprobs and lps else None
+                off = len(echo[ch.index]) + len(ch.completion) - len(text)
+                lp = self._completion_logprobs(lps, off).model_dump() if logprobs and lps else None
                 if text or lp is not None:
                     yield chunk(ch.index, text, lp=lp)
                 if ch.done:
