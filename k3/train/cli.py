@@ -80,11 +80,11 @@ def cmd_generate(args) -> int:
     model = K3ForConditionalGeneration.from_pretrained(ck).to(device).eval()
     tok = K3Tokenizer.from_pretrained(ck)
     ids = [tok.bos_token_id] + tok.encode(args.prompt)
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_p=args.top_p)
+                             temperature=args.temperature, top_p=args.top_p,
+                             eos_token_id=[tok.eod_token_id, tok.eos_token_id],
+                             generator=torch.Generator(device).manual_seed(args.seed))
     print(args.prompt + tok.decode(out[0, len(ids):].tolist(), skip_special=True))
     return 0
 

@@ -106,22 +106,38 @@ class Trainer:
         from ..data.corpus import builtin_corpus
         from ..data.sources import open_sources
         cfg = self.cfg
-        if cfg.data:
-            if split == "validation":
-                return None
-            return lambda: open_sources(cfg.data, text_field=cfg.text_field)
+        if cfg.data:  # a stable hash split of the user's documents gives the held-out set
+            return lambda: open_sources(cfg.data, text_field=cfg.text_field, split=split)
         return lambda: iter(builtin_corpus(split=split))
 
-    def _dataset(self, stage: Stage):
-        from ..data.packing import PackedDataset
-        ds = PackedDataset(self._docs("train"), self.tokenizer, stage.seq_len, rank=self.rank,
-                           world_size=self.world, seed=self.cfg.seed)
+    def _enter_stage(self, idx: int, data_state: dict | None = None) -> None:
+        """Start curriculum stage `idx`: rows of the stage's length; the document stream continues where the
+        previous stage left it (or where `data_state`, from a checkpoint, says). Long stages mix in the
+        synthetic long-context task."""
+        from ..data.packing import Mixture, PackedDataset
+        stage = self.stages[idx]
+        packed = PackedDataset(self._docs("train"), self.tokenizer, stage.seq_len, rank=self.rank,
+                               world_size=self.world, seed=self.cfg.seed)
+        if data_state is None and self.data is not None:
+            data_state = {"packed": self.packed.state_dict(), "mixture": None}
+        if data_state is not None:
+            packed.load_state_dict(data_state["packed"])
+        self.stage_idx, self.packed, self.data = idx, packed, packed
+        task = None
         if stage.seq_len > self.cfg.seq_len and self.cfg.long_context_frac > 0:
             task = self._long_context_task(stage.seq_len)
-            if task is not None:
-                from .mixing import MixedRows
-                ds = MixedRows(ds, task, self.cfg.long_context_frac)
-        return ds
+        if task is not None:
+            f = self.cfg.long_context_frac
+            self.data = Mixture([packed, task], [1 - f, f], seed=self.cfg.seed + idx)
+            if data_state is not None and data_state.get("mixture") is not None:
+                self.data.load_state_dict(data_state["mixture"])
+        self.data_iter = iter(self.data)
+
+    def _data_state(self) -> dict | None:
+        if self.data is None:
+            return None
+        return {"packed": self.packed.state_dict(),
+                "mixture": self.data.state_dict() if self.data is not self.packed else None}
 
     def _long_context_task(self, seq_len: int):
         """The synthetic long-context task at the most facts/hops that fit `seq_len` (None: nothing fits)."""
@@ -134,21 +150,6 @@ class Trainer:
                 continue
         return None
 
-    def _enter_stage(self, idx: int, data_state: dict | None = None) -> None:
-        """Start curriculum stage `idx`; the document stream continues where the previous stage left it
-        (or where `data_state`, from a checkpoint, says)."""
-        prev = self.data
-        self.stage_idx = idx
-        self.data = self._dataset(self.stages[idx])
-        if data_state is None and prev is not None:
-            data_state = {"packed": _packed(prev).state_dict()}
-        if data_state is not None:
-            if hasattr(self.data, "packed"):
-                self.data.load_state_dict(data_state)
-            else:
-                self.data.load_state_dict(data_state["packed"])
-        self.data_iter = iter(self.data)
-
     def _stage_for(self, step: int) -> int:
         return max(i for i, s in enumerate(self.stages) if s.start <= step)
 
@@ -160,13 +161,10 @@ class Trainer:
     def _val_batches(self) -> list[dict]:
         if not hasattr(self, "_val"):
             from ..data.packing import PackedDataset, collate
-            docs = self._docs("validation")
-            self._val = []
-            if docs is not None:
-                it = iter(PackedDataset(docs, self.tokenizer, self.cfg.seq_len, rank=self.rank,
-                                        world_size=self.world, seed=0, loop=True))
-                self._val = [collate([next(it) for _ in range(self.cfg.batch_size)])
-                             for _ in range(self.cfg.eval_batches)]
+            it = iter(PackedDataset(self._docs("validation"), self.tokenizer, self.cfg.seq_len, rank=self.rank,
+                                    world_size=self.world, seed=0, loop=True))
+            self._val = [collate([next(it) for _ in range(self.cfg.batch_size)])
+                         for _ in range(self.cfg.eval_batches)]
         return self._val
 
     # ---- model calls -------------------------------------------------------------------------------
@@ -208,18 +206,13 @@ class Trainer:
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(prompt)
         self.model.eval()
-        cpu_state = torch.get_rng_state()
-        cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        torch.manual_seed(seed)
         try:
             with self.autocast:
                 out = self.model.generate(torch.tensor([ids], device=self.device),
                                           max_new_tokens=max_new_tokens or self.cfg.sample_tokens,
-                                          temperature=0.8, top_p=0.95)
+                                          temperature=0.8, top_p=0.95, eos_token_id=self.tokenizer.eod_token_id,
+                                          generator=torch.Generator(self.device).manual_seed(seed))
         finally:
-            torch.set_rng_state(cpu_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state_all(cuda_state)
             self.model.train()
         return prompt + self.tokenizer.decode(out[0, len(ids):].tolist(), skip_special=True)
 
@@ -231,11 +224,6 @@ class Trainer:
                 "balance": self.balance.state_dict() if self.balance else None,
                 "data": self._data_state(),
                 "rng": rng_state(), "config": self.cfg.to_dict()}
-
-    def _data_state(self) -> dict | None:
-        if self.data is None:
-            return None
-        return self.data.state_dict() if hasattr(self.data, "packed") else {"packed": self.data.state_dict()}
 
     def save(self) -> Path | None:
         if self.rank != 0:
@@ -372,10 +360,6 @@ class Trainer:
             for g in gs:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
-
-
-def _packed(ds):
-    return getattr(ds, "packed", ds)
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -1,0 +1,8 @@
+# The two commands of the README. Both create .venv and install k3 first (CPU torch where there is no GPU).
+.PHONY: demo test
+
+demo:  ## train k3-tiny on the built-in corpus (a few minutes on a 2-core CPU), print a sample; leaves runs/demo/
+	bash scripts/train.sh --out runs/demo $(ARGS)
+
+test:  ## set up and run the test suite (what CI runs)
+	bash scripts/test.sh $(ARGS)
