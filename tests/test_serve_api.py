@@ -260,7 +260,8 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400),
     ({"model": MODEL, "messages": [{"role": "user"}]}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400),
     ({"model": MODEL, "messages": MSGS, "temperature": -1}, 400),
     ({"model": MODEL, "messages": MSGS, "temperature": "hot"}, 400),
     ({"model": MODEL, "messages": MSGS, "top_p": 0}, 400),
@@ -413,7 +414,8 @@ def test_streaming_tool_call_round_trip(scripted, tok):
 
     # round trip: the returned calls plus tool results (answered in reverse order) → reordered XTML prompt
     engine.prompts.clear()
-    engine.scripts.append(_assistant_ids(tok, {"role": "assistant", "reasoning_content": "", "content": "Sunny, 9:00."}))
+    engine.scripts.append(_assistant_ids(tok, {"role": "assistant", "reasoning_content": "",
+                                               "content": "Sunny, 9:00."}))
     assistant = {"role": "assistant", "content": content, "reasoning_content": reasoning,
                  "tool_calls": [{"id": got[i]["id"], "type": "function",
                                  "function": {"name": got[i]["name"], "arguments": got[i]["arguments"]}}

@@ -31,7 +31,8 @@ def test_render_layout():
     text = xtml.segments_to_text(xtml.build_segments(msgs, tools=tools, reasoning_effort="high"))
     want = ('[BOS]<|open|>message role="system"<|sep|>Be brief.<|end_of_msg|>'
             '<|open|>message role="system" type="tool-declare"<|sep|>'
-            '[{"function": {"name": "get_weather", "parameters": {"type": "object"}}, "type": "function"}]<|end_of_msg|>'
+            '[{"function": {"name": "get_weather", "parameters": {"type": "object"}}, "type": "function"}]'
+            '<|end_of_msg|>'
             '<|open|>message role="system" type="thinking-effort"<|sep|>high<|end_of_msg|>'
             '<|open|>message role="user" name="bob"<|sep|>Weather?<|end_of_msg|>'
             '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>need tool<|close|>think<|sep|>'

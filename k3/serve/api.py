@@ -53,7 +53,8 @@ class ChatMessage(_Strict):
     def _role_fields(self):
         if self.role != "assistant" and (self.tool_calls is not None or self.reasoning_content is not None
                                          or self.reasoning is not None):
-            raise ValueError(f"tool_calls / reasoning_content are only allowed on assistant messages, not {self.role!r}")
+            raise ValueError("tool_calls / reasoning_content are only allowed on assistant messages, "
+                             f"not {self.role!r}")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
         if self.role != "tool" and self.tool_call_id is not None:

@@ -42,7 +42,8 @@ def build_app(args):
     cfg = EngineConfig(block_size=args.block_size, hash_block_size=args.hash_block_size, num_pages=args.num_pages,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
-                       host_cache_bytes=int(args.host_cache_gb * (1 << 30)), gpu_memory_fraction=args.gpu_memory_fraction)
+                       host_cache_bytes=int(args.host_cache_gb * (1 << 30)),
+                       gpu_memory_fraction=args.gpu_memory_fraction)
     engine = Engine.from_pretrained(ckpt, cfg, device=args.device, dtype=args.dtype)
     tok = load_tokenizer(ckpt, engine.text_config)
     vocab = engine.text_config.vocab_size

@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..post import xtml
@@ -402,7 +403,8 @@ class _Server:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         rids = [f"{rid0}-{i}" for i in range(len(params))]
-        futs = [self.driver.submit(r, p, sp, loop, queue, tag=i) for i, (r, p, sp) in enumerate(zip(rids, prompts, params))]
+        futs = [self.driver.submit(r, p, sp, loop, queue, tag=i)
+                for i, (r, p, sp) in enumerate(zip(rids, prompts, params))]
         try:
             for f in futs:
                 await asyncio.wrap_future(f)
@@ -416,7 +418,7 @@ class _Server:
             raise
         return rids, queue
 
-    async def _events(self, choices: list[_Choice], queue: asyncio.Queue, tokens: bool):
+    async def _events(self, choices: list[_Choice], queue: asyncio.Queue):
         """Yield (choice, deltas-or-text, new logprob entries) until every choice is done; aborts on exit."""
         try:
             while not all(c.done for c in choices):
@@ -528,8 +530,8 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(self._chat_stream(cid, created, len(prompt), choices, queue, include_usage,
-                                               req.logprobs))
-        await self._drain(request, self._events(choices, queue, True))
+                                               req.logprobs), rids)
+        await self._drain(request, self._events(choices, queue))
         out = []
         for c in choices:
             msg = c.message
@@ -553,7 +555,7 @@ class _Server:
 
         for c in choices:
             yield chunk(c.index, {"role": "assistant", "content": ""})
-        async with contextlib.aclosing(self._events(choices, queue, True)) as ev:
+        async with contextlib.aclosing(self._events(choices, queue)) as ev:
             async for ch, deltas, lps in ev:
                 lp = self._chat_logprobs(lps).model_dump() if logprobs and lps else None
                 for d in deltas:
@@ -605,8 +607,8 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(self._completion_stream(cid, created, n_prompt, choices, queue, include_usage, echo,
-                                                     logprobs))
-        await self._drain(request, self._events(choices, queue, False))
+                                                     logprobs), rids)
+        await self._drain(request, self._events(choices, queue))
         out = [api.CompletionChoice(index=c.index, text=echo[c.index] + c.completion, finish_reason=c.finish_reason,
                                     logprobs=self._completion_logprobs(zip(c.token_ids, c.logprobs),
                                                                        len(echo[c.index])) if logprobs else None)
@@ -637,7 +639,7 @@ class _Server:
         for c in choices:
             if echo[c.index]:
                 yield chunk(c.index, echo[c.index])
-        async with contextlib.aclosing(self._events(choices, queue, False)) as ev:
+        async with contextlib.aclosing(self._events(choices, queue)) as ev:
             async for ch, text, lps in ev:
                 off = len(echo[ch.index]) + len(ch.completion) - len(text)
                 lp = self._completion_logprobs(lps, off).model_dump() if logprobs and lps else None
@@ -649,8 +651,13 @@ class _Server:
             yield {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": self._usage(n_prompt, choices).model_dump()}
 
-    @staticmethod
-    def _sse(gen: AsyncIterator[dict]) -> StreamingResponse:
+    def _sse(self, gen: AsyncIterator[dict], rids: list[str]) -> StreamingResponse:
+        """SSE response; the background task aborts the requests even if the body never started (a client
+        that left before the first byte)."""
+        def abort_all():
+            for r in rids:
+                self.driver.abort(r)
+
         async def body():
             try:
                 async with contextlib.aclosing(gen) as g:
@@ -659,7 +666,7 @@ class _Server:
             except APIError as e:
                 yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.type, 'code': e.code}})}\n\n"
             yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream",
+        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(abort_all),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def models(self) -> api.ModelList:
@@ -691,9 +698,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, *,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        status = exc.status_code
         msg = {404: f"no route {request.url.path!r}",
-               405: f"method {request.method} is not allowed on {request.url.path!r}"}.get(exc.status_code, str(exc.detail))
-        return APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)).response()
+               405: f"method {request.method} is not allowed on {request.url.path!r}"}.get(status, str(exc.detail))
+        return APIError(status, msg, code={404: "not_found", 405: "method_not_allowed"}.get(status)).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
