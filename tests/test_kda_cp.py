@@ -18,15 +18,15 @@ from k3.model.kda import KimiDeltaAttention
 from k3.ops.kda import kda_gate, l2norm, recurrent_kda
 
 T, H, K, V = 192, 2, 16, 16  # global tokens: 2 ranks x 96 or 4 ranks x 48 (less than one 64-token chunk)
-# name, cu_seqlens (None: batch of rows), gate kind, q/k L2 norm in kernel
+# name, cu_seqlens (None: batch of rows), gate kind, q/k L2 norm in kernel, transition
 OP_CASES = [
-    ("one_sequence_batch2", None, "normal", False),
-    ("cut_across_ranks", [0, 30, 100, 150, 192], "normal", True),
-    ("aligned_with_ranks", [0, 48, 96, 144, 192], "normal", False),
-    ("spans_several_ranks", [0, 10, 180, 192], "normal", True),
-    ("shorter_than_chunk", [0, 3, 47, 48, 49, 95, 97, 140, 141, 141, 150, 190, 192], "normal", False),
-    ("extreme_gates", [0, 20, 130, 192], "extreme", True),
-    ("extreme_gates_batch2", None, "extreme", False),
+    ("one_sequence_batch2", None, "normal", False, "concat"),
+    ("cut_across_ranks", [0, 30, 100, 150, 192], "normal", True, "concat"),
+    ("aligned_with_ranks", [0, 48, 96, 144, 192], "normal", False, "concat"),
+    ("spans_several_ranks", [0, 10, 180, 192], "normal", True, "separate"),
+    ("shorter_than_chunk", [0, 3, 47, 48, 49, 95, 97, 140, 141, 141, 150, 190, 192], "normal", False, "concat"),
+    ("extreme_gates", [0, 20, 130, 192], "extreme", True, "concat"),
+    ("extreme_gates_batch2", None, "extreme", False, "separate"),
 ]
 LAYER_CASES = [
     ("layer_batch2", None),
@@ -48,7 +48,7 @@ def _gen(seed):
 
 def op_inputs(i):
     """Fresh random fp64 inputs for OP_CASES[i] (same on every process)."""
-    _, cu, gate, l2 = OP_CASES[i]
+    _, cu, gate, l2, transition = OP_CASES[i]
     gen = _gen(100 + i)
     B = 2 if cu is None else 1
     N = B if cu is None else len(cu) - 1
@@ -65,7 +65,8 @@ def op_inputs(i):
     g = kda_gate(z, A_log, r(H * K))
     beta = torch.sigmoid(r(B, T, H))
     return dict(q=q, k=k, v=r(B, T, H, V), g=g, beta=beta, h0=r(N, H, K, V), do=r(B, T, H, V),
-                dht=r(N, H, K, V), cu=None if cu is None else torch.tensor(cu), l2=l2)
+                dht=r(N, H, K, V), cu=None if cu is None else torch.tensor(cu), l2=l2,
+                transition=transition)
 
 
 def make_layer(seed=0):
@@ -105,7 +106,7 @@ def _worker(rank, world, outdir):
             leaves = {n: x[n][:, sl].detach().to(dt).requires_grad_() for n in ("q", "k", "v", "g", "beta")}
             h0 = x["h0"].detach().to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
             o, ht = chunk_kda_cp(**leaves, initial_state=h0, output_final_state=True, cu_seqlens=x["cu"],
-                                 use_qk_l2norm_in_kernel=x["l2"], backend="torch")
+                                 use_qk_l2norm_in_kernel=x["l2"], backend="torch", transition=x["transition"])
             ((o * x["do"][:, sl].to(dt)).sum() + (ht * x["dht"].to(ht.dtype)).sum()).backward()
             res[(name, dt)] = dict(o=o.detach(), ht=ht.detach(), h0=h0.grad,
                                    **{n: t.grad for n, t in leaves.items()})

@@ -184,7 +184,7 @@ def conv_halo(x_local: torch.Tensor, width: int, group=None) -> torch.Tensor:
 
 
 def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None, output_final_state=False,
-                 cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", transition="concat"):
+                 cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", transition="auto"):
     """Context-parallel `chunk_kda`: this rank's outputs for its contiguous segment of the global stream.
 
     Every rank of `group` calls it with its own segment (same shapes on every rank); arguments follow
@@ -198,13 +198,14 @@ def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None
         get zeros: the sum over ranks (all_reduce) is the full gradient, as for any replicated input.
     output_final_state: return [N, H, K, V] with row n filled on the rank holding sequence n's last token and
         zeros elsewhere (all_reduce-sum gives every rank all final states).
-    transition: "concat" runs one local pass with value width V+K; "separate" runs two passes of widths V
-        and K (for kernels that only take V == K).
+    transition: "concat" runs one local pass with value width V+K (cheaper: the intra-chunk work is shared);
+        "separate" runs two passes of widths V and K (for kernels limited to V <= 128, like k3's Triton
+        ones); "auto" picks concat for the torch / fla / reference backends and for CPU tensors, else separate.
     Returns (o [B, T_local, H, V], final state or None). The incoming-state fold runs in fp32 (fp64 for fp64
     inputs). Every rank must run the backward when any does (the backward has one collective).
     """
-    if transition not in ("concat", "separate"):
-        raise ValueError(f"chunk_kda_cp: transition must be 'concat' or 'separate', got {transition!r}")
+    if transition not in ("auto", "concat", "separate"):
+        raise ValueError(f"chunk_kda_cp: transition must be 'auto', 'concat' or 'separate', got {transition!r}")
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"chunk_kda_cp: q and v must be [B, T, H, D], got {tuple(q.shape)} and {tuple(v.shape)}")
     B, T, H, K = q.shape
@@ -213,6 +214,9 @@ def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None
     plan = plan_kda_cp(cu_seqlens, T, rank, world, B)
     N, n_loc, n1 = plan.num_seqs, len(plan.seq_ids), plan.n_first
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if transition == "auto":
+        wide_ok = backend in ("torch", "fla", "reference") or (backend == "auto" and not q.is_cuda)
+        transition = "concat" if wide_ok or V + K <= 128 else "separate"
     if initial_state is not None:
         if tuple(initial_state.shape) != (N, H, K, V):
             raise ValueError(f"chunk_kda_cp: initial_state must be [N,H,K,V]={(N, H, K, V)}, "
