@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..post import xtml
@@ -510,8 +511,8 @@ class _Server:
                            "sampled token's log-prob only; use 0)", param="top_logprobs", code="invalid_value")
         msgs = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
-            prompt = xtml.render(
-                self.tok, msgs, tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            prompt = await run_in_threadpool(   # tokenizing a long prompt must not stall the event loop
+                xtml.render, self.tok, msgs, tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
                 tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice,
                 response_format=req.response_format.model_dump(exclude_none=True, by_alias=True)
                 if req.response_format else None,
@@ -587,7 +588,7 @@ class _Server:
         prompts: list[list[int]] = []
         for j, p in enumerate(req.prompts()):
             if isinstance(p, str):
-                prompts.append(self.tok.encode(p, allow_special=False))
+                prompts.append(await run_in_threadpool(self.tok.encode, p, allow_special=False))
             else:
                 self._check_ids(p, "prompt")
                 prompts.append(list(p))
