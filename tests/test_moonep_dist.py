@@ -131,7 +131,7 @@ def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
     loss and all gradients (expert grads arrive summed over ranks; data-parallel grads all-reduced) match
     the single-process model on the whole batch."""
     from k3 import K3Config, K3ForConditionalGeneration
-    from k3.dist.moonep import enable_expert_parallel, full_state_dict
+    from k3.dist.moonep import clip_grad_norm_, enable_expert_parallel, full_state_dict, sync_data_parallel_grads
 
     cfg = K3Config.preset("k3-tiny")
     cfg.vision_config = None
@@ -153,6 +153,7 @@ def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
     (objective(ref, ids) * R).backward()  # = Σ_r per-rank losses (equal token counts)
     loss = objective(ep_model, ids[rank:rank + 1])
     loss.backward()
+    sync_data_parallel_grads(ep_model, average=False)
     tot = loss.detach().clone()
     dist.all_reduce(tot)
     ref_loss = objective(ref, ids).detach() * R
@@ -168,10 +169,18 @@ def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
             n_expert += 1
             errs[name] = _rel(refp[name].grad[rank * epn:(rank + 1) * epn], p.grad)
         else:
-            gsum = p.grad.clone()
-            dist.all_reduce(gsum)
-            errs[name] = _rel(refp[name].grad, gsum)
+            errs[name] = _rel(refp[name].grad, p.grad)
     assert n_expert >= 3 and E % R == 0
+    grads = [p.grad for p in ref.parameters() if p.grad is not None]
+    ref_norm = torch.sqrt(sum(g.double().square().sum() for g in grads))  # fp64 (torch's fp32 norm is off by ~1e-5)
+    for g in grads:
+        g.mul_(min(1.0, 0.5 / (ref_norm.item() + 1e-6)))
+    errs["grad_norm"] = _rel(ref_norm, clip_grad_norm_(ep_model, 0.5))
+    assert ref_norm > 0.5  # clipping is active, so the clipped grads are checked too
+    for name, p in ep_model.named_parameters():
+        if p.grad is not None:
+            ref_g = refp[name].grad[rank * epn:(rank + 1) * epn] if ".experts.w" in name else refp[name].grad
+            errs[name + ".clipped"] = _rel(ref_g, p.grad)
     full = full_state_dict(ep_model)
     assert full.keys() == sd.keys() and all(torch.equal(full[k], sd[k]) for k in sd)
     return {"errs": errs}
@@ -203,6 +212,7 @@ def test_ep_matches_single_process(R, tmp_path):
         assert set(res) == set(cases)
         for case, v in res.items():
             bad = {k: e for k, e in v["errs"].items() if not e <= TOL}
-            print(f"R={R} rank={r} {case}: max rel err {max(v['errs'].values()):.2e}")
+            worst = max(v["errs"], key=v["errs"].get)
+            print(f"R={R} rank={r} {case}: max rel err {v['errs'][worst]:.2e} ({worst})")
             assert not bad, (R, r, case, bad)
         assert res[("model", "extreme")]["remote"] > 0, "the extreme case must replicate experts"

@@ -3,6 +3,9 @@ MoonEP path (plan → dispatch → prefetch → grouped SiTU-GLU → combine).
 
     ep = ExpertParallel(group)                    # or enable_expert_parallel(model, group)
     model = enable_expert_parallel(model, group)  # slices experts.w1/w2/w3 to rows [rank·E/R, (rank+1)·E/R)
+    loss.backward()                               # one loss per rank, on its own batch
+    sync_data_parallel_grads(model)               # all-reduce the replicated grads; experts are already summed
+    clip_grad_norm_(model, 1.0)                   # global norm over shards + replicas
     with gathered_experts(model):                 # collective: full [E, …] experts on every rank
         if rank == 0: save_pretrained(model, out) # the release layout, unchanged
 
@@ -101,5 +104,49 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def _is_sharded(model: nn.Module) -> set[str]:
+    """Names of the expert-parallel (sharded) parameters."""
+    out = set()
+    for name, m in _moe_layers(model):
+        if m.expert_parallel is not None:
+            out |= {f"{name}.experts.{k}" if name else f"experts.{k}" for k in ("w1", "w2", "w3")}
+    return out
+
+
+@torch.no_grad()
+def sync_data_parallel_grads(model: nn.Module, group=None, average: bool = True) -> None:
+    """After backward with one loss per rank: all-reduce (sum) the replicated parameters' grads over `group`
+    (data parallel over the EP ranks). Sharded expert grads already hold Σ_r ∂loss_r/∂W (combine and
+    reduce_grad summed them), so they are not reduced; with `average` every grad is divided by R, i.e. the
+    gradient of the mean of the per-rank losses."""
+    R, sharded = dist.get_world_size(group), _is_sharded(model)
+    rep = [p.grad for n, p in model.named_parameters() if p.grad is not None and n not in sharded]
+    for dt in {g.dtype for g in rep}:
+        gs = [g for g in rep if g.dtype == dt]
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=group)
+        for g, v in zip(gs, flat.split([g.numel() for g in gs])):
+            g.copy_(v.view_as(g))
+    if average:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(R)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
+    """Global-norm clipping for an EP model after `sync_data_parallel_grads`: replicated grads counted once,
+    sharded expert grads summed over ranks. Returns the total norm (identical on every rank)."""
+    sharded = _is_sharded(model)
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    dev = named[0][1].device if named else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float64, device=dev)
+    for n, g in named:
+        sq[0 if n in sharded else 1] += g.double().square().sum()
+    shard = sq[:1].clone()
+    dist.all_reduce(shard, group=group)
+    total = (shard[0] + sq[1]).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for _, g in named:
+        g.mul_(coef.to(g.dtype))
+    return total.float()
