@@ -512,3 +512,27 @@ def test_engine_failure_is_contained(scripted, tok):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     engine.scripts.append(_assistant_ids(tok, {"role": "assistant", "reasoning_content": "", "content": "fine"}))
     assert c.chat.completions.create(model=MODEL, messages=MSGS).choices[0].message.content == "fine"
+
+
+def test_stop_checker_random_splits():
+    """Text streamed in random pieces is cut before the stop string that completes first (of two ending at the
+    same character, the longer), as a per-character scan finds it."""
+    import random
+
+    from k3.serve.server import StopChecker
+
+    g = random.Random(0)
+    for _ in range(300):
+        text = "".join(g.choice("abcST") for _ in range(g.randint(0, 40)))
+        stops = ["".join(g.choice("abcST") for _ in range(g.randint(1, 4))) for _ in range(g.randint(1, 3))]
+        ends = [(e, -len(s)) for e in range(1, len(text) + 1) for s in stops if text[:e].endswith(s)]
+        hits = min(ends, default=None)
+        want = text[:hits[0] + hits[1]] if hits else text
+        sc, got, pos = StopChecker(stops), "", 0
+        while pos < len(text):
+            k = g.randint(1, 5)
+            got += sc.feed(text[pos:pos + k])
+            pos += k
+        if not sc.hit:
+            got += sc.flush()
+        assert (got, sc.hit) == (want, bool(hits)), (text, stops)

@@ -227,7 +227,9 @@ class EngineDriver:
 # ----------------------------------------------------------------------------------------------- text helpers
 
 class StopChecker:
-    """Cuts a text stream before the first of `stops`, holding back a tail that may start one."""
+    """Cuts a text stream before the stop string that completes first (the one an engine checking after
+    every token would stop on; of two ending at the same character, the longer), holding back a tail
+    that may start one. The result does not depend on how the text is split into pieces."""
 
     def __init__(self, stops: list[str]):
         self.stops = stops
@@ -239,8 +241,9 @@ class StopChecker:
         if not self.stops or self.hit:
             return "" if self.hit else text
         self.buf += text
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i + len(s), i) for s, i in ((s, self.buf.find(s)) for s in self.stops) if i >= 0]
+        if found:
+            cut = min(found)[1]
             out, self.buf, self.hit = self.buf[:cut], "", True
             return out
         keep = len(self.buf) - self.hold
