@@ -248,3 +248,20 @@ def test_submit_and_abort_from_another_thread_while_stepping(model):
     alone = tiny_engine(model).generate(ps, GREEDY)
     assert [done[r].token_ids for r in rids] == [a.token_ids for a in alone]
     eng.check_pool()
+
+
+def test_from_pretrained_and_text_only_model(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    eng = Engine.from_pretrained(tmp_path, EngineConfig(block_size=16, hash_block_size=4, num_pages=32),
+                                 device="cpu", dtype=torch.float32)
+    p = prompts(1, 12)[0]
+    ref = tiny_engine(model).generate([p], GREEDY)[0].token_ids
+    assert eng.generate([p], GREEDY)[0].token_ids == ref
+    lm_only = Engine(model.language_model, EngineConfig(block_size=16, hash_block_size=4, num_pages=32))
+    assert lm_only.generate([p], GREEDY)[0].token_ids == ref
+    model.train()
+    try:
+        with pytest.raises(ValueError, match="eval"):
+            Engine(model)
+    finally:
+        model.eval()

@@ -23,7 +23,40 @@ import torch.nn.functional as F
 
 from ..model.decoder import _mix
 from ..ops.kda import chunk_kda, kda_decode_step, kda_gate
+from ..ops.moe import route
+from ..ops.situ import situ_glu
 from .pool import PagePool
+
+
+def grouped_moe(moe, x: torch.Tensor) -> torch.Tensor:
+    """LatentMoE forward without a host sync: the (token, expert) entries are sorted by expert on the
+    device and the experts run as three `torch._grouped_mm` calls. Same math as `LatentMoE.forward`
+    (which loops over experts with host-side counts). x [N, D] → [N, D]."""
+    cfg = moe.cfg
+    idx, w, _ = route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.top_k, cfg.moe_renormalize,
+                      cfg.routed_scaling_factor)
+    lat = moe.routed_expert_down_proj(x)
+    K = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // K
+    offs = torch.bincount(flat, minlength=moe.experts.w1.shape[0]).cumsum(0).to(torch.int32)
+    xs = lat[token]
+    e = moe.experts
+    h = situ_glu(torch._grouped_mm(xs, e.w1.transpose(1, 2), offs=offs),
+                 torch._grouped_mm(xs, e.w3.transpose(1, 2), offs=offs),
+                 cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    ys = torch._grouped_mm(h, e.w2.transpose(1, 2), offs=offs)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = torch.zeros(x.shape[0], lat.shape[-1], dtype=acc, device=x.device).index_add(
+        0, token, ys.to(acc) * w.reshape(-1)[order, None])
+    y = y.to(x.dtype)
+    if moe.routed_expert_norm is not None:
+        y = moe.routed_expert_norm(y)
+    out = moe.routed_expert_up_proj(y)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x)
+    return out
 
 
 @dataclass
@@ -61,6 +94,22 @@ class ModelRunner:
                 self.slot[layer.layer_idx], nm = nm, nm + 1
         self.device = self.lm.lm_head.weight.device
         self.dtype = self.lm.model.embed_tokens.weight.dtype
+        self.grouped_moe = self._check_grouped_moe()
+
+    @torch.no_grad()
+    def _check_grouped_moe(self) -> bool:
+        """Use `grouped_moe` only where torch has it and it agrees with the model's MoE on random input."""
+        moe = next((l.block_sparse_moe for l in self.layers if hasattr(l, "block_sparse_moe")), None)
+        if moe is None or not hasattr(torch, "_grouped_mm") or moe.record_routing:
+            return False
+        g = torch.Generator(device=self.device).manual_seed(0)
+        x = torch.randn(13, self.cfg.hidden_size, generator=g, device=self.device).to(self.dtype)
+        try:
+            a, b = grouped_moe(moe, x).float(), moe(x).float()
+        except (RuntimeError, NotImplementedError):
+            return False
+        tol = 1e-5 if self.dtype == torch.float32 else 2e-2
+        return bool(((a - b).norm() / b.norm().clamp_min(1e-30)) <= tol)
 
     # ---- batch metadata -----------------------------------------------------------------------
     def _meta(self, seqs: list[SeqInput], nd: int) -> dict:
@@ -133,7 +182,11 @@ class ModelRunner:
             a = a[None]
             partial = a if partial is None else partial + a
             h = _mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj)
-            partial = partial + layer.ffn(h)
+            if self.grouped_moe and hasattr(layer, "block_sparse_moe"):
+                f = grouped_moe(layer.block_sparse_moe, layer.post_attention_layernorm(h[0]))[None]
+            else:
+                f = layer.ffn(h)
+            partial = partial + f
         rows = meta["rows"]
         if rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
