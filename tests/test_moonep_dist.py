@@ -186,6 +186,31 @@ def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
     return {"errs": errs}
 
 
+def _check_autocast(rank: int, R: int, _: str, S: int = 16, K: int = 3) -> dict:
+    """Under bf16 autocast the EP path computes (and prefetches) in bf16 like F.linear would, returns the
+    input dtype, and stays within bf16 rounding of the autocast single-process result."""
+    from k3.dist.moonep import ExpertParallel
+    from k3.ops.moe import experts_forward
+
+    E, L, I = 4 * R, 32, 16
+    g = torch.Generator().manual_seed(9)
+    W = [torch.randn(E, I, L, generator=g) / 5, torch.randn(E, L, I, generator=g) / 4, torch.randn(E, I, L, generator=g) / 5]
+    x, idx, w = torch.randn(R, S, L, generator=g), torch.randint(0, E, (R, S, K), generator=g), torch.rand(R, S, K, generator=g)
+    epn = E // R
+    Wr = [t[rank * epn:(rank + 1) * epn].clone().requires_grad_() for t in W]
+    Wf = [t.clone().requires_grad_() for t in W]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yr = ExpertParallel(None, padding=4)(x[rank], idx[rank], w[rank], *Wr, E)
+        yf = experts_forward(x.view(R * S, L), idx.view(R * S, K), w.view(R * S, K), *Wf).view(R, S, L)
+    assert yr.dtype == yf.dtype == torch.float32
+    yr.sum().backward()
+    yf.sum().backward()
+    bf16 = {"out": _rel(yf[rank], yr)}
+    for i, (a, b) in enumerate(zip(Wr, Wf)):
+        bf16[f"dW{i + 1}"] = _rel(b.grad[rank * epn:(rank + 1) * epn], a.grad)
+    return {"errs": {}, "bf16": bf16}
+
+
 def _worker(rank: int, R: int, port: int, cases: list, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -193,7 +218,8 @@ def _worker(rank: int, R: int, port: int, cases: list, out_dir: str) -> None:
     try:
         res = {}
         for kind, arg in cases:
-            fn = {"model": _check_model, "functional": _check_functional, "full_model": _check_full_model}[kind]
+            fn = {"model": _check_model, "functional": _check_functional, "full_model": _check_full_model,
+                  "autocast": _check_autocast}[kind]
             res[(kind, arg)] = fn(rank, R, arg)
         torch.save(res, os.path.join(out_dir, f"r{rank}.pt"))
     finally:
@@ -205,14 +231,16 @@ CASES = [("model", "balanced"), ("model", "extreme"), ("functional", "dup_balanc
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_ep_matches_single_process(R, tmp_path):
-    cases = CASES + ([("full_model", "k3-tiny")] if R == 2 else [])
+    cases = CASES + ([("full_model", "k3-tiny"), ("autocast", "bf16")] if R == 2 else [])
     mp.spawn(_worker, args=(R, _free_port(), cases, str(tmp_path)), nprocs=R)
     for r in range(R):
         res = torch.load(tmp_path / f"r{r}.pt")
         assert set(res) == set(cases)
         for case, v in res.items():
             bad = {k: e for k, e in v["errs"].items() if not e <= TOL}
-            worst = max(v["errs"], key=v["errs"].get)
-            print(f"R={R} rank={r} {case}: max rel err {v['errs'][worst]:.2e} ({worst})")
+            bad.update({k: e for k, e in v.get("bf16", {}).items() if not e <= 1e-2})
+            errs = v["errs"] or v["bf16"]
+            worst = max(errs, key=errs.get)
+            print(f"R={R} rank={r} {case}: max rel err {errs[worst]:.2e} ({worst})")
             assert not bad, (R, r, case, bad)
         assert res[("model", "extreme")]["remote"] > 0, "the extreme case must replicate experts"

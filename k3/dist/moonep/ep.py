@@ -44,6 +44,10 @@ class ExpertParallel:
         """Same function as `k3.ops.moe.experts_forward` with all E experts; w1/w2/w3 hold the home rows."""
         if w1.shape[0] != self.num_local(num_experts):
             raise ValueError(f"local experts {w1.shape[0]} != num_experts/world = {num_experts // self.world}")
+        out_dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # as F.linear would: compute (and move weights) in that dtype
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = x.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
         rt = self.runtime
         rp: RuntimePlan = rt.plan(topk_idx, num_experts)
         if self.on_plan is not None:
@@ -53,7 +57,7 @@ class ExpertParallel:
         W1, W2, W3 = rt.prefetch(rp, w1, w2, w3)
         y = grouped_situ_ffn(xs, rp.plan.local_cu_seqlens, W1, W2, W3, beta, linear_beta, self.use_grouped_mm)
         y = y.to(torch.promote_types(y.dtype, torch.float32)) * ws.unsqueeze(-1)
-        return rt.combine(y, rp, x.dtype)
+        return rt.combine(y, rp, x.dtype).to(out_dtype)
 
 
 def _moe_layers(model: nn.Module):

@@ -211,7 +211,8 @@ def grouped_situ_ffn(x: torch.Tensor, cu_seqlens: torch.Tensor, w1: torch.Tensor
     Rows after cu_seqlens[-1] must be zero (they run through the last group and stay zero). With
     `torch._grouped_mm` (CUDA bf16; no host sync) or a per-group loop (needs cu_seqlens on the host)."""
     if use_grouped_mm is None:
-        use_grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        use_grouped_mm = (x.is_cuda and hasattr(torch, "_grouped_mm")
+                          and all(t.dtype == torch.bfloat16 for t in (x, w1, w2, w3)))
     if use_grouped_mm:
         offs = cu_seqlens.to(torch.int32).clone()
         offs[-1] = x.shape[0]
