@@ -62,11 +62,13 @@ class ScriptedEngine:
         self.live: dict[str, dict] = {}
         self.lock = threading.Lock()
         self.fail_next = False
+        self.default = [1, 2, 3]     # used when no script is queued
 
     def submit(self, prompt, params, request_id=None):
         with self.lock:
             self.prompts[request_id] = list(prompt)
-            self.live[request_id] = dict(prompt=list(prompt), params=params, script=list(self.scripts.pop(0)), out=[])
+            script = self.scripts.pop(0) if self.scripts else self.default
+            self.live[request_id] = dict(prompt=list(prompt), params=params, script=list(script), out=[])
         return request_id
 
     def step(self):
@@ -536,3 +538,40 @@ def test_stop_checker_random_splits():
         if not sc.hit:
             got += sc.flush()
         assert (got, sc.hit) == (want, bool(hits)), (text, stops)
+
+
+def test_fuzzed_requests_never_500(scripted):
+    """Random type/value mutations of valid requests: every answer is a 2xx or an OpenAI-shaped 4xx."""
+    import random
+
+    srv, engine = scripted
+    g = random.Random(0)
+    values = [None, -1, 0, 1, 3, 2.5, -0.5, 1e300, "", "x", "auto", "low", [], [1], ["a"], {}, {"a": 1}, True,
+              False, [{"role": "user", "content": "x"}], {"type": "function", "function": {"name": "f"}},
+              {"include_usage": True}, {"thinking": False}, 2 ** 64, "x" * 5000]
+    chat = {"model": MODEL, "messages": MSGS, "max_tokens": 3, "tools": [TOOL_F], "stream": False}
+    comp = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+    keys = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+            "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "reasoning_effort",
+            "response_format", "chat_template_kwargs", "ignore_eos", "stop_token_ids", "prompt", "echo", "user",
+            "parallel_tool_calls", "model", "bogus"]
+    statuses = set()
+    with httpx.Client(base_url=srv.url, timeout=30) as h:
+        for i in range(150):
+            path, body = ("/v1/chat/completions", dict(chat)) if i % 3 else ("/v1/completions", dict(comp))
+            for _ in range(g.randint(1, 3)):
+                body[g.choice(keys)] = g.choice(values)
+            if g.random() < 0.3 and isinstance(body.get("messages"), list):
+                m = dict(g.choice(body["messages"]))
+                m[g.choice(["role", "content", "name", "tool_calls", "tool_call_id"])] = g.choice(values)
+                body["messages"] = body["messages"] + [m]
+            r = h.post(path, json=body)
+            statuses.add(r.status_code)
+            assert r.status_code in (200, 400, 404), (body, r.status_code, r.text[:300])
+            if r.status_code != 200:
+                err = r.json()["error"]
+                assert isinstance(err["message"], str) and err["type"] == "invalid_request_error"
+            elif body.get("stream") is True:
+                assert r.text.rstrip().endswith("data: [DONE]")
+    assert {200, 400} <= statuses
+    assert _wait_idle(engine, 5)

@@ -398,9 +398,12 @@ class _Server:
         stop_ids = tuple(req.stop_token_ids or ())
         self._check_ids(list(stop_ids), "stop_token_ids")
         seed = None if req.seed is None else (req.seed + choice) % _SEED_MOD
-        return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
-                              top_k=0 if req.top_k in (None, -1) else req.top_k, seed=seed,
-                              stop_token_ids=stop_ids + extra_stop, logprobs=logprobs, ignore_eos=req.ignore_eos)
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+                                  top_k=0 if req.top_k in (None, -1) else req.top_k, seed=seed,
+                                  stop_token_ids=stop_ids + extra_stop, logprobs=logprobs, ignore_eos=req.ignore_eos)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
 
     # -- running a group of choices
     async def _submit(self, rid0: str, prompts: list[list[int]], params: list[SamplingParams]):
