@@ -236,6 +236,11 @@ def test_parser_literal_fallback(tok):
     got = xtml.parse(tok, ids)
     assert got.reasoning_content == "r1<|open|>bogus tag<|sep|>r2"
     assert got.content == "c1<|sep|>c2<|close|>nothing<|sep|>"
+    # an <|open|> never closed by <|sep|> does not hold text back for more than MAX_HEADER_TOKENS ids
+    p = xtml.XTMLStreamParser(tok)
+    p.feed([sp[OPEN]])
+    emitted = "".join(d.text for _ in range(xtml.MAX_HEADER_TOKENS + 1) for d in p.feed(enc("ab")))
+    assert emitted.startswith("<|open|>ab")
     # an argument whose text does not fit its type is kept as a JSON string
     ids = ([sp[CLOSE]] + enc("think") + [sp[SEP], sp[OPEN]] + enc("tools") + [sp[SEP], sp[OPEN]]
            + enc('call tool="f" index="0"') + [sp[SEP], sp[OPEN]] + enc('argument key="n" type="number"')

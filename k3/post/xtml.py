@@ -48,6 +48,7 @@ OPEN, CLOSE, SEP, END_OF_MSG, BOS = "<|open|>", "<|close|>", "<|sep|>", "<|end_o
 REASONING_EFFORTS = ("low", "high", "max")
 ARGUMENT_TYPES = ("string", "number", "boolean", "null", "object", "array")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_HEADER_TOKENS = 256  # longer `<|open|>…` runs without `<|sep|>` are passed through as text
 
 
 class Tokenizer(Protocol):
@@ -541,6 +542,8 @@ class XTMLStreamParser:
                 self._token(t, out)
             else:
                 self.markup.append(t)
+                if len(self.markup) > MAX_HEADER_TOKENS:   # no tag header is this long: it was text
+                    self._literal_markup(out)
             return
         if t in (self.open_id, self.close_id):
             self._flush(out, final=True)
