@@ -7,6 +7,7 @@ import torch
 
 from conftest import make_tiny
 from k3.dist._launch import spawn_gloo
+from k3.train.qkclip import QKClip
 from k3.train.balance import (BalanceController, MarginHistogram, expert_loads, maxvio, qb_margins, qb_update,
                               qb_update_hist, route_topk, sign_update)
 
@@ -118,17 +119,19 @@ def _hist_worker(rank, world, out_dir):
     b = 0.1 * torch.randn(8, generator=g)
     mine = s.chunk(world)[rank]
     torch.save(qb_update_hist(mine, b, 2, bins=128), f"{out_dir}/hist{rank}.pt")
-    model = make_tiny(seed=3).train()  # the controller: each rank sees half of the batch
-    ctl = BalanceController(model, method="qb", bins=128)
+    model = make_tiny(seed=3).train()  # the controller (and QK-clip): each rank sees half of the batch
+    ctl, clip = BalanceController(model, method="qb", bins=128), QKClip(model, tau=0.09)
     ids = torch.randint(0, 4000, (4, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         model(input_ids=ids.chunk(world)[rank])
-    stats = ctl.step()
-    torch.save(({n: m.gate.e_score_correction_bias.clone() for n, m in ctl.layers.items()}, stats),
-               f"{out_dir}/ctl{rank}.pt")
+    stats, cstats = ctl.step(), clip.step()
+    torch.save(({n: m.gate.e_score_correction_bias.clone() for n, m in ctl.layers.items()}, stats, cstats,
+                {n: p.detach().clone() for n, p in model.named_parameters() if "_b_proj" in n}), f"{out_dir}/ctl{rank}.pt")
 
 
-def test_all_reduced_histogram_equals_single_process(tmp_path):
+def test_all_reduced_histogram_and_qkclip_max_equal_single_process(tmp_path):
+    """2 gloo ranks with half the tokens each == one process with all of them (histogram QB, the controller's
+    one all_reduce, and QK-clip's MAX all_reduce so that replicas clip identically)."""
     spawn_gloo(_hist_worker, 2, str(tmp_path))
     g = torch.Generator().manual_seed(7)
     s = skewed_scores(4000, 8, 1.0, g)
@@ -137,16 +140,21 @@ def test_all_reduced_histogram_equals_single_process(tmp_path):
     for r in range(2):
         assert torch.equal(torch.load(tmp_path / f"hist{r}.pt"), single)
     model = make_tiny(seed=3).train()
-    ctl = BalanceController(model, method="qb", bins=128)
+    ctl, clip = BalanceController(model, method="qb", bins=128), QKClip(model, tau=0.09)
     ids = torch.randint(0, 4000, (4, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         model(input_ids=ids)
-    stats = ctl.step()
+    stats, cstats = ctl.step(), clip.step()
+    assert 0 < cstats["clipped_heads"] < 8  # some heads of the two MLA layers above τ, some not
     for r in range(2):
-        biases, st = torch.load(tmp_path / f"ctl{r}.pt")
+        biases, st, cst, weights = torch.load(tmp_path / f"ctl{r}.pt")
         for n, mod in ctl.layers.items():  # per-token router scores may differ by BLAS rounding: ~1e-7
             assert torch.allclose(biases[n], mod.gate.e_score_correction_bias, atol=1e-4), n
         assert st == pytest.approx(stats)
+        assert cst["clipped_heads"] == cstats["clipped_heads"]
+        assert cst["max_logit"] == pytest.approx(cstats["max_logit"], rel=1e-5)
+        for n, w in weights.items():
+            assert torch.allclose(w, dict(model.named_parameters())[n], rtol=1e-5, atol=1e-7), n
 
 
 # ---- the controller on k3-tiny -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ checkpointed forwards give the same values again, which the max absorbs).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..model.mla import MLAttention
@@ -28,10 +29,12 @@ class QKClip:
     """Tracks per-head max logits of every MLA layer of `model` in training forwards; `step()` (call right
     after `optimizer.step()`) rescales the heads above τ and starts the next step's tracking."""
 
-    def __init__(self, model: nn.Module, tau: float = 100.0):
+    def __init__(self, model: nn.Module, tau: float = 100.0, group: "dist.ProcessGroup | None" = None):
+        """group: the data-parallel ranks whose maxima are combined (one all_reduce MAX per step, so every
+        replica clips identically); default the world group when torch.distributed is initialised."""
         if not tau > 0:
             raise ValueError(f"tau={tau}: expected > 0")
-        self.tau = float(tau)
+        self.tau, self.group = float(tau), group
         self.layers: dict[str, MLAttention] = {n: m for n, m in model.named_modules() if isinstance(m, MLAttention)}
         self.running: dict[str, torch.Tensor] = {}
         self._hooks = []
@@ -52,6 +55,8 @@ class QKClip:
     def step(self) -> dict[str, float]:
         """Clip every head whose step max exceeded τ; reset tracking. Returns {"max_logit": the step's largest
         logit over all MLA heads (None if no training forward ran), "clipped_heads": how many heads were scaled}."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            self._all_reduce_max()
         overall, clipped = None, 0
         for name, mx in self.running.items():
             overall = mx.max().item() if overall is None else max(overall, mx.max().item())
@@ -63,6 +68,17 @@ class QKClip:
             clip_heads(self.layers[name], gamma)
         self.running = {}
         return {"max_logit": overall, "clipped_heads": clipped}
+
+    def _all_reduce_max(self) -> None:
+        """Every layer's maxima, MAX-reduced across ranks in one flat tensor (−inf where a rank saw nothing)."""
+        names = list(self.layers)
+        ref = next(iter(self.layers.values())).kv_b_proj.weight
+        flat = torch.full((len(names), self.layers[names[0]].num_heads), float("-inf"), device=ref.device)
+        for i, n in enumerate(names):
+            if n in self.running:
+                flat[i] = self.running[n].to(flat.device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+        self.running = {n: flat[i].clone() for i, n in enumerate(names) if torch.isfinite(flat[i]).all()}
 
     def remove(self) -> None:
         """Detach the forward hooks and stop max-logit recording."""
