@@ -5,6 +5,7 @@ Op level: outputs, final states and dq, dk, dv, dg, dβ, dh0 against the fp64 to
 `KimiDeltaAttention` (same global cu_seqlens), output plus input and parameter gradients. One spawn per
 world size runs every case; workers save their local results and this process compares.
 """
+import json
 import os
 
 import pytest
@@ -12,10 +13,10 @@ import torch
 
 from conftest import rel_rmse
 from k3.config import K3Config
-from k3.dist._launch import spawn_gloo
+from k3.dist._launch import spawn_gloo, spawn_group
 from k3.dist.kda_cp import chunk_kda_cp, kda_layer_forward_cp, plan_kda_cp
 from k3.model.kda import KimiDeltaAttention
-from k3.ops.kda import kda_gate, l2norm, recurrent_kda
+from k3.ops.kda import chunk_kda, kda_gate, l2norm, recurrent_kda
 
 T, H, K, V = 192, 2, 16, 16  # global tokens: 2 ranks x 96 or 4 ranks x 48 (less than one 64-token chunk)
 # name, cu_seqlens (None: batch of rows), gate kind, q/k L2 norm in kernel, transition
@@ -201,3 +202,81 @@ def test_plan_cut_aligned_spanning_and_empty():
 def test_plan_rejects_bad_cu_seqlens(cu):
     with pytest.raises(ValueError, match="cu_seqlens"):
         plan_kda_cp(cu, 48, 0, 2)
+
+
+# ----------------------------------------------------------------------------- 2 GPUs (NCCL), bf16
+
+GPU_CU = [0, 700, 763, 1024, 3500, 3505, 4096]  # 1024..3500 is cut by the rank boundary at 2048
+
+
+def _gpu_worker(rank, world, outdir):
+    import torch.distributed as dist
+    dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")  # cpu: dry run
+    Tg, Hg, D = 4096, 4, 128
+    Tl = Tg // world
+    sl = slice(rank * Tl, (rank + 1) * Tl)
+    gen = torch.Generator().manual_seed(7)
+    errs = {}
+
+    def sq(ref, got, key, sliced=True):
+        s = torch.stack([((ref.double() - got.double()) ** 2).sum(), (ref.double() ** 2).sum()])
+        if sliced:
+            dist.all_reduce(s)
+        errs[key] = float((s[0] / s[1]).sqrt())
+
+    for cu in (None, GPU_CU):
+        N = 1 if cu is None else len(cu) - 1
+        r = lambda *sh: torch.randn(*sh, generator=gen).to(dev)  # noqa: E731
+        x = dict(q=r(1, Tg, Hg, D).bfloat16(), k=r(1, Tg, Hg, D).bfloat16(), v=r(1, Tg, Hg, D).bfloat16(),
+                 g=kda_gate(r(1, Tg, Hg, D), torch.linspace(-1, 1.5, Hg, device=dev), 2 * r(Hg * D)),
+                 beta=torch.sigmoid(r(1, Tg, Hg)), h0=r(N, Hg, D, D))
+        do, dht = r(1, Tg, Hg, D).bfloat16(), r(N, Hg, D, D)
+        names = ("q", "k", "v", "g", "beta", "h0")
+        cut = torch.tensor(cu) if cu is not None else None
+        for mode in ("single", "cp"):
+            lv = {n: (t if n == "h0" or mode == "single" else t[:, sl]).detach().clone().requires_grad_()
+                  for n, t in x.items()}
+            args = [lv[n] for n in names[:5]]
+            kw = dict(initial_state=lv["h0"], output_final_state=True, cu_seqlens=cut, use_qk_l2norm_in_kernel=True)
+            if mode == "single":
+                o, ht = chunk_kda(*args, **kw)
+            else:
+                o, ht = chunk_kda_cp(*args, **kw)
+            grads = torch.autograd.grad((o, ht), [lv[n] for n in names], (do if mode == "single" else do[:, sl], dht))
+            res = dict(o=o.detach(), ht=ht.detach(), **dict(zip(names, grads)))
+            if mode == "single":
+                ref = {n: (t if n in ("ht", "h0") else t[:, sl]) for n, t in res.items()}
+        for n in ("ht", "h0"):
+            dist.all_reduce(res[n])
+        for n in ref:
+            sq(ref[n], res[n], f"op/{'varlen' if cu else 'one_sequence'}/{n}", sliced=n not in ("ht", "h0"))
+    # layer in fp32: bf16 parameter gradients would round at ~3e-3 whatever the parallelism
+    layer = make_layer(0).to(dev)
+    xf = torch.randn(1, Tg, 32, generator=gen).to(dev)
+    dout = torch.randn(1, Tg, 32, generator=gen).to(dev)
+    cut = torch.tensor(GPU_CU)
+    for mode in ("single", "cp"):
+        layer.zero_grad()
+        xi = (xf if mode == "single" else xf[:, sl]).detach().clone().requires_grad_()
+        out = layer(xi, cu_seqlens=cut.to(dev)) if mode == "single" else kda_layer_forward_cp(layer, xi, None, cut)
+        (out * (dout if mode == "single" else dout[:, sl])).sum().backward()
+        res = dict(o=out.detach(), x=xi.grad, **{"p." + n: p.grad.clone() for n, p in layer.named_parameters()})
+        if mode == "single":
+            ref = {n: (t[:, sl] if n in ("o", "x") else t) for n, t in res.items()}
+    for n in ref:
+        if n.startswith("p."):
+            dist.all_reduce(res[n])
+        sq(ref[n], res[n], f"layer/{n}", sliced=n in ("o", "x"))
+    if rank == 0:
+        with open(os.path.join(outdir, "errs.json"), "w") as f:
+            json.dump(errs, f)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_kda_cp_two_gpus_bf16(tmp_path):
+    spawn_group(_gpu_worker, 2, str(tmp_path), backend="nccl", timeout_s=600)
+    errs = json.loads((tmp_path / "errs.json").read_text())
+    print("\n2-GPU bf16 rel-RMS vs one GPU: " + ", ".join(f"{k}={e:.1e}" for k, e in errs.items()))
+    bad = {k: e for k, e in errs.items() if not e <= 8e-3}
+    assert not bad, f"errors above 8e-3: {bad}"

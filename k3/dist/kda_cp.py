@@ -193,6 +193,7 @@ def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None
     cu_seqlens: None (each of the B rows is one sequence, cut into per-rank time segments), or the
         *global* packed stream's boundaries (int [N+1], identical on every rank, ending at world·T_local,
         B == 1). Sequences may be cut by, aligned with or span rank boundaries, and may be shorter than a chunk.
+        It is only read on the host: pass a CPU tensor or a list to avoid a device sync.
     initial_state: [N, H, K, V] fp32, identical on every rank (N = B, or the number of sequences). Only the
         rank holding a sequence's first token uses its row, so that rank gets all of dh0 for it and the others
         get zeros: the sum over ranks (all_reduce) is the full gradient, as for any replicated input.
@@ -278,11 +279,12 @@ def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None
 # ------------------------------------------------------------------------------------------- layer
 
 
-def _halo_cu(cu_seqlens, rank: int, t_local: int, n: int) -> torch.Tensor:
+def _halo_cu(cu_seqlens, rank: int, t_local: int, n: int, device) -> torch.Tensor:
     """cu_seqlens over [halo (n tokens) | local tokens]: global boundaries inside that window, shifted."""
     lo, hi = rank * t_local - n, (rank + 1) * t_local
-    cu = sorted({0, t_local + n} | {int(c) - lo for c in cu_seqlens.tolist() if lo < int(c) < hi})
-    return torch.tensor(cu, dtype=torch.int64, device=cu_seqlens.device)
+    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens
+    cu = sorted({0, t_local + n} | {int(c) - lo for c in cu if lo < int(c) < hi})
+    return torch.tensor(cu, dtype=torch.int64, device=device)
 
 
 def kda_layer_forward_cp(layer, x_local: torch.Tensor, group=None, cu_seqlens=None) -> torch.Tensor:
@@ -305,7 +307,7 @@ def kda_layer_forward_cp(layer, x_local: torch.Tensor, group=None, cu_seqlens=No
     rank = dist.get_rank(group)
     if cu_seqlens is not None:
         plan_kda_cp(cu_seqlens, T, rank, dist.get_world_size(group), B)   # validates
-        cu_ext = _halo_cu(cu_seqlens, rank, T, W - 1) if W > 1 else None
+        cu_ext = _halo_cu(cu_seqlens, rank, T, W - 1, x.device) if W > 1 else None
     outs = []
     for i, (y, conv) in enumerate(zip(pre, convs)):
         if W == 1:
