@@ -173,7 +173,8 @@ def run_random_load(model, seconds: float, seed: int = 0) -> dict:
     """Random submissions (shared prefixes, branching), aborts and a pool small enough to force
     preemptions; checks accounting at every step and that each request ends exactly once."""
     rng = random.Random(seed)
-    eng = tiny_engine(model, num_pages=20, max_num_batched_tokens=48, max_num_seqs=8, record_logits=False)
+    eng = tiny_engine(model, num_pages=20, max_num_batched_tokens=48, max_num_seqs=8, record_logits=False,
+                      host_cache_bytes=1 << 20)  # the host tier fills up and drops its own LRU entries too
     systems = prompts(3, seed + 100, 8, 20)
     submitted, finished, final = set(), {}, {}
     t0, i = time.monotonic(), 0
@@ -211,6 +212,7 @@ def test_randomized_load_frees_every_page(model):
     seconds = float(os.environ.get("K3_SERVE_LOAD_SECONDS", "20"))
     st = run_random_load(model, seconds)
     assert st["preemptions"] > 0 and st["num_aborted"] > 0 and st["prefix_cache_hits"] > 0
+    assert st["host_cache_bytes"] > 0
     print(st)
 
 
@@ -265,3 +267,28 @@ def test_from_pretrained_and_text_only_model(model, tmp_path):
             Engine(model)
     finally:
         model.eval()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_model_forward():
+    """On the GPU (Triton KDA decode / grouped-GEMM MoE where available): fp32 logits after batching,
+    chunked prefill and a prefix hit equal the model's own forward."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = make_tiny(seed=5).cuda()
+        eng = Engine(model, EngineConfig(block_size=16, hash_block_size=4, num_pages=256, record_logits=True,
+                                         max_num_batched_tokens=40))
+        ps = prompts(5, 13, 10, 60)
+        ps.append(ps[0] + [7, 8, 9])  # prefix hit
+        outs = eng.generate(ps[:5], SamplingParams(max_tokens=9, temperature=0))
+        outs.append(eng.generate(ps[5:], SamplingParams(max_tokens=9, temperature=0))[0])
+        assert outs[-1].num_cached_tokens > 0
+        for p, o in zip(ps, outs):
+            with torch.no_grad():
+                lg = model(torch.tensor([p + o.token_ids], device="cuda")).logits[0].cpu()
+            ref = lg[len(p) - 1: len(p) - 1 + len(o.token_ids)]
+            assert (ref - torch.stack(eng.recorded_logits[o.request_id])).abs().max() <= TOL
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
