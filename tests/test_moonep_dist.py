@@ -92,7 +92,10 @@ def _check_model(rank: int, R: int, imbalance: str, S: int = 6) -> dict:
 
 
 def _check_functional(rank: int, R: int, routing: str, S: int = 7, K: int = 4) -> dict:
-    """ExpertParallel directly vs k3.ops.moe.experts_forward, routings with duplicate experts per token."""
+    """ExpertParallel directly vs k3.ops.moe.experts_forward, routings with duplicate experts per token;
+    "+sparse" uses the sparse prefetch / reduce_grad."""
+    routing, _, prefetch = routing.partition("+")
+    prefetch = prefetch or "static"
     from k3.dist.moonep import ExpertParallel
     from k3.ops.moe import experts_forward
 
@@ -114,7 +117,7 @@ def _check_functional(rank: int, R: int, routing: str, S: int = 7, K: int = 4) -
     epn = E // R
     Wr = [t[rank * epn:(rank + 1) * epn].clone().requires_grad_() for t in W]
     xr, wr = x[rank].clone().requires_grad_(), w[rank].clone().requires_grad_()
-    ep = ExpertParallel(None, padding=2)
+    ep = ExpertParallel(None, padding=2, prefetch=prefetch)
     yr = ep(xr, idx[rank], wr, *Wr, E)
     (yr * go[rank]).sum().backward()
     errs = {"out": _rel(yf.view(R, S, L)[rank], yr), "dx": _rel(xf.grad[rank], xr.grad),
@@ -226,7 +229,8 @@ def _worker(rank: int, R: int, port: int, cases: list, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-CASES = [("model", "balanced"), ("model", "extreme"), ("functional", "dup_balanced"), ("functional", "dup_extreme")]
+CASES = [("model", "balanced"), ("model", "extreme"), ("functional", "dup_balanced"), ("functional", "dup_extreme"),
+         ("functional", "dup_balanced+sparse"), ("functional", "dup_extreme+sparse")]
 
 
 @pytest.mark.parametrize("R", [2, 4])

@@ -27,8 +27,8 @@ from .runtime import MoonEPRuntime, RuntimePlan, grouped_situ_ffn
 class ExpertParallel:
     """The EP executor a LatentMoE calls instead of `experts_forward`; one instance can serve every layer."""
 
-    def __init__(self, group=None, padding: int = 1, use_grouped_mm: bool | None = None):
-        self.runtime = MoonEPRuntime(group, padding)
+    def __init__(self, group=None, padding: int = 1, use_grouped_mm: bool | None = None, prefetch: str = "static"):
+        self.runtime = MoonEPRuntime(group, padding, prefetch)
         self.group, self.rank, self.world = group, self.runtime.rank, self.runtime.R
         self.use_grouped_mm = use_grouped_mm
         self.on_plan = None  # optional callback(RuntimePlan), e.g. for tests and statistics
@@ -67,10 +67,10 @@ def _moe_layers(model: nn.Module):
 
 @torch.no_grad()
 def enable_expert_parallel(model: nn.Module, group=None, padding: int = 1,
-                           use_grouped_mm: bool | None = None) -> nn.Module:
+                           use_grouped_mm: bool | None = None, prefetch: str = "static") -> nn.Module:
     """Convert every LatentMoE of `model` (full experts, identical on all ranks) to EP over `group` in place:
     keep experts rows [rank·E/R, (rank+1)·E/R) as the parameters and route through MoonEP. Returns model."""
-    ep = ExpertParallel(group, padding, use_grouped_mm)
+    ep = ExpertParallel(group, padding, use_grouped_mm, prefetch)
     for name, m in _moe_layers(model):
         if m.expert_parallel is not None:
             raise ValueError(f"{name} already runs expert parallel")

@@ -7,7 +7,9 @@ Every collective has the same shape on every step, whatever the routing:
   all-gather of [S, H] — then the rows are expanded into their expert-grouped slots ([NvS, H]; a token's
   duplicate entries on one rank read the same row, pad rows are zero); route weights [S·K] likewise;
 - prefetch: owners push the planned experts' weights into the destinations' slot pools (an all-to-all of
-  [R, E/R, …]: chunk (d, b) is expert experts_to_copy[d, b] from its owner, zero elsewhere);
+  [R, E/R, …]: chunk (d, b) is expert experts_to_copy[d, b] from its owner, zero elsewhere). Optional
+  `prefetch="sparse"` moves only the planned experts (all_to_all_single with splits from the [R, E/R]
+  table, copied to the host once per plan: one small device-to-host sync, fewer bytes when few experts move);
 - combine: fp32 local reduction of each token's duplicate rows first, then the rows travel back in the
   data dtype (all-to-all [R, S, H]) and are summed over ranks in fp32;
 - backward reuses the plan: combine's backward is dispatch, dispatch's is combine, the route-weight
@@ -38,6 +40,7 @@ class RuntimePlan:
     send_row: torch.Tensor    # [R, epn] local expert row this rank pushes into slot (d, b), −1 if none
     slot_owner: torch.Tensor  # [epn] owner rank of this rank's slot b, −1 if idle
     backward_uses: int = field(default=0)
+    host: dict | None = field(default=None)  # sparse prefetch: split tables on the host (built once)
 
     @property
     def nvs(self) -> int:
@@ -47,10 +50,12 @@ class RuntimePlan:
 class MoonEPRuntime:
     """Planning and the differentiable dispatch / prefetch / combine ops over one process group."""
 
-    def __init__(self, group=None, padding: int = 1):
+    def __init__(self, group=None, padding: int = 1, prefetch: str = "static"):
         if padding < 1:
             raise ValueError(f"padding={padding} must be ≥ 1")
-        self.group, self.padding = group, padding
+        if prefetch not in ("static", "sparse"):
+            raise ValueError(f"prefetch must be 'static' or 'sparse', got {prefetch!r}")
+        self.group, self.padding, self.prefetch_mode = group, padding, prefetch
         self.rank, self.R = dist.get_rank(group), dist.get_world_size(group)
         self.num_plans = 0
         self._reduce_buffers: dict[tuple, torch.Tensor] = {}
@@ -107,11 +112,48 @@ class MoonEPRuntime:
         back = comm.all_to_all(part[:-1].to(out_dtype).view(self.R, S, -1), self.group)  # wire: data dtype
         return back.float().sum(0).to(out_dtype)
 
+    def _host_tables(self, rp: RuntimePlan) -> dict:
+        """Sparse prefetch splits (once per plan): the local rows this rank sends to each destination and
+        the slots it fills from each owner, both in ascending slot order."""
+        if rp.host is None:
+            etc, epn, me = rp.plan.experts_to_copy.tolist(), rp.plan.epn, self.rank
+            send_rows = [[e - me * epn for e in etc[d] if e >= 0 and e // epn == me] for d in range(self.R)]
+            recv_slots = [[b for b in range(epn) if etc[me][b] >= 0 and etc[me][b] // epn == o] for o in range(self.R)]
+            rp.host = {"send_rows": send_rows, "recv_slots": recv_slots}
+        return rp.host
+
+    def _prefetch_sparse(self, w: torch.Tensor, rp: RuntimePlan) -> torch.Tensor:
+        t = self._host_tables(rp)
+        rows = [r for d in range(self.R) for r in t["send_rows"][d]]
+        send = w.index_select(0, torch.tensor(rows, dtype=torch.long, device=w.device)).reshape(len(rows), w[0].numel())
+        n_in = [len(v) for v in t["recv_slots"]]
+        recv = send.new_empty(sum(n_in), send.shape[1])
+        dist.all_to_all_single(recv, send, n_in, [len(v) for v in t["send_rows"]], group=self.group)
+        slots = w.new_zeros((rp.plan.epn,) + tuple(w.shape[1:]))
+        b = [x for v in t["recv_slots"] for x in v]
+        slots[torch.tensor(b, dtype=torch.long, device=w.device)] = recv.view((len(b),) + tuple(w.shape[1:]))
+        return slots
+
+    def _reduce_grad_sparse(self, rp: RuntimePlan, buffer: torch.Tensor) -> torch.Tensor:
+        t, epn, shape = self._host_tables(rp), rp.plan.epn, tuple(buffer.shape[1:])
+        b = [x for v in t["recv_slots"] for x in v]
+        send = buffer[torch.tensor(b, dtype=torch.long, device=buffer.device)].reshape(len(b), buffer[0].numel())
+        n_back = [len(v) for v in t["send_rows"]]
+        recv = send.new_empty(sum(n_back), send.shape[1])
+        dist.all_to_all_single(recv, send, n_back, [len(v) for v in t["recv_slots"]], group=self.group)
+        rows = torch.tensor([r for d in range(self.R) for r in t["send_rows"][d]], dtype=torch.long,
+                            device=buffer.device)
+        out = buffer.new_zeros((epn,) + shape).index_add_(0, rows, recv.view((-1,) + shape))
+        buffer.mul_((rp.slot_owner < 0).view(-1, *[1] * len(shape)))  # consumed slots → 0
+        return out
+
     def reduce_grad(self, rp: RuntimePlan, buffer: torch.Tensor) -> torch.Tensor:
         """Replica grads `buffer` [E/R, …] fp32 (this rank's slots) → fp32 grads of the home experts.
 
         Slot b goes to its owner; the owner adds the slots holding its experts in ascending (source rank,
         slot) order onto zero; the consumed slots of `buffer` are zeroed."""
+        if self.prefetch_mode == "sparse":
+            return self._reduce_grad_sparse(rp, buffer)
         p, epn = rp.plan, rp.plan.epn
         valid = rp.slot_owner >= 0
         send = buffer.new_zeros((self.R,) + tuple(buffer.shape))
@@ -183,11 +225,17 @@ class _Prefetch(torch.autograd.Function):
         epn, b = rp.plan.epn, torch.arange(rp.plan.epn, device=ws[0].device)
         out = []
         for w in ws:
+            if rt.prefetch_mode == "sparse":
+                out.append(torch.cat([w, rt._prefetch_sparse(w, rp)]))
+                continue
             ones = [1] * (w.dim() - 1)
-            send = torch.where((rp.send_row >= 0).view(rt.R, epn, *ones),
-                               w.index_select(0, rp.send_row.clamp_min(0).reshape(-1)).view(rt.R, epn, *w.shape[1:]), 0)
+            send = w.index_select(0, rp.send_row.clamp_min(0).reshape(-1)).view(rt.R, epn, *w.shape[1:])
+            send.masked_fill_((rp.send_row < 0).view(rt.R, epn, *ones), 0)
             recv = comm.all_to_all(send, rt.group)  # [R(owner), epn, …]
-            slots = torch.where((rp.slot_owner >= 0).view(epn, *ones), recv[rp.slot_owner.clamp_min(0), b], 0)
+            del send
+            slots = recv[rp.slot_owner.clamp_min(0), b]
+            del recv
+            slots.masked_fill_((rp.slot_owner < 0).view(epn, *ones), 0)
             out.append(torch.cat([w, slots]))
         return tuple(out)
 
