@@ -170,6 +170,9 @@ class BalanceController:
             raise ValueError(f"ema={ema}: expected in [0, 1)")
         if not gamma >= 0:
             raise ValueError(f"gamma={gamma}: expected ≥ 0")
+        if method == "qb" and exact and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            raise ValueError("exact QB gathers every margin and runs on one process only; "
+                             "use exact=False (histogram) under data/expert parallelism")
         self.method, self.gamma, self.exact, self.bins, self.ema, self.group = method, gamma, exact, bins, ema, group
         self.layers: dict[str, LatentMoE] = {n: m for n, m in model.named_modules() if isinstance(m, LatentMoE)}
         self._hooks = []
