@@ -241,3 +241,25 @@ def test_controller_state_dict_resumes_mid_step():
         assert torch.equal(mod.gate.e_score_correction_bias, ctl2.layers[n].gate.e_score_correction_bias), n
     with pytest.raises(ValueError, match="bins"):
         BalanceController(twin, method="qb", bins=32).load_state_dict(saved)
+
+
+def test_controller_sign_rule_and_qb_ema_match_the_functions():
+    model = make_tiny(seed=7).train()
+    ids = _batches(1, seed=8)[0]
+    rec = _routing_of(copy.deepcopy(model), ids)
+    for method, kw in (("sign", dict(gamma=0.01)), ("qb", dict(exact=True, ema=0.25))):
+        m = copy.deepcopy(model)
+        ctl = BalanceController(m, method=method, **kw)
+        with torch.no_grad():
+            m(input_ids=ids, labels=ids)
+        ctl.step()
+        for n, mod in ctl.layers.items():
+            old = model.get_submodule(n).gate.e_score_correction_bias
+            idx, s = rec[n]
+            if method == "sign":
+                want = sign_update(expert_loads(idx, old.numel()).float(), old, 0.01)
+            else:
+                want = 0.25 * old + 0.75 * qb_update(s, old, mod.top_k)
+            assert torch.allclose(mod.gate.e_score_correction_bias, want, atol=1e-6), (method, n)
+        ctl.remove()
+        assert not any(mod.record_routing for mod in ctl.layers.values())
