@@ -9,6 +9,7 @@ on rank 0 and broadcast. Both methods run forward + backward of the routed-exper
 
 - MoonEP (`k3.dist.moonep`, reference backend): plan, dispatch (all-gathered rows expanded into NvS static
   slots), prefetch (static all-to-all of E/R expert slots), grouped GEMM over 2·E/R groups, combine;
+- MoonEP with `prefetch="sparse"`: the same, but prefetch / reduce_grad move only the planned experts;
 - naive: counts all-to-all, splits to the host (sync), permute by expert, all_to_all_single with splits,
   regroup by local expert (padded to --padding), grouped GEMM, reverse (Megatron-core / torchtitan style).
 
@@ -186,7 +187,8 @@ def moonep_step(rt, x, idx, w, w1, w2, w3, E, sw, use_gmm):
 def measure(method, a, ctx) -> dict:
     dev, cuda, R = ctx["device"], ctx["cuda"], ctx["R"]
     x, idx, w, go, W = ctx["x"], ctx["idx"], ctx["w"], ctx["go"], ctx["W"]
-    rt = MoonEPRuntime(None, a.padding) if method == "moonep" else None
+    moon = method.startswith("moonep")
+    rt = MoonEPRuntime(None, a.padding, "sparse" if method == "moonep_sparse" else "static") if moon else None
     samples, info = [], {}
     if cuda:
         torch.cuda.synchronize()
@@ -198,7 +200,7 @@ def measure(method, a, ctx) -> dict:
         dist.barrier()
         sw = Stopwatch(cuda)
         sw.mark("start")
-        if method == "moonep":
+        if moon:
             out, rp = moonep_step(rt, x, idx, w, *W, ctx["E"], sw, ctx["gmm"])
         else:
             out, info = naive_step(x, idx, w, *W, ctx["E"], R, a.padding, sw, ctx["gmm"])
@@ -209,7 +211,7 @@ def measure(method, a, ctx) -> dict:
             samples.append(t)
     res = _median_max(samples, dev)
     res["total"] = sum(v for k, v in res.items())
-    if method == "moonep":
+    if moon:
         p = rp.plan
         real = int((rp.slot_entry < R * p.S * p.K).sum())
         if real != p.S * p.K:
@@ -359,6 +361,7 @@ def run(a) -> dict | None:
             if not row["planner_auto_equals_torch"]:
                 print(f"WARNING: planner backends disagree at E={E}, target {target}", flush=True)
             row["moonep"], out_m = measure("moonep", a, ctx)
+            row["moonep_sparse"], _ = measure("moonep_sparse", a, ctx)
             row["naive"], out_n = measure("naive", a, ctx)
             diff = ((out_m.float() - out_n.float()).norm() ** 2).reshape(1)
             ref = (out_n.float().norm() ** 2).reshape(1)
@@ -369,7 +372,8 @@ def run(a) -> dict | None:
             if rank == 0:
                 m, n = row["moonep"], row["naive"]
                 print(f"E={E:4d} maxvio {row['maxvio']:6.2f} (σ={sigma:.3f}) | moonep total {m['total']:8.2f} ms "
-                      f"recv {m['recv_rows']:7d} | naive total {n['total']:8.2f} ms recv {n['recv_rows']:7d} "
+                      f"(sparse prefetch {row['moonep_sparse']['total']:8.2f}) recv {m['recv_rows']:7d} | "
+                      f"naive total {n['total']:8.2f} ms recv {n['recv_rows']:7d} "
                       f"| out diff {row['rel_diff_outputs']:.1e}", flush=True)
         del W, x, go
         if cuda:
@@ -384,7 +388,6 @@ def run(a) -> dict | None:
 
 
 STAGES_M = ["plan", "dispatch", "prefetch", "gemm", "combine", "backward", "total", "reduce_grad"]
-STAGES_N = ["plan", "dispatch", "gemm", "combine", "backward", "total"]
 
 
 def report(res: dict, a) -> None:
@@ -396,7 +399,7 @@ def report(res: dict, a) -> None:
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in res["sweep"]:
-        for meth, st in (("moonep", STAGES_M), ("naive", STAGES_N)):
+        for meth in ("moonep", "moonep_sparse", "naive"):
             m = r[meth]
             vals = " | ".join(f"{m[s]:.2f}" if s in m else "–" for s in STAGES_M)
             print(f"| {r['E']} | {r['maxvio']:.2f} | {meth} | {vals} | {m['recv_rows']} | "
@@ -420,7 +423,7 @@ def plot(res: dict, path: str) -> None:
     for E in sorted({r["E"] for r in res["sweep"]}):
         rows = [r for r in res["sweep"] if r["E"] == E]
         mv = [r["maxvio"] for r in rows]
-        for meth, ls in (("moonep", "-"), ("naive", "--")):
+        for meth, ls in (("moonep", "-"), ("moonep_sparse", "-."), ("naive", "--")):
             axes[0].plot(mv, [r[meth]["total"] for r in rows], ls, marker="o", label=f"{meth} E={E}")
             axes[1].plot(mv, [r[meth]["recv_rows"] for r in rows], ls, marker="o", label=f"{meth} E={E}")
     c = res["config"]
