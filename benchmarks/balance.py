@@ -139,7 +139,7 @@ def run_rules(batches_by_layer: dict[str, list[torch.Tensor]], k: int, gammas: l
 
 def print_table(title: str, res: dict) -> None:
     print(f"\n{title}: maxvio (max load / mean load − 1), mean over layers")
-    print(f"| rule | step 0 | step 1 | step 5 | final | mean of last half |\n|---|---|---|---|---|---|")
+    print("| rule | step 0 | step 1 | step 5 | final | mean of last half |\n|---|---|---|---|---|---|")
     for label, vio in res.items():
         s = summarize(vio)
         print(f"| {label} | {s['step0']:.3f} | {s['step1']:.3f} | {s['step5']:.3f} | {s['final']:.3f} | "
