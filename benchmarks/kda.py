@@ -178,7 +178,7 @@ def decode_rows(args, timer, dev, dtype, fla_ok, log):
     return rows
 
 
-def sweep(timer, shape, D, dev, dtype, log):
+def sweep(timer, shape, D, dev, dtype, log, out_path):
     """Time our kernels under a few launch configurations at one shape; keep the fastest in CFG."""
     from k3.ops.kda.triton.chunk import CFG
     name, B, T, H, cu_list = shape
@@ -186,23 +186,32 @@ def sweep(timer, shape, D, dev, dtype, log):
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=dev)
     res = []
     best = None
-    for bv, warps, iw in ((32, 4, 4), (64, 4, 4), (16, 2, 4), (32, 4, 8)):
-        CFG.update(fwd_bv=bv, fwd_warps=warps, intra_warps=iw)
+    keys = ("fwd_bv", "fwd_warps", "intra_warps", "prefetch", "stages", "bf16_dots")
+    for vals in ((64, 4, 4, True, 1, True), (64, 4, 4, False, 3, True), (64, 4, 4, True, 1, False),
+                 (128, 8, 4, True, 1, True), (32, 4, 4, True, 1, True), (64, 4, 2, True, 1, True)):
+        CFG.update(zip(keys, vals))
         ms = time_modes(timer, ours_fn, x, cu, ("fwd",))["fwd"]
-        res.append({"fwd_bv": bv, "fwd_warps": warps, "intra_warps": iw, "fwd_ms": ms})
+        res.append(dict(zip(keys, vals), fwd_ms=ms))
         log(res[-1])
         best = min(best or res[-1], res[-1], key=lambda r: r["fwd_ms"])
-    CFG.update(fwd_bv=best["fwd_bv"], fwd_warps=best["fwd_warps"], intra_warps=best["intra_warps"])
+    CFG.update({k: best[k] for k in keys})
     bbest = None
-    for bv, warps, iw in ((32, 4, 8), (64, 4, 8), (32, 4, 4)):
-        CFG.update(bwd_bv=bv, bwd_warps=warps, intra_bwd_warps=iw)
+    bkeys = ("bwd_bv", "bwd_warps", "intra_bwd_warps")
+    for vals in ((32, 4, 4), (64, 4, 4), (64, 8, 4), (128, 8, 4)):
+        CFG.update(zip(bkeys, vals))
         ms = time_modes(timer, ours_fn, x, cu, ("fwd+bwd",))
-        res.append({"bwd_bv": bv, "bwd_warps": warps, "intra_bwd_warps": iw, "fwd+bwd_ms": ms["fwd+bwd"],
-                    "bwd_ms": ms["bwd"]})
+        res.append(dict(zip(bkeys, vals), **{"fwd+bwd_ms": ms["fwd+bwd"], "bwd_ms": ms["bwd"]}))
         log(res[-1])
         bbest = min(bbest or res[-1], res[-1], key=lambda r: r["fwd+bwd_ms"])
-    CFG.update(bwd_bv=bbest["bwd_bv"], bwd_warps=bbest["bwd_warps"], intra_bwd_warps=bbest["intra_bwd_warps"])
+    CFG.update({k: bbest[k] for k in bkeys})
     log({"chosen": dict(CFG)})
+    env = {"fwd_bv": "K3_KDA_FWD_BV", "fwd_warps": "K3_KDA_FWD_WARPS", "intra_warps": "K3_KDA_INTRA_WARPS",
+           "bwd_bv": "K3_KDA_BWD_BV", "bwd_warps": "K3_KDA_BWD_WARPS", "intra_bwd_warps": "K3_KDA_INTRA_BWD_WARPS",
+           "stages": "K3_KDA_STAGES"}
+    lines = [f"export {v}={CFG[k]}" for k, v in env.items()]
+    lines += [f"export K3_KDA_PREFETCH={int(CFG['prefetch'])}", f"export K3_KDA_BF16_DOTS={int(CFG['bf16_dots'])}"]
+    with open(os.path.join(os.path.dirname(os.path.abspath(out_path)), "kda_cfg.env"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
     return res
 
 
@@ -210,7 +219,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; on CPU through TRITON_INTERPRET=1")
     ap.add_argument("--shapes", default="abcde", help="subset of the issue's list (a)-(e)")
-    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla", choices=("all", "decode", "none"), default="all",
+                    help="which fla baselines to time (chunked ones autotune for minutes per head count)")
     ap.add_argument("--fla-budget-s", type=float, default=240.0)
     ap.add_argument("--deadline-s", type=float, default=1e9)
     ap.add_argument("--warmup", type=int, default=3)
@@ -226,7 +236,7 @@ def main():
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     timer = Timer(cuda, a.warmup, a.reps)
-    fla_ok = cuda and not a.no_fla
+    fla_ok = cuda and a.fla != "none"
     if fla_ok:
         try:
             import fla  # noqa: F401
@@ -256,7 +266,7 @@ def main():
     fla_spent = 0.0
     D = 16 if a.smoke else 128
     if a.sweep:
-        out["sweep"] = sweep(timer, shapes(a.shapes, a.smoke)[0], D, dev, dtype, log)
+        out["sweep"] = sweep(timer, shapes(a.shapes, a.smoke)[0], D, dev, dtype, log, a.out)
     for name, B, T, H, cu_list in shapes(a.shapes, a.smoke):
         if time.time() - t_start > a.deadline_s:
             print(f"deadline reached before {name}", flush=True)
@@ -267,7 +277,7 @@ def main():
         for mode, ms in time_modes(timer, ours_fn, x, cu, ("fwd", "fwd+bwd")).items():
             row[f"ours_{mode}_ms"] = ms
         log(row)
-        if fla_ok and fla_spent < a.fla_budget_s:
+        if fla_ok and a.fla == "all" and fla_spent < a.fla_budget_s:
             t0 = time.time()
             try:
                 for mode, ms in time_modes(timer, fla_fn, x, cu, ("fwd", "fwd+bwd")).items():
@@ -277,7 +287,7 @@ def main():
             except Exception as e:
                 row["fla_error"] = repr(e)[:300]
             fla_spent += time.time() - t0
-        elif fla_ok:
+        elif fla_ok and a.fla == "all":
             row["fla"] = "not measured (fla autotune budget spent)"
         if name.startswith("(a)") or a.smoke:
             nbytes = 5 * B * T * H * D * x["q"].element_size()

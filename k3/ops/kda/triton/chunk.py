@@ -18,7 +18,7 @@ from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
 # Launch parameters (env-overridable for tuning sweeps on the GPU).
 CFG = {
-    "fwd_bv": int(os.environ.get("K3_KDA_FWD_BV", "32")),
+    "fwd_bv": int(os.environ.get("K3_KDA_FWD_BV", "64")),
     "fwd_warps": int(os.environ.get("K3_KDA_FWD_WARPS", "4")),
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "32")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
@@ -26,6 +26,11 @@ CFG = {
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
+    "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
+    "stages": int(os.environ.get("K3_KDA_STAGES", "1")),
+    # bf16 operands for the recurrence matmuls with bf16/fp16 inputs (never under the CPU
+    # interpreter, whose bf16 tl.dot is wrong in Triton 3.9)
+    "bf16_dots": os.environ.get("K3_KDA_BF16_DOTS", "1") == "1",
 }
 
 
@@ -92,6 +97,10 @@ def _blk(d):
     return max(16, triton.next_power_of_2(d))
 
 
+def _bf16(x):
+    return CFG["bf16_dots"] and x.dtype != torch.float32 and x.device.type != "cpu"
+
+
 def _prec(dtype):
     return CFG["dot_prec"] or ("ieee" if dtype == torch.float32 else "tf32")
 
@@ -109,7 +118,8 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
         w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
-        STORE_SEL=slot is not None, DOT_PREC=_prec(w.dtype), num_warps=CFG["fwd_warps"])
+        STORE_SEL=slot is not None, DOT_PREC=_prec(w.dtype), BF16=_bf16(w),
+        PREFETCH=CFG["prefetch"], num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
 
@@ -155,7 +165,8 @@ class _ChunkKDA(torch.autograd.Function):
         kda_recur_bwd_kernel[(N, H, NV)](
             qe, kg, w, aqk, gc, hall, vnew, do, dht, dh0, dqe, dw, dkg, daqk, du, dgc, cu, coff,
             H, K, V, NC, Tt, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            DOT_PREC=_prec(qp.dtype), num_warps=CFG["bwd_warps"])
+            DOT_PREC=_prec(qp.dtype), BF16=_bf16(w), PREFETCH=CFG["prefetch"],
+            num_warps=CFG["bwd_warps"], num_stages=CFG["stages"])
         del hall, vnew, w, u, qe, kg, aqk
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)
         dv = torch.empty_like(vp)

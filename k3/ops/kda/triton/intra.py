@@ -115,8 +115,8 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     mk = rm[:, None] & (cols < K)[None, :]
     mv = rm[:, None] & (vcols < V)[None, :]
     v = tl.load(v_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], mask=mv, other=0.0).to(tl.float32)
-    w = tl.dot(Tm, beta[:, None] * ke, input_precision="ieee")
-    u = tl.dot(Tm, beta[:, None] * v, input_precision="ieee")
+    w = tl.dot(Tm, beta[:, None] * ke, input_precision=DOT_PREC)
+    u = tl.dot(Tm, beta[:, None] * v, input_precision=DOT_PREC)
     offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
     odt = w_ptr.dtype.element_ty
     tl.store(w_ptr + offk, w.to(odt), mask=mk)
@@ -155,8 +155,8 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     v = tl.load(v_ptr + offv, mask=mv, other=0.0).to(tl.float32)
     Rw = beta[:, None] * ke
     Ru = beta[:, None] * v
-    w = tl.dot(Tm, Rw, input_precision="ieee")
-    u = tl.dot(Tm, Ru, input_precision="ieee")
+    w = tl.dot(Tm, Rw, input_precision=DOT_PREC)
+    u = tl.dot(Tm, Ru, input_precision=DOT_PREC)
 
     offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
     offa = (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :]
@@ -176,8 +176,8 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
 
     # through w = T Rw, u = T Ru, T = (I + beta*M)^-1
     TmT = tl.trans(Tm)
-    dRw = tl.dot(TmT, dw, input_precision="ieee")
-    dRu = tl.dot(TmT, du, input_precision="ieee")
+    dRw = tl.dot(TmT, dw, input_precision=DOT_PREC)
+    dRu = tl.dot(TmT, du, input_precision=DOT_PREC)
     dAkk = -(tl.dot(dRw, tl.trans(w), input_precision=DOT_PREC) + tl.dot(dRu, tl.trans(u), input_precision=DOT_PREC))
     dAkk = tl.where(rows[:, None] > rows[None, :], dAkk, 0.0)
     dv = beta[:, None] * dRu
@@ -205,8 +205,8 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
         dk = dkn
     if GATE:
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        sg = g / lower_bound
-        dz = dg * lower_bound * sg * (1.0 - sg) * a
+        x = a * z  # sigmoid'(x) as sigmoid(x) * sigmoid(-x): no cancellation when saturated
+        dz = dg * lower_bound * tl.sigmoid(x) * tl.sigmoid(-x) * a
         dz = tl.where(mk, dz, 0.0)
         tl.store(dg_ptr + offk, dz.to(dg_ptr.dtype.element_ty), mask=mk)
         tl.store(ddtb_ptr + (ic * H + h) * K + cols, tl.sum(dz, 0), mask=cm)
