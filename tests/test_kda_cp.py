@@ -22,10 +22,10 @@ T, H, K, V = 192, 2, 16, 16  # global tokens: 2 ranks x 96 or 4 ranks x 48 (less
 # name, cu_seqlens (None: batch of rows), gate kind, q/k L2 norm in kernel, transition
 OP_CASES = [
     ("one_sequence_batch2", None, "normal", False, "concat"),
-    ("cut_across_ranks", [0, 30, 100, 150, 192], "normal", True, "concat"),
+    ("cut_across_ranks", [0, 30, 100, 150, 192], "normal", True, "separate"),
     ("aligned_with_ranks", [0, 48, 96, 144, 192], "normal", False, "concat"),
-    ("spans_several_ranks", [0, 10, 180, 192], "normal", True, "separate"),
-    ("shorter_than_chunk", [0, 3, 47, 48, 49, 95, 97, 140, 141, 141, 150, 190, 192], "normal", False, "concat"),
+    ("spans_several_ranks", [0, 10, 180, 192], "normal", True, "concat"),
+    ("shorter_than_chunk", [0, 3, 47, 48, 49, 95, 97, 140, 141, 141, 150, 190, 192], "normal", False, "separate"),
     ("extreme_gates", [0, 20, 130, 192], "extreme", True, "concat"),
     ("extreme_gates_batch2", None, "extreme", False, "separate"),
 ]

@@ -5,10 +5,12 @@ is linear in (S_0, v) jointly. So a segment's final state is S̃ + P·S_in, wher
 zero start and P (K×K per head) is the segment's cumulative transition, and its outputs are
 o_t = õ_t + (scale·P_tᵀ q_t)ᵀ S_in, with P_t the transition up to token t.
 
-How we compute P and P_tᵀq without a special kernel: run the ordinary chunked op once with K extra value
+How we compute P and P_tᵀq without a special kernel: run the ordinary chunked op with K extra value
 columns that are zero and an identity initial state in those columns ("[v | 0]" from "[S_0 | I]"). The
 extra output columns are then exactly scale·P_tᵀ q_t and the extra final-state columns exactly P. So one
-local chunk pass (value width V+K) yields õ, S̃, P_tᵀq and P; then one all_gather of the fp32 [S̃ | P]
+local chunk pass of value width V+K (or a width-V pass plus a width-K pass restricted to the first and
+last local pieces, for kernels limited to V ≤ 128) yields õ, S̃, P_tᵀq and P, before any communication
+(no second pass once the incoming state is known); then one all_gather of the fp32 [S̃ | P]
 summaries, a sequential fp32 prefix fold S_in ← P_j S_in + S̃_j over the earlier ranks of the same
 sequence, and a small matmul adds P_tᵀq · S_in to the outputs. Everything is built from differentiable
 pieces (the chunk op, a custom all_gather whose backward is a reduce-scatter), so the backward mirrors the
@@ -199,9 +201,10 @@ def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None
         get zeros: the sum over ranks (all_reduce) is the full gradient, as for any replicated input.
     output_final_state: return [N, H, K, V] with row n filled on the rank holding sequence n's last token and
         zeros elsewhere (all_reduce-sum gives every rank all final states).
-    transition: "concat" runs one local pass with value width V+K (cheaper: the intra-chunk work is shared);
-        "separate" runs two passes of widths V and K (for kernels limited to V <= 128, like k3's Triton
-        ones); "auto" picks concat for the torch / fla / reference backends and for CPU tensors, else separate.
+    transition: "concat" runs one local pass with value width V+K (the intra-chunk work is shared);
+        "separate" runs a width-V pass and a width-K pass over only the first and last local pieces (for
+        kernels limited to V <= 128, like k3's Triton ones; cheaper when a rank holds many sequences);
+        "auto" picks concat for the torch / fla / reference backends and for CPU tensors, else separate.
     Returns (o [B, T_local, H, V], final state or None). The incoming-state fold runs in fp32 (fp64 for fp64
     inputs). Every rank must run the backward when any does (the backward has one collective).
     """
@@ -225,51 +228,76 @@ def chunk_kda_cp(q, k, v, g, beta, group=None, *, scale=None, initial_state=None
         if initial_state.dtype not in (torch.float32, sdt):
             raise ValueError(f"chunk_kda_cp: initial_state must be torch.float32, got {initial_state.dtype}")
 
-    # Local initial states: [S_0 | I]. S_0 = initial_state for pieces that start a sequence here, else 0;
-    # I only where needed: the first piece (continues in: gives P_t^T q) and the last (continues out: gives P).
     dev = q.device
+    varlen = plan.local_cu is not None
+    L0 = plan.local_cu[1] if varlen else T                   # tokens of the first piece
+    L1 = T - plan.local_cu[-2] if varlen else T              # tokens of the last piece
     seq = torch.tensor(plan.seq_ids, device=dev)
+    # S_0 = initial_state for pieces that start their sequence here, else 0.
     if initial_state is not None:
         starts = torch.tensor(plan.starts_here, device=dev).view(n_loc, 1, 1, 1)
         init_v = torch.where(starts, initial_state.to(sdt)[seq], torch.zeros((), dtype=sdt, device=dev))
     else:
         init_v = torch.zeros(n_loc, H, K, V, dtype=sdt, device=dev)
-    need_i = torch.zeros(n_loc, dtype=torch.bool)
-    if plan.first_in:
-        need_i[:n1] = True
-    if plan.last_out:
-        need_i[n_loc - n1:] = True
-    eye = torch.eye(K, dtype=sdt, device=dev)
-    init_i = eye * need_i.to(dev, sdt).view(n_loc, 1, 1, 1).expand(n_loc, H, 1, 1)
-    cu_loc = None if plan.local_cu is None else torch.tensor(plan.local_cu, dtype=torch.int64, device=dev)
-    kw = dict(scale=scale, output_final_state=True, cu_seqlens=cu_loc,
-              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend)
-    zeros_k = v.new_zeros(B, T, H, K)
-    if transition == "concat":
-        o2, fin = chunk_kda(q, k, torch.cat([v, zeros_k], -1), g, beta,
-                           initial_state=torch.cat([init_v, init_i], -1), **kw)
+    cu_loc = None if not varlen else torch.tensor(plan.local_cu, dtype=torch.int64, device=dev)
+    kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+              backend=backend)
+
+    def eye(n):
+        return torch.eye(K, dtype=sdt, device=dev).repeat(n, H, 1, 1)
+
+    # The transition columns (value 0, state I) are needed on the first piece when it continues in
+    # (they give P_t^T q and P) and on the last piece when it continues out (they give P for the summary).
+    o_i_first = p_first = p_last = None
+    if transition == "concat":  # one pass [v | 0] from [S_0 | I or 0]
+        need = torch.zeros(n_loc, dtype=sdt)
+        need[:n1] += plan.first_in
+        need[n_loc - n1:] += plan.last_out
+        init_i = eye(n_loc) * need.clamp(max=1).to(dev).view(n_loc, 1, 1, 1)
+        o2, fin = chunk_kda(q, k, torch.cat([v, v.new_zeros(B, T, H, K)], -1), g, beta,
+                           initial_state=torch.cat([init_v, init_i], -1), cu_seqlens=cu_loc, **kw)
         o_v, o_i = o2.split([V, K], -1)
-    else:
-        o_v, fin_v = chunk_kda(q, k, v, g, beta, initial_state=init_v, **kw)
-        o_i, fin_i = chunk_kda(q, k, zeros_k, g, beta, initial_state=init_i, **kw)
-        fin = torch.cat([fin_v, fin_i], -1)
-    fin = fin.to(sdt)                                                       # [n_loc, H, K, V+K]
+        fin_v, fin_i = fin.to(sdt).split([V, K], -1)
+        o_i_first, p_first, p_last = o_i[:, :L0], fin_i[:n1], fin_i[n_loc - n1:]
+    else:  # a width-V pass over everything, a width-K pass over only the first and last pieces
+        o_v, fin_v = chunk_kda(q, k, v, g, beta, initial_state=init_v, cu_seqlens=cu_loc, **kw)
+        fin_v = fin_v.to(sdt)
+        if not varlen or n_loc == 1:
+            spans = [(0, T)] if plan.first_in or plan.last_out else []
+        else:
+            spans = ([(0, L0)] if plan.first_in else []) + ([(T - L1, T)] if plan.last_out else [])
+        if spans:
+            sub = (lambda t: t) if spans == [(0, T)] else (lambda t: torch.cat([t[:, a:b] for a, b in spans], 1))
+            Ts = sum(b - a for a, b in spans)
+            cu_sub = None if not varlen else torch.tensor([0] + [b - a for a, b in spans], device=dev).cumsum(0)
+            o_i, p = chunk_kda(sub(q), sub(k), v.new_zeros(B, Ts, H, K), sub(g), sub(beta),
+                               initial_state=eye(B if not varlen else len(spans)), cu_seqlens=cu_sub, **kw)
+            p = p.to(sdt)
+            if plan.first_in:
+                o_i_first, p_first = o_i[:, :L0], p[:n1]
+            if plan.last_out:
+                p_last = p[p.shape[0] - n1:]
 
     # One all_gather of the outgoing summaries [S~ | P]; fold the earlier ranks of the same sequence(s).
-    gathered = all_gather_cp(fin[n_loc - n1:], group)                       # [world, n1, H, K, V+K]
+    if p_last is None:  # nothing continues on the next rank: the P slot is never read
+        p_last = fin_v.new_zeros(n1, H, K, K)
+    gathered = all_gather_cp(torch.cat([fin_v[n_loc - n1:], p_last], -1), group)   # [world, n1, H, K, V+K]
     # Start from zeros that stay attached to `gathered`, so every rank runs the backward collective.
     s_in = gathered[rank, ..., :V] * 0
     for j in range(plan.chain_from, rank):
         s_in = gathered[j, ..., V:] @ s_in + gathered[j, ..., :V]           # fp32: S <- P_j S + S~_j
 
-    # Add P_t^T q . S_in on the first piece's tokens (all tokens in batch mode), and P . S_in to its state.
-    L0 = T if plan.local_cu is None else plan.local_cu[1]
-    head = o_v[:, :L0].to(sdt) + torch.einsum("bthk,bhkv->bthv", o_i[:, :L0].to(sdt), s_in)
-    o = torch.cat([head.to(o_v.dtype), o_v[:, L0:]], 1)
+    # Add (P_t^T q) S_in on the first piece's tokens (all tokens in batch mode) and P S_in to its state.
+    if plan.first_in:
+        head = o_v[:, :L0].to(sdt) + torch.einsum("bthk,bhkv->bthv", o_i_first.to(sdt), s_in)
+        o = torch.cat([head.to(o_v.dtype), o_v[:, L0:]], 1)
+        fin_first = fin_v[:n1] + p_first @ s_in
+    else:  # (exact zero; only keeps this rank's outputs attached to the all_gather)
+        o = o_v + (s_in.sum() * 0).to(o_v.dtype)
+        fin_first = fin_v[:n1]
     if not output_final_state:
         return o, None
-    fin_v, fin_i = fin.split([V, K], -1)
-    fin_local = torch.cat([fin_v[:n1] + fin_i[:n1] @ s_in, fin_v[n1:]], 0)
+    fin_local = torch.cat([fin_first, fin_v[n1:]], 0)
     ends = [i for i, e in enumerate(plan.ends_here) if e]
     final = fin_local.new_zeros(N, H, K, V).index_copy(
         0, seq[ends], fin_local[torch.tensor(ends, dtype=torch.long, device=dev)])
