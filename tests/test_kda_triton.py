@@ -161,6 +161,22 @@ def test_no_initial_state_no_dht():
         assert rmse(ref[n].grad, leaf[n].grad) <= 2e-2, n
 
 
+def test_saved_states_backward_equals_recompute():
+    """CFG["save_states"] (keep the forward's tiles and states) gives the same gradients as recomputing."""
+    from k3.ops.kda.triton.chunk import CFG
+    x, gr = make(1, 35, 2, 32, 16, seed=18)
+    old = CFG["save_states"]
+    try:
+        res = []
+        for save in (False, True):
+            CFG["save_states"] = save
+            res.append(run_gated(triton_gated, x, gr, torch.float32))
+    finally:
+        CFG["save_states"] = old
+    for name in res[0]:
+        assert torch.equal(res[0][name], res[1][name]), name
+
+
 # ---------------------------------------------------------------- causality and continuation
 def _gated_args(x, dev=DEV):
     return [x[n].to(dev) for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias")]

@@ -31,6 +31,9 @@ CFG = {
     # bf16 operands for the recurrence matmuls with bf16/fp16 inputs (never under the CPU
     # interpreter, whose bf16 tl.dot is wrong in Triton 3.9)
     "bf16_dots": os.environ.get("K3_KDA_BF16_DOTS", "1") == "1",
+    # keep the forward's chunk tiles and per-chunk states for the backward instead of recomputing
+    # them (faster backward; costs ~(K*V/16 + 5*K) values per token and head of memory)
+    "save_states": os.environ.get("K3_KDA_SAVE_STATES", "0") == "1",
 }
 
 
@@ -135,7 +138,11 @@ class _ChunkKDA(torch.autograd.Function):
         h0c = h0.contiguous() if h0 is not None else None
         parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
-        o, ht, _, _, hsel = _recur_fwd(parts, h0c, cu, coff, N, H, K, V, v.dtype, slot=slot, nsel=nsel)
+        save = CFG["save_states"] and torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, h0))
+        o, ht, hall, vnew, hsel = _recur_fwd(parts, h0c, cu, coff, N, H, K, V, v.dtype, store_h=save,
+                                             slot=slot, nsel=nsel)
+        ctx.saved_parts = (parts, hall, vnew) if save else None
         ctx.save_for_backward(qp, kp, vp, gp, bp, A_log, dt_bias, h0c)
         ctx.meta = (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, g.dtype, beta.dtype,
                     None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape)
@@ -149,8 +156,12 @@ class _ChunkKDA(torch.autograd.Function):
         B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, gdt, bdt, ashape, dshape = ctx.meta
         Tt = B * T
         dev = qp.device
-        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
-        _, _, hall, vnew, _ = _recur_fwd(parts, h0, cu, coff, N, H, K, V, vp.dtype, store_h=True)
+        if ctx.saved_parts is not None:
+            parts, hall, vnew = ctx.saved_parts
+            ctx.saved_parts = None
+        else:
+            parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
+            _, _, hall, vnew, _ = _recur_fwd(parts, h0, cu, coff, N, H, K, V, vp.dtype, store_h=True)
         w, u, qe, kg, aqk, gc = parts
         BV = min(CFG["bwd_bv"], _blk(V))
         NV = triton.cdiv(V, BV)
