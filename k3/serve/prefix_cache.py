@@ -111,23 +111,27 @@ class PrefixCache:
 
     def fetch(self, keys: list[bytes], alloc) -> bool:
         """Bring host-tier entries for `keys` back into device pages from `alloc()` (None = no page).
-        Whole blocks move back with all their keys; returns False if a page could not be had."""
+        Whole blocks move back with all their keys; returns False if a page could not be had.
+        (An entry is taken out of the host tier before allocating, since allocating may evict into it.)"""
         host = self.host
         for key in keys:
             if key in host.mla and key not in self.mla:
+                buf, bkeys = host.take_block(host.mla[key][0])
                 page = alloc()
                 if page is None:
+                    host.put_block(buf, bkeys)
                     return False
-                buf, bkeys = host.take_block(host.mla[key][0])
                 self.pool.mla[page, :, :buf.shape[1]].copy_(buf)
                 for k, r in bkeys:
                     self.register_block(k, page, r)
                 self.pool.decref(page)  # the cache's reference (taken in register_block) keeps it
             if key in host.ckpt and key not in self.ckpt:
+                buf = host.take_checkpoint(key)
                 page = alloc()
                 if page is None:
+                    host.put_checkpoint(key, buf)
                     return False
-                self.pool.from_host(host.take_checkpoint(key), page)
+                self.pool.from_host(buf, page)
                 self.register_checkpoint(key, page)
         return True
 
@@ -234,7 +238,9 @@ class HostTier:
 
     def store_block(self, page: int, keys: list[tuple[bytes, int]]) -> None:
         rows = max(r for _, r in keys)
-        buf = self.pool.mla[page, :, :rows].to("cpu", copy=True)
+        self.put_block(self.pool.mla[page, :, :rows].to("cpu", copy=True), keys)
+
+    def put_block(self, buf: torch.Tensor, keys: list[tuple[bytes, int]]) -> None:
         bid, self._next = self._next, self._next + 1
         self.blocks[bid] = (buf, keys)
         for k, r in keys:
@@ -242,9 +248,10 @@ class HostTier:
         self._add(("blk", bid), buf.numel() * buf.element_size())
 
     def store_checkpoint(self, key: bytes, page: int) -> None:
-        if key in self.ckpt:
-            return
-        buf = self.pool.to_host(page, self.pool.layout.slot_bytes)
+        if key not in self.ckpt:
+            self.put_checkpoint(key, self.pool.to_host(page, self.pool.layout.slot_bytes))
+
+    def put_checkpoint(self, key: bytes, buf: torch.Tensor) -> None:
         self.ckpt[key] = buf
         self._add(("ckpt", key), buf.numel())
 
