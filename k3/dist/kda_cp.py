@@ -37,7 +37,8 @@ __all__ = ["KdaCPPlan", "plan_kda_cp", "chunk_kda_cp", "all_gather_cp", "conv_ha
 class KdaCPPlan:
     """What one rank holds of the global stream (pure metadata, built by `plan_kda_cp`).
 
-    pieces: the local sequences, in order; piece i belongs to global sequence `seq_ids[i]`.
+    seq_ids: the global sequence of each local piece (sequence fragment), in order; starts_here / ends_here:
+    whether the piece holds its sequence's first / last token.
     local_cu: local cu_seqlens over the rank's tokens (None in batch mode, where pieces are batch rows).
     first_in: the first piece (every row in batch mode) continues a sequence from the previous rank.
     last_out: the last piece (every row in batch mode) continues on the next rank.
@@ -329,13 +330,13 @@ def kda_layer_forward_cp(layer, x_local: torch.Tensor, group=None, cu_seqlens=No
     H, K = layer.num_heads, layer.head_dim
     W = layer.q_conv1d.weight.shape[-1]
     convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    rank = dist.get_rank(group)
+    if cu_seqlens is not None:
+        plan_kda_cp(cu_seqlens, T, rank, dist.get_world_size(group), B)   # validates before any exchange
+        cu_ext = _halo_cu(cu_seqlens, rank, T, W - 1, x.device) if W > 1 else None
     pre = [lin(x) for lin in (layer.q_proj, layer.k_proj, layer.v_proj)]
     if W > 1:
         halos = conv_halo(torch.cat(pre, -1), W, group).split([p.shape[-1] for p in pre], -1)
-    rank = dist.get_rank(group)
-    if cu_seqlens is not None:
-        plan_kda_cp(cu_seqlens, T, rank, dist.get_world_size(group), B)   # validates
-        cu_ext = _halo_cu(cu_seqlens, rank, T, W - 1, x.device) if W > 1 else None
     outs = []
     for i, (y, conv) in enumerate(zip(pre, convs)):
         if W == 1:
