@@ -259,6 +259,15 @@ class Engine:
         return [final[r] for r in rids]
 
     def stats(self) -> dict:
+        """Counters and gauges (vLLM-style names where one exists):
+
+        running / waiting: requests; pool_pages_total / used / cached / evictable and pool_page_bytes;
+        kv_cache_usage: fraction of pages held by sequences (idle cached pages count as free);
+        prefix_cache_queries / hits: prompt tokens looked up / served from the cache, counted at every
+        admission (a request re-admitted after preemption counts again); prefix_cache_checkpoints / blocks:
+        cached KDA checkpoints / fine MLA keys; prefix_cache_evictions; host_cache_bytes; preemptions;
+        checkpoints_saved; num_finished / num_aborted / num_steps; prompt_tokens_total (submitted) and
+        generation_tokens_total."""
         with self._lock:
             s, c = self.scheduler, self.cache
             return dict(

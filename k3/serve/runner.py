@@ -114,14 +114,17 @@ class ModelRunner:
     # ---- batch metadata -----------------------------------------------------------------------
     def _meta(self, seqs: list[SeqInput], nd: int) -> dict:
         dev, B = self.device, self.B
-        tok_page, tok_off = [], []
-        for s in seqs:
-            for p in range(s.start, s.start + len(s.tokens)):
-                tok_page.append(s.mla_pages[p // B])
-                tok_off.append(p % B)
+        # (page, row) of every packed token: decodes one by one, prefill chunks vectorised on the host
+        pos = [torch.tensor([s.start for s in seqs[:nd]], dtype=torch.long)]
+        page = [torch.tensor([s.mla_pages[s.start // B] for s in seqs[:nd]], dtype=torch.long)]
+        for s in seqs[nd:]:
+            p = torch.arange(s.start, s.start + len(s.tokens))
+            pos.append(p)
+            page.append(torch.tensor(s.mla_pages, dtype=torch.long)[p // B])
+        pos = torch.cat(pos)
         m = dict(
             ids=torch.tensor([t for s in seqs for t in s.tokens], device=dev),
-            tok_page=torch.tensor(tok_page, device=dev), tok_off=torch.tensor(tok_off, device=dev),
+            tok_page=torch.cat(page).to(dev), tok_off=(pos % B).to(dev),
             slots=torch.tensor([s.state_page for s in seqs], device=dev),
         )
         if nd:  # decode: gather index [nd, S] over each sequence's rows [0, start + 1)
