@@ -292,3 +292,20 @@ def test_cuda_engine_matches_model_forward():
             assert (ref - torch.stack(eng.recorded_logits[o.request_id])).abs().max() <= TOL
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_bf16_engine_is_as_close_to_fp32_as_the_bf16_model():
+    """bf16 pool (latents, conv windows; states stay fp32): the engine's logits are no further from the
+    fp32 model than the bf16 model's own forward is (relative RMS error)."""
+    from conftest import rel_rmse
+    m32, m16 = make_tiny(seed=3), make_tiny(seed=3).cast(torch.bfloat16)
+    eng = tiny_engine(m16, max_num_batched_tokens=16)
+    assert eng.pool.state.dtype == torch.float32 and eng.pool.mla.dtype == torch.bfloat16
+    ps = prompts(3, 14, 20, 40)
+    for p, o in zip(ps, eng.generate(ps, SamplingParams(max_tokens=6, temperature=0))):
+        ids = torch.tensor([p + o.token_ids])
+        with torch.no_grad():
+            ref, own = m32(ids).logits[0], m16(ids).logits[0].float()
+        sl = slice(len(p) - 1, len(p) + 5)
+        err = rel_rmse(ref[sl], torch.stack(eng.recorded_logits[o.request_id]))
+        assert err <= 1.25 * rel_rmse(ref[sl], own[sl]) + 1e-3, err
