@@ -204,8 +204,10 @@ class ModelRunner:
         N = x.shape[0]
         H, K = attn.num_heads, attn.head_dim
         nd, seqs, slots = meta["nd"], meta["seqs"], meta["slots"]
-        conv_pool = self.pool.conv[:, k]  # [P, 3, C, W-1]
-        qkv = []
+        conv_pool = self.pool.conv[:, k]  # [P, 3, C, W-1]: q, k, v windows
+        win_d = conv_pool[slots[:nd]] if nd else None  # one gather for all three windows
+        win_p = conv_pool[slots[nd:]] if nd < len(seqs) else None
+        new_d, new_p, qkv = [], [], []
         for j, (lin, conv) in enumerate(((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d),
                                          (attn.v_proj, attn.v_conv1d))):
             y = lin(x)  # [N, C]
@@ -213,22 +215,24 @@ class ModelRunner:
             w = conv.weight.to(y.dtype)
             out = torch.empty_like(y)
             if nd:
-                st = conv_pool[slots[:nd], j].to(y.dtype)  # [nd, C, W-1]
-                xp = torch.cat([st, y[:nd, :, None]], dim=-1)  # [nd, C, W]
+                xp = torch.cat([win_d[:, j].to(y.dtype), y[:nd, :, None]], dim=-1)  # [nd, C, W]
                 out[:nd] = F.conv1d(xp, w, groups=C)[..., 0]
-                conv_pool[slots[:nd], j] = xp[..., 1:].to(conv_pool.dtype)
-            if nd < len(seqs):  # prefill chunks: [window ‖ chunk] per sequence, packed; W taps gathered
-                st = conv_pool[slots[nd:], j].to(y.dtype)  # [np, C, W-1]
+                new_d.append(xp[..., 1:])
+            if win_p is not None:  # prefill chunks: [window ‖ chunk] per sequence, packed; W taps gathered
                 ext = y.new_empty(meta["ext_len"], C)
-                ext[meta["ext_state_rows"]] = st.transpose(1, 2).reshape(-1, C)
+                ext[meta["ext_state_rows"]] = win_p[:, j].to(y.dtype).transpose(1, 2).reshape(-1, C)
                 ext[meta["ext_tok_rows"]] = y[nd:]
                 W = w.shape[-1]
                 acc = torch.zeros(y.shape[0] - nd, C, dtype=torch.float32, device=y.device)
                 for t in range(W):  # fp32 accumulation, like conv1d's
                     acc += ext[meta["ext_tok_rows"] - (W - 1) + t].float() * w[:, 0, t].float()
                 out[nd:] = acc.to(y.dtype)
-                conv_pool[slots[nd:], j] = ext[meta["ext_last_rows"]].transpose(1, 2).to(conv_pool.dtype)
+                new_p.append(ext[meta["ext_last_rows"]].transpose(1, 2))
             qkv.append(F.silu(out).view(N, H, -1))
+        if nd:
+            conv_pool[slots[:nd]] = torch.stack(new_d, 1).to(conv_pool.dtype)
+        if win_p is not None:
+            conv_pool[slots[nd:]] = torch.stack(new_p, 1).to(conv_pool.dtype)
         q, kk, v = qkv
         g = kda_gate(attn.f_b_proj(attn.f_a_proj(x)).view(1, N, H, K), attn.A_log[:H], attn.dt_bias,
                      attn.lower_bound)[0]
