@@ -189,3 +189,37 @@ def test_chained_keys_and_lookup_rules(model):
     assert hit.num_tokens == 20 and len(hit.full_pages) == 1 and hit.partial[1] == 4
     assert eng.cache.lookup(hashes[:5], 21).num_tokens == 20  # 21 tokens: L ≤ 20
     assert eng.cache.lookup(hashes[:4], 20).num_tokens == 0  # needs one token to compute; no ckpt below
+
+
+def test_cache_affinity_admits_the_longest_hit_first_with_aging(model):
+    rng = random.Random(5)
+    eng = engine(model, max_num_seqs=1, affinity_window=3)
+    shared = rand_tokens(rng, 30)
+    eng.generate([shared], SamplingParams(max_tokens=2, temperature=0))  # checkpoint at 28
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    cold = [eng.submit(rand_tokens(rng, 20), sp) for _ in range(3)]
+    warm = eng.submit(shared[:29] + [1, 2, 3], sp)  # 4th in the queue: outside the first window of 3
+    order = []
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    # the head runs first (nothing in the window hits); then the window reaches `warm`, which jumps the queue
+    assert order == [cold[0], warm, cold[1], cold[2]]
+    hot = [eng.submit(rand_tokens(rng, 20), sp)] + [eng.submit(shared[:29] + [k], sp) for k in range(4)]
+    order = []
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    # the cache hits jump ahead of the cold head, which runs once it has been skipped `window` times
+    assert order == hot[1:4] + [hot[0], hot[4]]
+
+
+def test_checkpoint_interval_keeps_extra_checkpoints(model):
+    rng = random.Random(6)
+    p = rand_tokens(rng, 30)
+    branch = p[:21] + rand_tokens(rng, 6)
+    for interval, want in ((0, 0), (2, 16)):
+        eng = engine(model, checkpoint_interval=interval)
+        eng.generate([p], SamplingParams(max_tokens=1, temperature=0))
+        out = eng.generate([branch], SamplingParams(max_tokens=3, temperature=0))[0]
+        assert out.num_cached_tokens == want
+        if want:
+            check_exact(model, eng, branch, out)
