@@ -309,3 +309,29 @@ def test_bf16_engine_is_as_close_to_fp32_as_the_bf16_model():
         sl = slice(len(p) - 1, len(p) + 5)
         err = rel_rmse(ref[sl], torch.stack(eng.recorded_logits[o.request_id]))
         assert err <= 1.25 * rel_rmse(ref[sl], own[sl]) + 1e-3, err
+
+
+def test_a_failed_forward_recomputes_the_batch(model, monkeypatch):
+    ps = prompts(3, 15)
+    ref = tiny_engine(model).generate(ps, GREEDY)
+    eng = tiny_engine(model)
+    rids = [eng.submit(p, GREEDY) for p in ps]
+    for _ in range(3):
+        eng.step()
+    real, calls = eng.runner.forward, []
+
+    def flaky(inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            real(inputs[:1])  # advance some state, then fail
+            raise RuntimeError("boom")
+        return real(inputs)
+
+    monkeypatch.setattr(eng.runner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.step()
+    eng.check_pool()
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [done[r].token_ids for r in rids] == [o.token_ids for o in ref]

@@ -201,7 +201,14 @@ class Engine:
             inputs = [SeqInput(tokens=w.seq.tokens[w.start:w.start + w.n], start=w.start,
                                state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample)
                       for w in work]
-            logits = self.runner.forward(inputs)
+            try:
+                logits = self.runner.forward(inputs)
+            except BaseException:
+                # some layers may have advanced these sequences' KDA slots: recompute them from scratch
+                for w in work:
+                    if w.seq in self.scheduler.running:
+                        self.scheduler.preempt(w.seq)
+                raise
             self.scheduler.after_forward(work)
             done = [w.seq for w in work if w.sample]
             if not done:
