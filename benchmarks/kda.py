@@ -231,6 +231,7 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=1e9)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--match", default="", help="only the chunked shapes whose name contains this")
     ap.add_argument("--sweep", action="store_true", help="tune our launch parameters at the first shape first")
     ap.add_argument("--out", default="kda_bench.json")
     a = ap.parse_args()
@@ -274,6 +275,8 @@ def main():
     if a.sweep:
         out["sweep"] = sweep(timer, shapes(a.shapes, a.smoke)[0], D, dev, dtype, log, a.out)
     for name, B, T, H, cu_list in shapes(a.shapes, a.smoke):
+        if a.match not in name:
+            continue
         if time.time() - t_start > a.deadline_s:
             print(f"deadline reached before {name}", flush=True)
             break

@@ -20,13 +20,14 @@ from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 CFG = {
     "fwd_bv": int(os.environ.get("K3_KDA_FWD_BV", "64")),
     "fwd_warps": int(os.environ.get("K3_KDA_FWD_WARPS", "4")),
-    "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "32")),
+    "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "4")),
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
+    "bwd_prefetch": os.environ.get("K3_KDA_BWD_PREFETCH", "1") == "1",
     "stages": int(os.environ.get("K3_KDA_STAGES", "1")),
     # bf16 operands for the recurrence matmuls with bf16/fp16 inputs (never under the CPU
     # interpreter, whose bf16 tl.dot is wrong in Triton 3.9)
@@ -176,7 +177,7 @@ class _ChunkKDA(torch.autograd.Function):
         kda_recur_bwd_kernel[(N, H, NV)](
             qe, kg, w, aqk, gc, hall, vnew, do, dht, dh0, dqe, dw, dkg, daqk, du, dgc, cu, coff,
             H, K, V, NC, Tt, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            DOT_PREC=_prec(qp.dtype), BF16=_bf16(w), PREFETCH=CFG["prefetch"],
+            DOT_PREC=_prec(qp.dtype), BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"],
             num_warps=CFG["bwd_warps"], num_stages=CFG["stages"])
         del hall, vnew, w, u, qe, kg, aqk
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)

@@ -184,12 +184,16 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     dbeta = tl.sum(v * dRu, 1) + tl.sum(ke * dRw, 1) + tl.sum(dAkk * M, 1)
     dM = beta[:, None] * dAkk
     dke = beta[:, None] * dRw + tl.dot(dM, ki, input_precision=DOT_PREC)
-    dki = tl.dot(tl.trans(dM), ke, input_precision=DOT_PREC) + tl.dot(tl.trans(dA), qe, input_precision=DOT_PREC)
-    dqe += tl.dot(dA, ki, input_precision=DOT_PREC)
+    # Aqk's diagonal q_t.k_t (no decay, no G dependence) is kept out of the G-gradient, where its
+    # two large opposite terms would cancel only up to matmul rounding (amplified ~e^5 at g = -5).
+    dAd = tl.sum(tl.where(rows[:, None] == rows[None, :], dA, 0.0), 1)
+    dAs = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
+    dki = tl.dot(tl.trans(dM), ke, input_precision=DOT_PREC) + tl.dot(tl.trans(dAs), qe, input_precision=DOT_PREC)
+    dqe += tl.dot(dAs, ki, input_precision=DOT_PREC)
 
     # through the factor tiles to q, k and G
-    dqs = dqe * eG
-    dkn = dke * eG + dki * tl.exp(-G) + dkg * tl.exp(gC[None, :] - G)
+    dqs = dqe * eG + dAd[:, None] * kn
+    dkn = dke * eG + dki * tl.exp(-G) + dkg * tl.exp(gC[None, :] - G) + dAd[:, None] * qs
     dG = dqe * qe + dke * ke - dki * ki - dkg * kg
     dgC = tl.sum(dkg * kg, 0) + dD * tl.exp(gC)
     dG += tl.where(rows[:, None] == 15, dgC[None, :], 0.0)
