@@ -213,7 +213,12 @@ class Engine:
             done = [w.seq for w in work if w.sample]
             if not done:
                 return []
-            toks, lps = sample(logits, [s.params for s in done], [s.generator for s in done])
+            try:
+                toks, lps = sample(logits, [s.params for s in done], [s.generator for s in done])
+            except BaseException:  # e.g. non-finite logits: these sequences computed a token they cannot use
+                for seq in done:
+                    self.scheduler.preempt(seq)
+                raise
             outs = []
             for i, (seq, t, lp) in enumerate(zip(done, toks, lps)):
                 if self.config.record_logits:
