@@ -68,6 +68,7 @@ def test_mla_records_max_logit_per_head():
     model = make_tiny(seed=5).double()
     mla = next(m for m in model.modules() if type(m).__name__ == "MLAttention")
     mla.record_max_logit = True
+    mla.train()  # recorded in training forwards only
     x = torch.randn(2, 9, model.config.text_config.hidden_size, dtype=torch.float64)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0  # left padding: padded keys excluded

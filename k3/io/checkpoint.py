@@ -83,7 +83,7 @@ def _expand(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 def _meta_model(config: K3Config):
     from ..model.k3 import K3ForConditionalGeneration
     with torch.device("meta"):
-        return K3ForConditionalGeneration(config)
+        return K3ForConditionalGeneration(config, init=False)  # shapes only: no (slow on meta) init
 
 
 def checkpoint_tensors(config: K3Config, dtype: torch.dtype | str | None = None,
@@ -130,6 +130,9 @@ def save_pretrained(model, directory: str | os.PathLike, max_shard_size: int | s
     """Write config.json, safetensors shards and the index. Written to a temporary folder and moved into
     place at the end, so an interrupted save never leaves a half-written checkpoint behind."""
     config: K3Config = model.config
+    if any(getattr(m, "expert_parallel", None) is not None for m in model.modules()):
+        raise ValueError("save_pretrained: the model runs expert parallel and holds only this rank's experts; "
+                         "save inside `k3.dist.moonep.gathered_experts(model)` (a collective) instead")
     mdtype = _dtype(dtype) if dtype is not None else next(
         p.dtype for n, p in model.named_parameters() if not n.endswith(FP32_SUFFIXES))
     mx = _experts_mxfp4(config, experts_format)

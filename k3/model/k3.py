@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from ..ops.varlen import check_cu_seqlens, doc_ids
 from .cache import K3Cache
 from .decoder import KimiLinearModel
 from .kda import KimiDeltaAttention
-from .layers import RMSNorm
+from .layers import RMSNorm, no_init_weights
 from .moe import MoEGate, StackedExperts
 
 
@@ -110,13 +111,14 @@ class K3ForConditionalGeneration(nn.Module):
         (the release's fp32 parameters stay fp32)."""
         super().__init__()
         self.config = config
-        self.language_model = KimiLinearForCausalLM(config.text_config)
-        if config.vision_config is not None:
-            from .vision import MoonViTVisionTower, PatchMergerV2Projector
-            self.vision_tower = MoonViTVisionTower(config.vision_config)
-            self.mm_projector = PatchMergerV2Projector(config.vision_config)
-        else:
-            self.vision_tower = self.mm_projector = None
+        with contextlib.nullcontext() if init else no_init_weights():
+            self.language_model = KimiLinearForCausalLM(config.text_config)
+            if config.vision_config is not None:
+                from .vision import MoonViTVisionTower, PatchMergerV2Projector
+                self.vision_tower = MoonViTVisionTower(config.vision_config)
+                self.mm_projector = PatchMergerV2Projector(config.vision_config)
+            else:
+                self.vision_tower = self.mm_projector = None
         if dtype is not None:
             self.cast(dtype)
         if init:

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from ..ops.norm import rms_norm
 from ..ops.situ import situ_glu
+
+
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "constant_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def no_init_weights():
+    """Skip `torch.nn.init` while modules are built whose weights will be overwritten (loading, or shapes on
+    the meta device, where those ops would pull in torch's decomposition stack: seconds of imports)."""
+    saved = {n: getattr(nn.init, n) for n in _INIT_FNS}
+    try:
+        for n in _INIT_FNS:
+            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
 
 
 class RMSNorm(nn.Module):

@@ -40,7 +40,7 @@ class MLAttention(nn.Module):
         self.g_proj = nn.Linear(D, H * self.vdim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
         self.attn_impl = "auto"  # "naive" | "absorbed" | "auto" (absorbed when decoding from a cache)
-        self.record_max_logit = False  # QK-clip: keep each head's max pre-softmax logit of the last forward
+        self.record_max_logit = False  # QK-clip: keep each head's max pre-softmax logit of the last training forward
         self.max_logit: torch.Tensor | None = None  # fp32 [H], detached
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ class MLAttention(nn.Module):
                 raise ValueError("MLAttention: cu_seqlens cannot be combined with a cache")
             d = doc_ids(cu_seqlens, B, T)
             allowed = allowed & (d.unsqueeze(2) == d.unsqueeze(1)).unsqueeze(1)
-        if self.record_max_logit:
+        if self.record_max_logit and self.training:
             self._record_max_logit(q, c, k_pe, allowed)
         impl = self.attn_impl
         if impl == "auto":

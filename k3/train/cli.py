@@ -23,6 +23,7 @@ _HELP = {
     "balance": "router bias update: 'qb' (Quantile Balancing, histogram), 'qb-exact', 'sign' (DeepSeek-V3) or 'none'",
     "qk_clip_tau": "QK-clip threshold on MLA logits (0: off)",
     "stop_after": "stop after this many steps (resume later with the same command)",
+    "expert_parallel": "under torchrun: shard the routed experts over the ranks with MoonEP",
     "out": "run directory (checkpoints, log.jsonl, tb/, training.png, summary.json)",
 }
 

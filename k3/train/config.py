@@ -52,6 +52,7 @@ class TrainConfig:
     balance_gamma: float = 1e-3  # sign rule step size
     mtp_weight: float = 0.1
     gradient_checkpointing: bool = False
+    expert_parallel: bool = False  # under torchrun: MoonEP over all ranks (data parallel for the rest)
     # runtime
     device: str | None = None
     seed: int = 0

@@ -41,31 +41,62 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints."""
-    ck = run_dir / "checkpoints"
-    ck.mkdir(parents=True, exist_ok=True)
-    final = ck / f"step_{step:07d}"
-    staging = ck / f".staging-step_{step:07d}"
+def state_file(rank: int) -> str:
+    """Each data-parallel rank keeps its own state (data position, RNG; optimizer shards under EP)."""
+    return STATE_FILE if rank == 0 else f"trainer_state.rank{rank}.pt"
+
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f".staging-step_{step:07d}"
+
+
+def stage_checkpoint(run_dir: Path, step: int, model, tokenizer) -> Path:
+    """Rank 0, first: the model (HF layout) and tokenizer into a fresh staging folder."""
+    staging = staging_dir(run_dir, step)
     shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
     try:
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        torch.save(state, staging / STATE_FILE)
-        _fsync_tree(staging)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return staging
+
+
+def write_state(staging: Path, rank: int, state: dict) -> None:
+    """Every rank: its trainer state into the staging folder (temp file + rename)."""
+    tmp = staging / (state_file(rank) + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, staging / state_file(rank))
+
+
+def commit_checkpoint(run_dir: Path, step: int, keep: int = 2) -> Path:
+    """Rank 0, last: flush, rename the staging folder into place, move `latest`, prune old checkpoints."""
+    ck = run_dir / "checkpoints"
+    staging, final = staging_dir(run_dir, step), ck / f"step_{step:07d}"
+    _fsync_tree(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
     tmp = run_dir / f".{LATEST}.tmp"
     tmp.write_text(final.name + "\n")
     os.replace(tmp, run_dir / LATEST)
     for old in sorted(ck.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, keep: int = 2) -> Path:
+    """Single process: write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`."""
+    staging = stage_checkpoint(run_dir, step, model, tokenizer)
+    try:
+        write_state(staging, 0, state)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return commit_checkpoint(run_dir, step, keep)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:

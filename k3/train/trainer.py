@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .config import Stage, TrainConfig
 from .metrics import MetricsLog, plot_run, read_log
-from .state import STATE_FILE, clean_staging, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .state import (clean_staging, commit_checkpoint, latest_checkpoint, rng_state, set_rng_state, stage_checkpoint,
+                    staging_dir, state_file, write_state)
 
 
 class TrainingDiverged(RuntimeError):
@@ -33,7 +34,11 @@ class TrainingDiverged(RuntimeError):
 
 
 def init_distributed() -> tuple[int, int, torch.device | None]:
-    """(rank, world_size, device) under torchrun (WORLD_SIZE > 1), else (0, 1, None)."""
+    """(rank, world_size, device) in an initialised process group or under torchrun (WORLD_SIZE > 1),
+    else (0, 1, None)."""
+    if dist.is_initialized():
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return dist.get_rank(), dist.get_world_size(), dev
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1, None
@@ -72,6 +77,21 @@ class Trainer:
             mcfg.vision_config = None  # text pre-training
             self.model = K3ForConditionalGeneration(mcfg)
         self.model.to(self.device).train()
+        if self.rank == 0:
+            clean_staging(self.run_dir)
+        self._barrier()
+        self.resume_from = latest_checkpoint(self.run_dir) if cfg.resume else None
+        if self.resume_from is not None:  # weights first: before expert sharding and the optimizer
+            from ..io.checkpoint import load_pretrained
+            with torch.no_grad():
+                self.model.load_state_dict(load_pretrained(
+                    self.resume_from, dtype=next(self.model.parameters()).dtype).state_dict())
+        self.expert_parallel = cfg.expert_parallel
+        if cfg.expert_parallel:
+            if self.world < 2:
+                raise ValueError("expert_parallel needs several ranks: launch with torchrun --nproc_per_node=N")
+            from ..dist.moonep import enable_expert_parallel
+            enable_expert_parallel(self.model, group=None)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.text_config = self.model.config.text_config
@@ -223,23 +243,40 @@ class Trainer:
                 "qkclip": self.qkclip.state_dict() if self.qkclip else None,
                 "balance": self.balance.state_dict() if self.balance else None,
                 "data": self._data_state(),
-                "rng": rng_state(), "config": self.cfg.to_dict()}
+                "rng": rng_state(), "config": self.cfg.to_dict(), "world_size": self.world}
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
 
     def save(self) -> Path | None:
-        if self.rank != 0:
-            return None
-        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.state_dict(),
-                               keep=self.cfg.keep_checkpoints)
+        """Atomic checkpoint of every rank's state (a collective when distributed): rank 0 stages the model
+        (experts gathered under EP), every rank adds its trainer state, rank 0 commits."""
+        ctx = nullcontext()
+        if self.expert_parallel:
+            from ..dist.moonep import gathered_experts
+            ctx = gathered_experts(self.model)
+        with ctx:
+            if self.rank == 0:
+                stage_checkpoint(self.run_dir, self.step, self.model, self.tokenizer)
+        self._barrier()
+        write_state(staging_dir(self.run_dir, self.step), self.rank, self.state_dict())
+        self._barrier()
+        final = commit_checkpoint(self.run_dir, self.step, self.cfg.keep_checkpoints) if self.rank == 0 else None
+        self._barrier()
+        return final
 
     def try_resume(self) -> bool:
-        clean_staging(self.run_dir)
-        ck = latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        ck = self.resume_from
         if ck is None:
             return False
-        from ..io.checkpoint import load_pretrained
-        with torch.no_grad():  # into the existing modules: the optimizer holds references to them
-            self.model.load_state_dict(load_pretrained(ck, dtype=next(self.model.parameters()).dtype).state_dict())
-        st = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=False)
+        path = ck / state_file(self.rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{ck} has no {path.name}: it was written by fewer ranks than this run's "
+                                    f"{self.world}")
+        st = torch.load(path, map_location="cpu", weights_only=False)
+        if st.get("world_size", 1) != self.world:
+            raise ValueError(f"{ck} was written by {st.get('world_size', 1)} ranks; this run has {self.world}")
         self.opt.load_state_dict(st["optimizer"])
         self.sched.load_state_dict(st["scheduler"])
         if self.qkclip and st["qkclip"] is not None:
@@ -257,7 +294,7 @@ class Trainer:
         from tqdm import tqdm
         cfg = self.cfg
         resumed = self.try_resume()
-        log = MetricsLog(self.run_dir, cfg.tensorboard and self.rank == 0, resume_step=self.step)
+        log = MetricsLog(self.run_dir, cfg.tensorboard, resume_step=self.step) if self.rank == 0 else _NullLog()
         if self.rank == 0:
             (self.run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.step + cfg.stop_after)
@@ -286,11 +323,18 @@ class Trainer:
                     if out.mtp_loss is not None:
                         tot_mtp += out.mtp_loss.detach() / cfg.grad_accum
                     ntok += b["input_ids"].numel()
+                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
                 if self.world > 1:
-                    self._all_reduce_grads(params)
                     dist.all_reduce(tot_loss)
                     tot_loss /= self.world
-                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                if self.expert_parallel:
+                    from ..dist.moonep import clip_grad_norm_, sync_data_parallel_grads
+                    sync_data_parallel_grads(self.model)
+                    gnorm = clip_grad_norm_(self.model, max_norm)
+                else:
+                    if self.world > 1:
+                        self._all_reduce_grads(params)
+                    gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
                 lv, gv = tot_loss.item(), gnorm.item()
                 if not (math.isfinite(lv) and math.isfinite(gv)):
                     raise TrainingDiverged(
@@ -321,10 +365,11 @@ class Trainer:
                     if v is not None and self.rank == 0:
                         log.write("val", self.step, loss=v)
                         bar.write(f"step {self.step}: validation loss {v:.4f}")
-                if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step < cfg.steps and self.rank == 0:
-                    text = self.sample()
-                    log.write("sample", self.step, text=text)
-                    bar.write(f"step {self.step} sample: {text[:200]!r}")
+                if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step < cfg.steps:
+                    text = self.sample()  # on every rank: identical seeds, and EP forwards are collective
+                    if self.rank == 0:
+                        log.write("sample", self.step, text=text)
+                        bar.write(f"step {self.step} sample: {text[:200]!r}")
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
         finally:
@@ -333,10 +378,11 @@ class Trainer:
         if self.step % max(cfg.save_every, 1) != 0 or not cfg.save_every:
             self.save()
         summary = {"step": self.step, "finished": self.step >= cfg.steps, "resumed": resumed, **last}
+        if self.step >= cfg.steps:
+            v = self.evaluate()  # collective (and the model forward is, under EP): every rank runs these
+            text = self.sample()
         if self.step >= cfg.steps and self.rank == 0:
             log = MetricsLog(self.run_dir, False, resume_step=self.step)
-            v = self.evaluate()
-            text = self.sample()
             if v is not None:
                 log.write("val", self.step, loss=v)
             log.write("sample", self.step, text=text)
@@ -360,6 +406,16 @@ class Trainer:
             for g in gs:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
+
+
+class _NullLog:
+    """Ranks other than 0 log nothing."""
+
+    def write(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def train(cfg: TrainConfig) -> dict:
