@@ -96,6 +96,7 @@ def compare(x, gr, dtype=torch.float32, strict=None, **kw):
         t = out[name]
         assert torch.isfinite(t).all(), f"{name} has NaN/Inf"
         errs[name] = rmse(r, t)
+    print("rel-RMS", {n: f"{e:.1e}" for n, e in errs.items()})  # shown with pytest -s
     bad = {n: e for n, e in errs.items() if e > (TOL[n] if strict is None else min(TOL[n], strict))}
     assert not bad, f"over tolerance: {bad}; all: {errs}"
     return errs
