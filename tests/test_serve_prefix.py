@@ -223,3 +223,17 @@ def test_checkpoint_interval_keeps_extra_checkpoints(model):
         assert out.num_cached_tokens == want
         if want:
             check_exact(model, eng, branch, out)
+
+
+def test_identical_prompts_wait_for_the_first_ones_checkpoint(model):
+    """An RL group: the same prompt submitted G times at once is prefilled once; the others restore the
+    end-of-prompt checkpoint as soon as it is stored (and produce the same greedy tokens)."""
+    rng = random.Random(7)
+    p = rand_tokens(rng, 30)
+    eng = engine(model)
+    other = rand_tokens(rng, 9)
+    outs = eng.generate([p] * 4 + [other], SamplingParams(max_tokens=5, temperature=0))
+    assert [o.num_cached_tokens for o in outs] == [0, 28, 28, 28, 0]
+    assert all(o.token_ids == outs[0].token_ids for o in outs[:4])
+    for o in outs[1:4]:
+        check_exact(model, eng, p, o)

@@ -8,7 +8,8 @@ copied out after the forward: vLLM's "align" idea). When a running sequence need
 had even after evicting idle cache pages, the youngest running sequence is preempted (its pages freed, its
 tokens recomputed later — usually from the prefix cache, since its blocks and a checkpoint at its last fine
 boundary stay cached). Admission picks, among the first `affinity_window` waiting requests, the one with the
-longest prefix hit (cache affinity), with aging so that the head of the queue is not skipped for ever.
+longest prefix hit (cache affinity), with aging so that the head of the queue is not skipped for ever; a
+request whose prefix a running sequence is about to checkpoint waits for it rather than recomputing it.
 """
 
 from __future__ import annotations
@@ -140,22 +141,47 @@ class Scheduler:
             seq.num_cached_tokens = min(L, len(seq.prompt))
         return True
 
-    def _pick(self) -> Sequence:
-        head = self.waiting[0]
-        if head.preempted or self.cache is None or self.window <= 1 or self._head_skips >= self.window:
-            self._head_skips = 0
-            return self.waiting.popleft()
-        best, best_hit = head, self._lookup(head).num_tokens
-        for seq in islice(self.waiting, 1, self.window):
-            if seq.preempted:
-                continue
-            L = self._lookup(seq).num_tokens
-            if L > best_hit:
-                best, best_hit = seq, L
-        if best is head:
-            self._head_skips = 0
-        else:
-            self._head_skips += 1
+    def _pending_keys(self) -> set[bytes]:
+        """Keys of the checkpoints running sequences are about to store."""
+        return {k for s in self.running for k in self._future_keys(s)}
+
+    def _future_keys(self, seq: Sequence) -> list[bytes]:
+        return [seq.hashes[x // self.h - 1] for x in seq.ckpt_positions
+                if x > seq.num_computed and x // self.h <= len(seq.hashes)]
+
+    def _deferred(self, seq: Sequence, pending: set[bytes]) -> bool:
+        """Wait for a checkpoint a running sequence is computing right now (e.g. the same prompt sampled
+        several times, or an RL group) instead of recomputing the same prefix in parallel."""
+        if not pending or seq.preempted:
+            return False
+        extend_hashes(seq.hashes, seq.tokens, self.h)
+        for j in range(min(len(seq.hashes), (seq.num_tokens - 1) // self.h), 0, -1):
+            if seq.hashes[j - 1] in pending:
+                return j * self.h > self._lookup(seq).num_tokens
+        return False
+
+    def _pick(self, pending: set[bytes]) -> Sequence | None:
+        """Next request to admit: among the first `affinity_window` waiting requests that are not waiting
+        for a pending checkpoint, the one with the longest prefix hit (the head after `window` skips)."""
+        affinity = self.cache is not None and self.window > 1
+        cands = []
+        for seq in islice(self.waiting, 0, 4 * max(self.window, 1)):
+            if not self._deferred(seq, pending):
+                cands.append(seq)
+                if len(cands) >= (self.window if affinity else 1):
+                    break
+        if not cands:
+            return None
+        head = best = cands[0]
+        if affinity and not head.preempted and self._head_skips < self.window:
+            best_hit = self._lookup(head).num_tokens
+            for seq in cands[1:]:
+                if seq.preempted:
+                    continue
+                L = self._lookup(seq).num_tokens
+                if L > best_hit:
+                    best, best_hit = seq, L
+        self._head_skips = 0 if best is head else self._head_skips + 1
         self.waiting.remove(best)
         return best
 
@@ -197,8 +223,11 @@ class Scheduler:
             work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
             budget -= end - seq.num_computed
             i += 1
+        pending = self._pending_keys() if self.cache is not None else set()
         while self.waiting and budget > 0 and len(self.running) < min(self.max_num_seqs, self.budget):
-            seq = self._pick()
+            seq = self._pick(pending)
+            if seq is None:
+                break
             if not self._admit(seq):
                 self._return(seq)
                 break
@@ -208,6 +237,8 @@ class Scheduler:
                 self._return(seq)
                 break
             bisect.insort(self.running, seq, key=lambda s: s.order)
+            if self.cache is not None:
+                pending.update(self._future_keys(seq))
             work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
             budget -= end - seq.num_computed
         return work
