@@ -10,6 +10,7 @@ q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -63,8 +64,12 @@ def _check_backend(fn, backend, q):
             raise ValueError(f"{fn}: backend 'fla' needs CUDA tensors")
         if not fla_available():
             raise ValueError(f"{fn}: backend 'fla' requested but fla is not importable")
-    if backend == "triton" and not triton_available():
-        raise ValueError(f"{fn}: backend 'triton' requested but triton is not importable")
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError(f"{fn}: backend 'triton' requested but triton is not importable")
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"{fn}: backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
+                             f"got {q.device}")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -79,8 +84,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _check_backend("chunk_kda", backend, q)
     check_inputs("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
+    g_min = float(g.min()) if g.numel() and (backend == "triton" or (backend == "auto" and q.is_cuda)) else 0.0
     if backend == "auto":
-        if q.is_cuda and triton_available() and (states_at is not None or bool(g.min() >= TRITON_G_MIN)):
+        if q.is_cuda and triton_available() and (states_at is not None or g_min >= TRITON_G_MIN):
             backend = "triton"
         else:
             backend = "fla" if q.is_cuda and fla_available() else "torch"
@@ -90,9 +96,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if backend == "triton":
-        if g.numel() and bool(g.min() < TRITON_G_MIN):
+        if g_min < TRITON_G_MIN:
             raise ValueError(f"chunk_kda: backend 'triton' needs g >= {TRITON_G_MIN} (K3's lower-bounded gate) "
-                             f"but min(g) = {float(g.min()):.3g}; use backend 'fla' or 'torch'")
+                             f"but min(g) = {g_min:.3g}; use backend 'fla' or 'torch'")
         from .triton import chunk_kda_triton
         return chunk_kda_triton(*args, states_at=states_at, **kw)
     if backend == "fla":

@@ -64,8 +64,16 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
     beta is passed through a sigmoid. Slots not indexed are not read or written. Returns o [Ttot, H, V].
     """
+    if q.dim() != 3:
+        raise ValueError(f"kda_decode_triton: q must have shape [T,H,K] but got {tuple(q.shape)}")
     T, H, K = q.shape
     V = v.shape[-1]
+    for name, x, shp in (("k", k, (T, H, K)), ("g", g, (T, H, K)), ("v", v, (T, H, V)), ("beta", beta, (T, H))):
+        if tuple(x.shape) != shp:
+            raise ValueError(f"kda_decode_triton: {name} must have shape {shp} but got {tuple(x.shape)}")
+    if state_indices is not None and (state_indices.dim() != 1 or state_indices.is_floating_point()):
+        raise ValueError(f"kda_decode_triton: state_indices must be an integer tensor [N] but got "
+                         f"{state_indices.dtype} {tuple(state_indices.shape)}")
     if state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != (H, K, V):
         raise ValueError(f"kda_decode_triton: state must be fp32 [P,{H},{K},{V}] but got "
                          f"{state.dtype} {tuple(state.shape)}")
@@ -74,6 +82,8 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     if cu_seqlens is None:
         cu_seqlens = torch.arange(T + 1, device=q.device, dtype=torch.int32)
     N = cu_seqlens.numel() - 1
+    if state_indices is not None and state_indices.numel() != N:
+        raise ValueError(f"kda_decode_triton: state_indices has {state_indices.numel()} entries for {N} sequences")
     if state_indices is None and state.shape[0] < N:
         raise ValueError(f"kda_decode_triton: state has {state.shape[0]} slots for {N} sequences")
     scale = K ** -0.5 if scale is None else float(scale)
