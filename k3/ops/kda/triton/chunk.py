@@ -2,7 +2,7 @@
 
 Forward: `kda_intra_fwd_kernel` (token-parallel, one program per 16-token chunk and head) then
 `kda_recur_fwd_kernel` (one program per sequence, head and value block). Backward recomputes both
-(keeping every chunk's incoming state in the input dtype), runs `kda_recur_bwd_kernel` in reverse
+(keeping every chunk's incoming state in the input dtype; or reuses them with CFG["save_states"]), runs `kda_recur_bwd_kernel` in reverse
 and `kda_intra_bwd_kernel` per chunk. The gate (lower-bound form), beta sigmoid and q/k l2norm can
 all be fused: their gradients come out for the raw inputs.
 """
@@ -16,14 +16,15 @@ import triton
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
-# Launch parameters (env-overridable for tuning sweeps on the GPU).
+# Launch parameters (env-overridable for tuning sweeps on the GPU); defaults are the fastest measured
+# by `benchmarks/kda.py --sweep` on an H200 at B1 T8192 H96 (docs/benchmarks.md).
 CFG = {
     "fwd_bv": int(os.environ.get("K3_KDA_FWD_BV", "64")),
     "fwd_warps": int(os.environ.get("K3_KDA_FWD_WARPS", "4")),
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "4")),
-    "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
+    "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
