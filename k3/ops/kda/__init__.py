@@ -3,8 +3,8 @@
 Backends: "triton" (k3's own Triton kernels, `k3.ops.kda.triton`: 16-token tiles that need K3's
 lower-bounded gate, g >= -5), "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), "torch"
 (chunk_kda_torch, chunked PyTorch with autograd, any device), "reference" (recurrent_kda, token
-loop). "auto" picks triton for CUDA inputs when triton imports (and, for an activated g, when
-g >= -5), else fla when importable and on CUDA, else torch. All share the fla contract:
+loop). "auto" picks triton for CUDA inputs with head dims <= 128 when triton imports (and, for an
+activated g, when g >= -5), else fla when importable and on CUDA, else torch. All share the fla contract:
 q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (K-first).
 """
 from __future__ import annotations
@@ -48,6 +48,11 @@ def triton_available() -> bool:
     return True
 
 
+def _triton_fits(q, v) -> bool:
+    """auto's test for the Triton kernels: CUDA inputs, triton importable, head dims <= 128."""
+    return q.is_cuda and q.shape[-1] <= 128 and v.shape[-1] <= 128 and triton_available()
+
+
 def _fla_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                    use_qk_l2norm_in_kernel, **gate_kw):
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -86,7 +91,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  strict_state_dtype=backend != "reference")
     g_min = float(g.min()) if g.numel() and (backend == "triton" or (backend == "auto" and q.is_cuda)) else 0.0
     if backend == "auto":
-        if q.is_cuda and triton_available() and (states_at is not None or g_min >= TRITON_G_MIN):
+        if _triton_fits(q, v) and (states_at is not None or g_min >= TRITON_G_MIN):
             backend = "triton"
         else:
             backend = "fla" if q.is_cuda and fla_available() else "torch"
@@ -122,7 +127,7 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
     check_inputs("chunk_kda_gated", q, k, v, f, beta_logit, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
-        backend = "triton" if q.is_cuda and triton_available() else ("fla" if q.is_cuda and fla_available() else "torch")
+        backend = "triton" if _triton_fits(q, v) else ("fla" if q.is_cuda and fla_available() else "torch")
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda_gated: states_at is supported by backend 'triton' only, not {backend!r}")
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
