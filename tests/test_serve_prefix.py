@@ -142,6 +142,8 @@ def test_hit_after_checkpoint_eviction_falls_back(model):
     o3 = eng.generate([p2], SamplingParams(max_tokens=4, temperature=0))[0]
     assert o3.num_cached_tokens < 28 and o3.token_ids == o2.token_ids
     check_exact(model, eng, p2, o3)
+    eng.reset_prefix_cache()  # e.g. after a weight update
+    assert eng.generate([p2], SamplingParams(max_tokens=1, temperature=0))[0].num_cached_tokens == 0
     eng.check_pool()
 
 

@@ -184,6 +184,14 @@ class Engine:
             self.num_aborted += 1
             return seq.to_output()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (device and host tier). Call after changing the model's weights
+        (e.g. an RL update): cached latents and KDA states were computed with the old ones. Pages held by
+        running sequences stay with them."""
+        with self._lock:
+            if self.cache is not None:
+                self.cache.clear()
+
     def has_unfinished(self) -> bool:
         with self._inbox_lock:
             return bool(self.requests)
