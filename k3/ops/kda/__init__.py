@@ -10,7 +10,6 @@ q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -72,7 +71,8 @@ def _check_backend(fn, backend, q):
     if backend == "triton":
         if not triton_available():
             raise ValueError(f"{fn}: backend 'triton' requested but triton is not importable")
-        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        from .triton import interpreted
+        if not q.is_cuda and not interpreted():
             raise ValueError(f"{fn}: backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
                              f"got {q.device}")
 

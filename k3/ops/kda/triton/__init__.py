@@ -5,4 +5,10 @@ Importing this package imports triton; `k3.ops.kda.triton_available()` checks th
 from .chunk import chunk_kda_gated_triton, chunk_kda_triton
 from .decode import kda_decode_triton
 
-__all__ = ["chunk_kda_triton", "chunk_kda_gated_triton", "kda_decode_triton"]
+__all__ = ["chunk_kda_triton", "chunk_kda_gated_triton", "kda_decode_triton", "interpreted"]
+
+
+def interpreted() -> bool:
+    """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    from .intra import kda_intra_fwd_kernel
+    return type(kda_intra_fwd_kernel).__name__ == "InterpretedFunction"
