@@ -3,8 +3,10 @@
 Backends: "triton" (k3's own Triton kernels, `k3.ops.kda.triton`: 16-token tiles that need K3's
 lower-bounded gate, g >= -5), "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), "torch"
 (chunk_kda_torch, chunked PyTorch with autograd, any device), "reference" (recurrent_kda, token
-loop). "auto" picks triton for CUDA inputs with head dims <= 128 when triton imports (and, for an
-activated g, when g >= -5), else fla when importable and on CUDA, else torch. All share the fla contract:
+loop). "auto" on CUDA picks, for whole sequences, fla when it is importable (its 64-token chunked kernels
+are faster than ours today: see docs/benchmarks.md), else triton (head dims <= 128 and, for an activated g,
+g >= -5), else torch; for decode, triton (faster than fla's fused recurrent kernel at every measured batch).
+`states_at` (prefix-cache states) needs triton. On CPU "auto" is torch. All share the fla contract:
 q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (K-first).
 """
 from __future__ import annotations
@@ -89,12 +91,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _check_backend("chunk_kda", backend, q)
     check_inputs("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
-    g_min = float(g.min()) if g.numel() and (backend == "triton" or (backend == "auto" and q.is_cuda)) else 0.0
     if backend == "auto":
-        if _triton_fits(q, v) and (states_at is not None or g_min >= TRITON_G_MIN):
+        if states_at is not None and _triton_fits(q, v):
+            backend = "triton"
+        elif q.is_cuda and fla_available():
+            backend = "fla"
+        elif _triton_fits(q, v) and (not g.numel() or float(g.min()) >= TRITON_G_MIN):
             backend = "triton"
         else:
-            backend = "fla" if q.is_cuda and fla_available() else "torch"
+            backend = "torch"
+    g_min = float(g.min()) if g.numel() and backend == "triton" else 0.0
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda: states_at is supported by backend 'triton' only, not {backend!r}")
     args = (q, k, v, g, beta)
@@ -127,7 +133,10 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
     check_inputs("chunk_kda_gated", q, k, v, f, beta_logit, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
-        backend = "triton" if _triton_fits(q, v) else ("fla" if q.is_cuda and fla_available() else "torch")
+        if states_at is None and q.is_cuda and fla_available():
+            backend = "fla"
+        else:
+            backend = "triton" if _triton_fits(q, v) else "torch"
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda_gated: states_at is supported by backend 'triton' only, not {backend!r}")
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
