@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--mean-doc", type=int, default=2048, help="mean packed document length")
-    ap.add_argument("--backends", default="auto,torch", help="KDA backends to compare (auto = triton/fla on CUDA)")
+    ap.add_argument("--backends", default="triton,torch,fla", help="KDA backends to compare, in order")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--grad-ckpt", action="store_true")
@@ -176,7 +176,9 @@ def main() -> None:
         r = bench_backend(cfg, b, args, device)
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "flops_per_token"}), flush=True)
-    base = rows[-1]
+        if args.out:  # after every backend, so a time limit keeps what was measured
+            Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    base = next((r for r in rows if r["backend"] == "torch"), rows[-1])
     print(f"\n{args.preset}  B={args.batch} T={args.seq_len} (packed docs, mean {args.mean_doc})  device={args.gpu_name or 'cpu'}")
     print(f"{'KDA backend':<12}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'vs ' + base['backend']:>12}{'mem GB':>8}")
     for r in rows:
@@ -186,8 +188,6 @@ def main() -> None:
               f"{base['step_ms'] / r['step_ms']:>11.2f}x{mem:>8}")
     f = rows[0]["flops_per_token"]
     print(f"FLOPs/token: 6·N_act {f['dense']:.3e} (N_act {f['n_act']:,}) + MLA {f['mla']:.3e} + KDA {f['kda']:.3e}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
