@@ -178,13 +178,23 @@ class Trainer:
         b = collate([next(self.data_iter) for _ in range(rows)])
         return {k: v.to(self.device) for k, v in b.items()}
 
-    def _val_batches(self) -> list[dict]:
+    def _val_batches(self, max_rows: int = 20000) -> list[dict]:
+        """Fixed validation rows spread evenly over the held-out split (its first `max_rows` rows), so the
+        estimate is not dominated by whichever documents come first."""
         if not hasattr(self, "_val"):
             from ..data.packing import PackedDataset, collate
-            it = iter(PackedDataset(self._docs("validation"), self.tokenizer, self.cfg.seq_len, rank=self.rank,
-                                    world_size=self.world, seed=0, loop=True))
-            self._val = [collate([next(it) for _ in range(self.cfg.batch_size)])
-                         for _ in range(self.cfg.eval_batches)]
+            need = self.cfg.eval_batches * self.cfg.batch_size
+            rows = []
+            for r in PackedDataset(self._docs("validation"), self.tokenizer, self.cfg.seq_len, rank=self.rank,
+                                   world_size=self.world, seed=0, loop=False):
+                rows.append(r)
+                if len(rows) >= max_rows:
+                    break
+            if not rows:
+                raise ValueError("the validation split is empty: no held-out documents to evaluate on")
+            pick = [rows[(i * len(rows)) // need] for i in range(need)]
+            B = self.cfg.batch_size
+            self._val = [collate(pick[i:i + B]) for i in range(0, need, B)]
         return self._val
 
     # ---- model calls -------------------------------------------------------------------------------
