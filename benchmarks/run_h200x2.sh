@@ -34,15 +34,16 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 60 tests/
 else
 
 log "k3-small training throughput (GPU0) and serving (GPU1), in parallel"
-( CUDA_VISIBLE_DEVICES=0 timeout 260 python3 benchmarks/train_throughput.py --batch 4 --seq-len 4096 \
-    --backends triton,torch,fla --out "$OUT/train.json" >"$OUT/train.log" 2>&1 || echo "train exit $?" >>"$OUT/train.log" ) &
+( CUDA_VISIBLE_DEVICES=0 timeout 260 python3 benchmarks/train_throughput.py --batch 2 --seq-len 4096 \
+    --warmup 2 --steps 6 --backends triton,torch,fla --out "$OUT/train.json" >"$OUT/train.log" 2>&1 || echo "train exit $?" >>"$OUT/train.log" ) &
 ( CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$PWD timeout 260 python3 benchmarks/serve.py --out "$OUT/serve.json" >"$OUT/serve.log" 2>&1 \
     || echo "serve exit $?" >>"$OUT/serve.log" ) &
 wait
 cat "$OUT/train.log" "$OUT/serve.log" >>"$OUT/all.log"
 rm -f "$OUT/train.log" "$OUT/serve.log"
 log "CUDA tests (one and two GPUs), 60 s per test"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 60 tests/ >"$OUT/tests.log" 2>&1 \
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 60 tests/ --ignore=tests/test_env_api.py \
+  --ignore=tests/test_serve_api.py >"$OUT/tests.log" 2>&1 \
   || echo "cuda tests exit $?" >>"$OUT/tests.log"
 fi
 log "done"

@@ -15,6 +15,7 @@ Measures, for `k3-small` with random bf16 weights on one GPU:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -91,12 +92,13 @@ def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
     """Prefill everything, then time `steps` pure decode steps; tokens/s = batch / median step time."""
-    sp = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)  # none finishes while timed
     rids = [engine.submit(p, sp) for p in prompts]
     started = set()
-    while len(started) < len(rids):
+    while len(started) < len(rids):  # every request has its first token: prefill is over
         for o in engine.step():
-            started.add(o.request_id)
+            if o.new_token_ids:
+                started.add(o.request_id)
     times, n_tok = [], []
     for _ in range(steps):
         with Clock(cuda) as c:
@@ -104,7 +106,8 @@ def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
         times.append(c.s)
         n_tok.append(sum(len(o.new_token_ids) for o in outs))
     for r in rids:
-        engine.abort(r)
+        with contextlib.suppress(KeyError):  # already finished
+            engine.abort(r)
     med = statistics.median(times)
     assert all(n == len(prompts) for n in n_tok), n_tok
     return dict(batch=len(prompts), step_ms=med * 1e3, tokens_per_s=len(prompts) / med)
