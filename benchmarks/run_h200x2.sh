@@ -31,6 +31,15 @@ timeout 150 torchrun --nproc_per_node=2 benchmarks/kda_cp.py --backend triton --
 log "two-GPU and one-GPU CUDA tests"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 60 tests/test_kda_cp.py \
   tests/test_moonep_planner.py tests/test_moonep_dist.py >"$OUT/tests.log" 2>&1 || echo "cuda tests exit $?" >>"$OUT/tests.log"
+elif [ "$PART" = profile ]; then
+log "k3-small training step profile (GPU0, Triton KDA) and CUDA tests without fla (GPU1; fla autotuning would dominate)"
+( CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/train_throughput.py --batch 2 --seq-len 4096 --warmup 2 \
+    --steps 3 --backends triton --profile --out "$OUT/train_profile.json" >"$OUT/profile.log" 2>&1 \
+    || echo "profile exit $?" >>"$OUT/profile.log" ) &
+( CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 60 \
+    tests/ --ignore=tests/test_env_api.py --ignore=tests/test_serve_api.py --ignore=tests/test_kda_cp.py \
+    --ignore=tests/test_moonep_dist.py >"$OUT/tests.log" 2>&1 || echo "cuda tests exit $?" >>"$OUT/tests.log" ) &
+wait
 else
 
 log "k3-small training throughput (GPU0) and serving (GPU1), in parallel"

@@ -104,16 +104,33 @@ def bench_backend(cfg, backend: str, args, device) -> dict:
         batches.append((ids.to(device), cu.to(device)))
         ctx += c / 3
 
+    phases: dict[str, list[float]] = {}
+
+    def mark(name, t0):
+        """Phase wall time with a device sync (only in --profile runs, where the sync is the point)."""
+        if args.profile:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            phases.setdefault(name, []).append((t - t0) * 1e3)
+            return t
+        return t0
+
     def step(i):
         ids, cu = batches[i % len(batches)]
+        t = time.perf_counter()
         with amp:
             out = model(ids, labels=ids, cu_seqlens=cu)
+        t = mark("forward", t)
         (out.loss + 0.1 * out.mtp_loss).backward()
+        t = mark("backward", t)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        t = mark("optimizer (clip + Muon/AdamW)", t)
         clip.step()
         bal.step()
+        mark("QK-clip + QB", t)
         return out.loss
 
     times = []
@@ -135,6 +152,15 @@ def bench_backend(cfg, backend: str, args, device) -> dict:
         if i >= args.warmup:
             times.append(ms)
     med = statistics.median(times)
+    if args.profile and cuda:
+        print(f"[{backend}] phases (ms, median, synced): " +
+              ", ".join(f"{k} {statistics.median(v[args.warmup:]):.1f}" for k, v in phases.items()), flush=True)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(0)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60),
+              flush=True)
     tokens = args.batch * args.seq_len
     f = flops_per_token(cfg, ctx)
     tps = tokens / (med / 1e3)
@@ -158,6 +184,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-phase synced times + a torch.profiler kernel table")
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on CPU, 2 steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
