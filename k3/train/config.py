@@ -9,7 +9,7 @@ from pathlib import Path
 
 PRESET_DEFAULTS = {
     # preset: (seq_len, tokens per optimizer step, lr) — the k3-tiny numbers fit a 2-core CPU in minutes
-    "k3-tiny": (256, 4096, 3e-3),
+    "k3-tiny": (256, 2048, 3e-3),
     "k3-small": (4096, 262144, 1e-3),
 }
 
@@ -40,7 +40,7 @@ class TrainConfig:
     curriculum: str = "auto"  # "auto", "none", or "frac:mult,..." e.g. "0.85:1,0.15:4" (mult × seq_len)
     long_context_frac: float = 0.1  # share of long-stage rows drawn from the synthetic long-context task
     # optimisation
-    steps: int = 300
+    steps: int = 200
     optimizer: str = "muon"  # "muon" (Per-Head Muon + AdamW) or "adamw"
     lr: float | None = None
     min_lr_ratio: float = 0.1
@@ -59,7 +59,7 @@ class TrainConfig:
     out: str = "runs/k3-tiny"
     resume: bool = True  # continue from out/latest when present
     stop_after: int | None = None  # stop after this many steps (a time-boxed job); resume continues
-    eval_every: int = 50
+    eval_every: int = 25
     eval_batches: int = 4
     sample_every: int = 100
     sample_tokens: int = 96
