@@ -34,9 +34,8 @@ def build_app(args):
     from .engine import Engine, EngineConfig
     from .server import create_app
 
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise FileNotFoundError(f"--checkpoint {ckpt}: no config.json there (expected a checkpoint directory)")
+    from ..train.state import resolve_checkpoint
+    ckpt = resolve_checkpoint(args.checkpoint)  # a checkpoint dir, or a `k3 train` run dir (its latest)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = EngineConfig(block_size=args.block_size, hash_block_size=args.hash_block_size, num_pages=args.num_pages,
