@@ -96,11 +96,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             backend = "triton"
         elif q.is_cuda and fla_available():
             backend = "fla"
-        elif _triton_fits(q, v) and (not g.numel() or float(g.min()) >= TRITON_G_MIN):
+        elif _triton_fits(q, v) and (not g.numel() or float(g.detach().min()) >= TRITON_G_MIN):
             backend = "triton"
         else:
             backend = "torch"
-    g_min = float(g.min()) if g.numel() and backend == "triton" else 0.0
+    g_min = float(g.detach().min()) if g.numel() and backend == "triton" else 0.0
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda: states_at is supported by backend 'triton' only, not {backend!r}")
     args = (q, k, v, g, beta)
