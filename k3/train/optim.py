@@ -109,7 +109,10 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon(self, g: dict) -> None:
+        """Momentum, then one batched Newton–Schulz per block shape (all heads / experts / matrices of the
+        group with equal [A, B] blocks together: few large launches instead of one chain per tensor)."""
         mu, lr, wd = g["momentum"], g["lr"], g["weight_decay"]
+        by_shape: dict[tuple, list] = {}
         for p in g["params"]:
             if p.grad is None:
                 continue
@@ -120,12 +123,15 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.mul_(mu).add_(p.grad)
             u = p.grad.add(buf, alpha=mu) if g["nesterov"] else buf
             blocks = muon_blocks(p.shape, g["head_rows"])
+            by_shape.setdefault((blocks[1:], p.device, p.dtype), []).append((p, u.reshape(blocks)))
+        for (ab, dev, _), items in by_shape.items():
             ns_dtype = getattr(torch, g["ns_dtype"]) if g["ns_dtype"] else (
-                torch.bfloat16 if p.is_cuda else torch.float32)
-            o = newton_schulz(u.reshape(blocks), g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype)
-            scale = g["rms_scale"] * math.sqrt(max(blocks[-2], blocks[-1]))
-            p.mul_(1 - lr * wd)
-            p.add_(o.reshape(p.shape), alpha=-lr * scale)
+                torch.bfloat16 if dev.type == "cuda" else torch.float32)
+            o = newton_schulz(torch.cat([u for _, u in items]), g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype)
+            scale = g["rms_scale"] * math.sqrt(max(ab))
+            for (p, u), ob in zip(items, o.split([u.shape[0] for _, u in items])):
+                p.mul_(1 - lr * wd)
+                p.add_(ob.reshape(p.shape), alpha=-lr * scale)
 
     def _adamw(self, g: dict) -> None:
         (b1, b2), eps, lr, wd = g["betas"], g["eps"], g["lr"], g["weight_decay"]

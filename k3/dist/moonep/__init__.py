@@ -10,7 +10,8 @@
 from .ep import (ExpertParallel, clip_grad_norm_, enable_expert_parallel, full_state_dict, gathered_experts,
                  sync_data_parallel_grads)
 from .planner import MoonEPPlan, align_up, num_slots, phase_a, phase_b, plan, plan_counts
-from .runtime import MoonEPRuntime, RuntimePlan, grouped_situ_ffn
+from ...ops.moe import grouped_situ_ffn
+from .runtime import MoonEPRuntime, RuntimePlan
 
 __all__ = ["ExpertParallel", "clip_grad_norm_", "sync_data_parallel_grads", "MoonEPPlan", "MoonEPRuntime", "RuntimePlan", "align_up", "enable_expert_parallel",
            "full_state_dict", "gathered_experts", "grouped_situ_ffn", "num_slots", "phase_a", "phase_b", "plan",

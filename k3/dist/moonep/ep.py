@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ops.moe import grouped_situ_ffn
 from . import comm
-from .runtime import MoonEPRuntime, RuntimePlan, grouped_situ_ffn
+from .runtime import MoonEPRuntime, RuntimePlan
 
 
 class ExpertParallel:

@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ...ops.situ import situ_glu
 from . import comm
 from .planner import MoonEPPlan, plan as make_plan
 
@@ -249,30 +247,3 @@ class _Prefetch(torch.autograd.Function):
             buf.copy_(g[epn:])  # replica gradients → the fp32 buffer
             res.append((g[:epn].float() + rt.reduce_grad(rp, buf)).to(dt))
         return (None, None, *res)
-
-
-def grouped_situ_ffn(x: torch.Tensor, cu_seqlens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
-                     use_grouped_mm: bool | None = None) -> torch.Tensor:
-    """SiTU-GLU experts over row groups: x [N, L], cu_seqlens [G] inclusive ends, w1/w3 [G, I, L], w2 [G, L, I].
-
-    Rows after cu_seqlens[-1] must be zero (they run through the last group and stay zero). With
-    `torch._grouped_mm` (CUDA bf16; no host sync) or a per-group loop (needs cu_seqlens on the host)."""
-    if use_grouped_mm is None:
-        use_grouped_mm = (x.is_cuda and hasattr(torch, "_grouped_mm")
-                          and all(t.dtype == torch.bfloat16 for t in (x, w1, w2, w3)))
-    if use_grouped_mm:
-        offs = cu_seqlens.to(torch.int32).clone()
-        offs[-1] = x.shape[0]
-        g = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
-        u = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
-        return torch._grouped_mm(situ_glu(g, u, beta, linear_beta), w2.transpose(1, 2), offs=offs)
-    ends = cu_seqlens.tolist()
-    parts, start = [], 0
-    for gi, end in enumerate(ends):
-        if end > start:
-            xe = x[start:end]
-            parts.append(F.linear(situ_glu(F.linear(xe, w1[gi]), F.linear(xe, w3[gi]), beta, linear_beta), w2[gi]))
-        start = end
-    parts.append(x.new_zeros(x.shape[0] - start, w2.shape[1]))
-    return torch.cat(parts)
