@@ -4,6 +4,15 @@ import torch
 from k3 import K3Config, K3ForConditionalGeneration
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (10x under CPU contention)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def rel_rmse(ref: torch.Tensor, x: torch.Tensor) -> float:
     """‖ref − x‖₂ / ‖ref‖₂ in fp64 (fla's metric)."""
     ref, x = ref.double(), x.double()

@@ -6,6 +6,7 @@ o, final state 5e-3; dq, dk, dv, dh0 8e-3; dg, dbeta 2e-2.
 import pytest
 import torch
 
+from conftest import rel_rmse as rmse
 from k3.ops.kda import (chunk_kda, chunk_kda_torch, fla_available, fused_recurrent_kda,
                         kda_decode_step, kda_gate, l2norm, recurrent_kda)
 
@@ -15,18 +16,7 @@ GRAD_TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "g": 2e-2, "beta": 2e-2
 STRICT = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (10x under CPU contention)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def rmse(ref, x):
-    ref, x = ref.double(), x.double()
-    return ((ref - x).norm() / ref.norm()).item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(B, T, H, K, V, seed=0, h0=True, gate_shift=0.0, gate_scale=1.0, N=None, device="cpu"):

@@ -17,8 +17,9 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from k3.ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_gate,  # noqa: E402
-                        recurrent_kda)
+from conftest import rel_rmse as rmse  # noqa: E402
+from k3.ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step,  # noqa: E402
+                        kda_gate)
 
 DEV = "cuda" if CUDA else "cpu"
 TOL = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3,
@@ -41,17 +42,7 @@ def _kernels():
 KT = _kernels()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def rmse(ref, x):
-    ref, x = ref.double(), x.double()
-    return ((ref - x).norm() / ref.norm()).item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(B, T, H, K, V, seed, f_shift=0.0, f_scale=1.0, N=None, h0=True):

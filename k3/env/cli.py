@@ -7,7 +7,7 @@ import os
 import sys
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -26,7 +26,7 @@ def cmd_serve(args) -> int:
     from .manager import SandboxManager, default_state_dir
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("K3_SANDBOX_API_KEY") or None
-    if api_key is None and not _is_loopback(args.host):
+    if api_key is None and not is_loopback(args.host):
         print(f"k3 sandbox serve: warning: listening on {args.host} without an API key; anyone who can reach "
               "it can run commands in its sandboxes (set --api-key or K3_SANDBOX_API_KEY)", file=sys.stderr)
     try:

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import sys
 from pathlib import Path
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from ..env.cli import is_loopback
 
 
 def load_tokenizer(checkpoint: Path, text_config):
@@ -58,7 +50,7 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         print(f"k3 serve: error: {e.name or e} is not installed (pip install fastapi uvicorn)", file=sys.stderr)
         return 2
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         print(f"k3 serve: warning: listening on {args.host}; the API has no authentication", file=sys.stderr)
     app, engine = build_app(args)
     print(f"k3 serve: {args.checkpoint} on {engine.device} ({engine.dtype}), {engine.pool.num_pages} pool pages, "
