@@ -31,19 +31,20 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
-                    w2: torch.Tensor, w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+                    w2: torch.Tensor, w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
+                    grouped: bool | None = None) -> torch.Tensor:
     """Σ_k weight_k · expert_{idx_k}(x) with SiTU-GLU experts; weights stacked as w1/w3 [E, I, L], w2 [E, L, I].
 
     Groups token–expert entries by expert (one sort), runs each used expert once on its rows, and
     accumulates in fp32 (fp64 for fp64 inputs). x [N, L] → [N, L] in x's dtype. On CUDA with bf16
     activations the experts run as three `torch._grouped_mm` calls (no host sync), else one loop step per
-    used expert.
+    used expert; `grouped` forces the choice.
     """
     N, K = topk_idx.shape
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // K
-    if grouped_mm_available(x):  # CUDA bf16: three grouped GEMMs, no host sync
+    if grouped if grouped is not None else grouped_mm_available(x):  # three grouped GEMMs, no host sync
         dt = x.dtype
         ends = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0)
         ys = grouped_situ_ffn(x[token], ends, w1.to(dt), w2.to(dt), w3.to(dt), beta, linear_beta,

@@ -23,34 +23,20 @@ import torch.nn.functional as F
 
 from ..model.decoder import _mix
 from ..ops.kda import chunk_kda, kda_decode_step, kda_gate
-from ..ops.moe import route
-from ..ops.situ import situ_glu
+from ..ops.moe import experts_forward, route
 from .pool import PagePool
 
 
 def grouped_moe(moe, x: torch.Tensor) -> torch.Tensor:
-    """LatentMoE forward without a host sync: the (token, expert) entries are sorted by expert on the
-    device and the experts run as three `torch._grouped_mm` calls. Same math as `LatentMoE.forward`
-    (which loops over experts with host-side counts). x [N, D] → [N, D]."""
+    """LatentMoE forward without a host sync in any dtype torch's grouped GEMM takes: `experts_forward` with
+    the grouped path forced (the model's own forward takes it only for bf16 CUDA activations and otherwise
+    loops over experts with host-side counts). Same math as `LatentMoE.forward`. x [N, D] → [N, D]."""
     cfg = moe.cfg
     idx, w, _ = route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.top_k, cfg.moe_renormalize,
                       cfg.routed_scaling_factor)
-    lat = moe.routed_expert_down_proj(x)
-    K = idx.shape[1]
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // K
-    offs = torch.bincount(flat, minlength=moe.experts.w1.shape[0]).cumsum(0).to(torch.int32)
-    xs = lat[token]
     e = moe.experts
-    h = situ_glu(torch._grouped_mm(xs, e.w1.transpose(1, 2), offs=offs),
-                 torch._grouped_mm(xs, e.w3.transpose(1, 2), offs=offs),
-                 cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    ys = torch._grouped_mm(h, e.w2.transpose(1, 2), offs=offs)
-    acc = torch.promote_types(x.dtype, torch.float32)
-    y = torch.zeros(x.shape[0], lat.shape[-1], dtype=acc, device=x.device).index_add(
-        0, token, ys.to(acc) * w.reshape(-1)[order, None])
-    y = y.to(x.dtype)
+    y = experts_forward(moe.routed_expert_down_proj(x), idx, w, e.w1, e.w2, e.w3, cfg.activation_situ_beta,
+                        cfg.activation_situ_linear_beta, grouped=True)
     if moe.routed_expert_norm is not None:
         y = moe.routed_expert_norm(y)
     out = moe.routed_expert_up_proj(y)

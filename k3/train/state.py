@@ -1,9 +1,10 @@
 """Training checkpoints: `run/checkpoints/step_NNNNNNN/` = the model in the release's HF layout (loadable by
 `from_pretrained` and `k3 generate`), the tokenizer, and `trainer_state.pt` (optimizer, schedule, QK-clip,
-balancing, data position, RNG states). `run/latest` names the newest complete one.
+balancing, data position, RNG states; ranks > 0 of a distributed run add `trainer_state.rank{r}.pt`).
+`run/latest` names the newest complete one.
 
-Atomic: everything is written into a `.staging-*` folder, flushed, renamed into place, and only then does
-`latest` move (os.replace). A crash at any point leaves the previous checkpoint and `latest` intact."""
+Atomic: rank 0 stages the model (`stage_checkpoint`), every rank writes its state (`write_state`), rank 0
+flushes and renames the folder into place (`commit_checkpoint`), and only then does `latest` move. A crash at any point leaves the previous checkpoint and `latest` intact."""
 
 from __future__ import annotations
 
@@ -86,17 +87,6 @@ def commit_checkpoint(run_dir: Path, step: int, keep: int = 2) -> Path:
     for old in sorted(ck.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, keep: int = 2) -> Path:
-    """Single process: write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`."""
-    staging = stage_checkpoint(run_dir, step, model, tokenizer)
-    try:
-        write_state(staging, 0, state)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return commit_checkpoint(run_dir, step, keep)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import Stage, TrainConfig
+from .config import TrainConfig
 from .metrics import MetricsLog, plot_run, read_log
 from .state import (clean_staging, commit_checkpoint, latest_checkpoint, rng_state, set_rng_state, stage_checkpoint,
                     staging_dir, state_file, write_state)
@@ -42,9 +42,8 @@ def init_distributed() -> tuple[int, int, torch.device | None]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1, None
-    if not dist.is_initialized():
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = None
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -335,15 +334,14 @@ class Trainer:
                     ntok += b["input_ids"].numel()
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
                 if self.world > 1:
+                    from ..dist.moonep import sync_data_parallel_grads
                     dist.all_reduce(tot_loss)
                     tot_loss /= self.world
+                    sync_data_parallel_grads(self.model)  # mean over ranks; sharded expert grads are not summed twice
                 if self.expert_parallel:
-                    from ..dist.moonep import clip_grad_norm_, sync_data_parallel_grads
-                    sync_data_parallel_grads(self.model)
+                    from ..dist.moonep import clip_grad_norm_
                     gnorm = clip_grad_norm_(self.model, max_norm)
                 else:
-                    if self.world > 1:
-                        self._all_reduce_grads(params)
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
                 lv, gv = tot_loss.item(), gnorm.item()
                 if not (math.isfinite(lv) and math.isfinite(gv)):
@@ -403,19 +401,6 @@ class Trainer:
                            plot=str(plot_run(self.run_dir)), params=self.model.num_parameters())
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-    def _all_reduce_grads(self, params) -> None:
-        """Data-parallel gradient average (one flat bucket per dtype)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        for dt in {g.dtype for g in grads}:
-            gs = [g for g in grads if g.dtype == dt]
-            flat = torch.cat([g.flatten() for g in gs])
-            dist.all_reduce(flat)
-            flat /= self.world
-            off = 0
-            for g in gs:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
 
 
 class _NullLog:
