@@ -272,6 +272,13 @@ def test_dispatch_and_errors():
     g = torch.full_like(a[0], -6.0)
     with pytest.raises(ValueError, match="g >= -5"):
         chunk_kda(a[0], a[1], a[2], g, torch.rand(1, 20, 2, device=DEV), backend="triton")
+    with pytest.raises(ValueError, match="g >= -5"):  # a caller-guaranteed bound is checked, not trusted blindly
+        chunk_kda(a[0], a[1], a[2], g, torch.rand(1, 20, 2, device=DEV), backend="triton", g_lower_bound=-6.0)
+    gs = -5 * torch.rand_like(a[0])  # within the bound: the guaranteed bound gives the same result as reading min(g)
+    beta = torch.rand(1, 20, 2, device=DEV)
+    o1, _ = chunk_kda(a[0], a[1], a[2], gs, beta, backend="triton")
+    o2, _ = chunk_kda(a[0], a[1], a[2], gs, beta, backend="triton", g_lower_bound=-5.0)
+    assert torch.equal(o1, o2)
     with pytest.raises(ValueError, match="lower_bound"):
         chunk_kda_gated(*a, backend="triton", lower_bound=-6.0)
     with pytest.raises(ValueError, match="A_log"):

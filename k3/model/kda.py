@@ -85,12 +85,13 @@ class KimiDeltaAttention(nn.Module):
         kw = dict(initial_state=state, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
         if cu_seqlens is not None:  # one packed row, fla's varlen convention
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            o, new_state = chunk_kda(*flat, cu_seqlens=cu_seqlens, backend=self.backend, **kw)
+            o, new_state = chunk_kda(*flat, cu_seqlens=cu_seqlens, backend=self.backend,
+                                     g_lower_bound=self.lower_bound, **kw)
             o = o.view(B, T, H, -1)
         elif cache is not None and T <= 16 and not torch.is_grad_enabled():
             o, new_state = fused_recurrent_kda(q, k, v, g, beta, **kw)
         else:
-            o, new_state = chunk_kda(q, k, v, g, beta, backend=self.backend, **kw)
+            o, new_state = chunk_kda(q, k, v, g, beta, backend=self.backend, g_lower_bound=self.lower_bound, **kw)
         if cache is not None:
             cache["state"] = new_state
         o = self.o_norm(o.float()) * torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)

@@ -79,14 +79,23 @@ def _check_backend(fn, backend, q):
                              f"got {q.device}")
 
 
+def _g_min(g, bound) -> float:
+    """min(g): the caller's guaranteed bound if given, else read from the tensor (empty: 0)."""
+    if bound is not None:
+        return float(bound)
+    return float(g.detach().min()) if g.numel() else 0.0
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", states_at=None):
+              cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", states_at=None, g_lower_bound=None):
     """KDA over whole sequences (training and prefill); returns (o [B, T, H, V], final state or None).
 
     g is the activated per-token log decay (see `kda_gate`), beta is post-sigmoid; see the
     module docstring for shapes and `BACKENDS` for the choices of `backend`. `states_at` (triton
     only): packed token positions, each a multiple of 16 tokens into its sequence or its end; the
     states there are returned as a third output [M, H, K, V] fp32 (for the serving prefix cache).
+    `g_lower_bound`: a bound the caller guarantees for g (the model's gate: its lower bound), so the Triton
+    path need not read min(g) back from the device (a host sync per call).
     """
     _check_backend("chunk_kda", backend, q)
     check_inputs("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens,
@@ -96,17 +105,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             backend = "triton"
         elif q.is_cuda and fla_available():
             backend = "fla"
-        elif _triton_fits(q, v) and (not g.numel() or float(g.detach().min()) >= TRITON_G_MIN):
+        elif _triton_fits(q, v) and _g_min(g, g_lower_bound) >= TRITON_G_MIN:
             backend = "triton"
         else:
             backend = "torch"
-    g_min = float(g.detach().min()) if g.numel() and backend == "triton" else 0.0
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda: states_at is supported by backend 'triton' only, not {backend!r}")
     args = (q, k, v, g, beta)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if backend == "triton":
+        g_min = _g_min(g, g_lower_bound)
         if g_min < TRITON_G_MIN:
             raise ValueError(f"chunk_kda: backend 'triton' needs g >= {TRITON_G_MIN} (K3's lower-bounded gate) "
                              f"but min(g) = {g_min:.3g}; use backend 'fla' or 'torch'")
