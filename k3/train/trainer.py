@@ -343,7 +343,7 @@ class Trainer:
                     gnorm = clip_grad_norm_(self.model, max_norm)
                 else:
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                lv, gv = tot_loss.item(), gnorm.item()
+                lv, gv, mv = torch.stack([tot_loss, gnorm.to(tot_loss), tot_mtp]).tolist()  # one host sync
                 if not (math.isfinite(lv) and math.isfinite(gv)):
                     raise TrainingDiverged(
                         f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(lv) else 'gradient norm'} "
@@ -357,7 +357,7 @@ class Trainer:
                 self.step += 1
                 dt = time.perf_counter() - t0
                 tps = ntok * self.world / dt
-                last = {"loss": lv, "mtp_loss": tot_mtp.item(), "grad_norm": gv,
+                last = {"loss": lv, "mtp_loss": mv, "grad_norm": gv,
                         "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps, "seq_len": stage.seq_len,
                         "step_time_s": dt}
                 last.update({k: v for k, v in (clip or {}).items() if isinstance(v, (int, float))})
@@ -380,21 +380,20 @@ class Trainer:
                         bar.write(f"step {self.step} sample: {text[:200]!r}")
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
+            if not cfg.save_every or self.step % cfg.save_every != 0:
+                self.save()
+            finished = self.step >= cfg.steps
+            if finished:
+                v = self.evaluate()  # collective (and the model forward is, under EP): every rank runs these
+                text = self.sample()
+                if v is not None:
+                    log.write("val", self.step, loss=v)
+                log.write("sample", self.step, text=text)
         finally:
             bar.close()
             log.close()
-        if self.step % max(cfg.save_every, 1) != 0 or not cfg.save_every:
-            self.save()
-        summary = {"step": self.step, "finished": self.step >= cfg.steps, "resumed": resumed, **last}
-        if self.step >= cfg.steps:
-            v = self.evaluate()  # collective (and the model forward is, under EP): every rank runs these
-            text = self.sample()
-        if self.step >= cfg.steps and self.rank == 0:
-            log = MetricsLog(self.run_dir, False, resume_step=self.step)
-            if v is not None:
-                log.write("val", self.step, loss=v)
-            log.write("sample", self.step, text=text)
-            log.close()
+        summary = {"step": self.step, "finished": finished, "resumed": resumed, **last}
+        if finished and self.rank == 0:
             vals = [r for r in read_log(self.run_dir / "log.jsonl") if r["kind"] == "val"]
             summary.update(first_val_loss=vals[0]["loss"] if vals else None, final_val_loss=v, sample=text,
                            checkpoint=str(latest_checkpoint(self.run_dir)),
