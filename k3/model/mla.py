@@ -83,14 +83,16 @@ class MLAttention(nn.Module):
     @torch.no_grad()
     def _record_max_logit(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, allowed: torch.Tensor,
                           block: int = 512) -> None:
-        """Max over batch and allowed (query, key) pairs of the scaled logits, per head, in query blocks."""
+        """Max over batch and allowed (query, key) pairs of the scaled logits, per head, in query blocks.
+        In q's dtype (under autocast the einsums run in bf16 anyway); operands converted once, not per block."""
         w_uk, _ = self._kv_b()
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        w_uk, c, k_pe = w_uk.to(q.dtype), c.to(q.dtype), k_pe.to(q.dtype)
         best = torch.full((self.num_heads,), float("-inf"), device=q.device)
         for s in range(0, q.shape[1], block):
-            q_lat = torch.einsum("bthd,hdc->bthc", q_nope[:, s:s + block].float(), w_uk.float())
-            sc = (torch.einsum("bthc,bsc->bhts", q_lat, c.float())
-                  + torch.einsum("bthr,bsr->bhts", q_pe[:, s:s + block].float(), k_pe.float())) * self.scale
+            q_lat = torch.einsum("bthd,hdc->bthc", q_nope[:, s:s + block], w_uk)
+            sc = (torch.einsum("bthc,bsc->bhts", q_lat, c)
+                  + torch.einsum("bthr,bsr->bhts", q_pe[:, s:s + block], k_pe)).float() * self.scale
             sc = sc.masked_fill(~allowed[:, :, s:s + block], float("-inf"))
             best = torch.maximum(best, sc.amax(dim=(0, 2, 3)))
         self.max_logit = best
