@@ -24,7 +24,9 @@ CFG = {
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "4")),
-    "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
+    "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
+    # value block of the per-chunk state-gradient products in the token-parallel backward
+    "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
@@ -166,21 +168,18 @@ class _ChunkKDA(torch.autograd.Function):
             _, _, hall, vnew, _ = _recur_fwd(parts, h0, cu, coff, N, H, K, V, vp.dtype, store_h=True)
         w, u, qe, kg, aqk, gc = parts
         BV = min(CFG["bwd_bv"], _blk(V))
-        NV = triton.cdiv(V, BV)
         f32 = dict(device=dev, dtype=torch.float32)
-        dqe, dw, dkg = (torch.empty(NV, Tt, H, K, **f32) for _ in range(3))
-        daqk = torch.empty(NV, Tt, H, C, **f32)
-        dgc = torch.empty(NV, NC, H, K, **f32)
         du = torch.empty(Tt, H, V, **f32)
+        dsall = torch.empty(NC, H, K, V, device=dev, dtype=hall.dtype)
         dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
         do = do.contiguous().reshape(Tt, H, V)
         dht = dht.contiguous() if dht is not None else None
-        kda_recur_bwd_kernel[(N, H, NV)](
-            qe, kg, w, aqk, gc, hall, vnew, do, dht, dh0, dqe, dw, dkg, daqk, du, dgc, cu, coff,
-            H, K, V, NC, Tt, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
+        kda_recur_bwd_kernel[(N, H, triton.cdiv(V, BV))](
+            qe, kg, w, aqk, gc, do, dht, dh0, du, dsall, cu, coff,
+            H, K, V, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
             DOT_PREC=_prec(qp.dtype), BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"],
             num_warps=CFG["bwd_warps"], num_stages=CFG["stages"])
-        del hall, vnew, w, u, qe, kg, aqk
+        del w, u, qe, kg, aqk
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)
         dv = torch.empty_like(vp)
         dg = torch.empty(Tt, H, K, device=dev, dtype=gdt)
@@ -189,9 +188,10 @@ class _ChunkKDA(torch.autograd.Function):
         ddtb = torch.empty(NC, H, K, **f32) if gate else None
         dalog = torch.empty(NC, H, **f32) if gate else None
         kda_intra_bwd_kernel[(NC, H)](
-            qp, kp, vp, gp, bp, A_log, dt_bias, chunks, dqe, dw, dkg, daqk, du, dgc,
-            dq, dk, dv, dg, db, ddtb, dalog, H, K, V, NC, Tt, scale, lb,
-            NV=NV, BK=_blk(K), BV=_blk(V), DOT_PREC=_prec(qp.dtype), num_warps=CFG["intra_bwd_warps"], **flags)
+            qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
+            dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
+            BK=_blk(K), BV=_blk(V), VB=min(CFG["intra_bwd_vb"], _blk(V)), DOT_PREC=_prec(qp.dtype),
+            BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags)
         dA_log = dalog.sum(0).reshape(ashape) if gate else None
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731

@@ -62,6 +62,14 @@ def _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, sc
 
 
 @triton.jit
+def _mmb(a, b, BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """a @ b: bf16 operands (fp32 accumulate) for bf16/fp16 storage on GPU, else fp32 at DOT_PREC."""
+    if BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
+
+
+@triton.jit
 def _unit_lower_inverse(A):
     """(I + A)^-1 for a strictly lower-triangular 16x16 A (nilpotent: A^16 = 0), as the product
     (I - A)(I + A^2)(I + A^4)(I + A^8) = sum_j (-A)^j, with exact-fp32 dots."""
@@ -129,27 +137,52 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
 
 @triton.jit
 def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
-                         dqe_ptr, dw_ptr, dkg_ptr, daqk_ptr, du_ptr, dgc_ptr,
+                         hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr,
                          dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, ddtb_ptr, dalog_ptr,
-                         H, K, V, NC, T_total, scale, lower_bound,
-                         NV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Per (chunk, head): back-propagate the recurrence kernel's gradients (dqe, dw, dkg, dAqk summed
-    over its NV value blocks; du; d e^{G_C}) through the chunk to q, k, v, g (or f, dt_bias, A_log),
-    beta (or its logit), including the l2norm."""
+                         H, K, V, scale, lower_bound,
+                         BK: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, GATE: tl.constexpr,
+                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr):
+    """Per (chunk, head): the recurrence's non-sequential gradients from the chunk's incoming state S
+    (hall) and the gradient dS' of its outgoing state (dsall) -- dqe = do S^T, dw = -du S^T, dkg = vn dS'^T,
+    dAqk = do vn^T, d e^{G_C} = rowsum(S * dS') in value blocks of VB -- then back through the chunk to q, k,
+    v, g (or f, dt_bias, A_log) and beta (or its logit), including the l2norm."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(chunks_ptr + 2 * ic)
     nvalid = tl.load(chunks_ptr + 2 * ic + 1)
-    qs, kn, g, beta, qn, _, z, rq, rk = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,
-                                              scale, lower_bound, BK, GATE, BETA_SIG, L2)
-    G, gC, eG, qe, ke, ki, kg, M, Aqk, Tm = _factors(qs, kn, g, beta, DOT_PREC)
     rows = tl.arange(0, 16)
     cols = tl.arange(0, BK)
-    vcols = tl.arange(0, BV)
     rm = rows < nvalid
     cm = cols < K
     mk = rm[:, None] & cm[None, :]
+    # the recurrence's gradients, value block by value block (states never live whole in registers)
+    dqe = tl.zeros([16, BK], tl.float32)
+    dw = tl.zeros([16, BK], tl.float32)
+    dkg = tl.zeros([16, BK], tl.float32)
+    dA = tl.zeros([16, 16], tl.float32)
+    dD = tl.zeros([BK], tl.float32)
+    sbase = (ic * H + h).to(tl.int64) * K * V
+    for vb in tl.static_range(0, BV, VB):
+        vcb = vb + tl.arange(0, VB)
+        vmb = vcb < V
+        smb = cm[:, None] & vmb[None, :]
+        mvb = rm[:, None] & vmb[None, :]
+        offb = (t0 + rows)[:, None] * (H * V) + h * V + vcb[None, :]
+        S = tl.load(hall_ptr + sbase + cols[:, None] * V + vcb[None, :], mask=smb, other=0.0)
+        dS = tl.load(dsall_ptr + sbase + cols[:, None] * V + vcb[None, :], mask=smb, other=0.0)
+        dob = tl.load(do_ptr + offb, mask=mvb, other=0.0)
+        vnb = tl.load(vnew_ptr + offb, mask=mvb, other=0.0)
+        dub = tl.load(du_ptr + offb, mask=mvb, other=0.0)
+        dqe += _mmb(dob, tl.trans(S), BF16, DOT_PREC)
+        dw -= _mmb(dub, tl.trans(S), BF16, DOT_PREC)
+        dkg += _mmb(vnb, tl.trans(dS), BF16, DOT_PREC)
+        dA += _mmb(dob, tl.trans(vnb), BF16, DOT_PREC)
+        dD += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+
+    qs, kn, g, beta, qn, _, z, rq, rk = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,
+                                              scale, lower_bound, BK, GATE, BETA_SIG, L2)
+    G, gC, eG, qe, ke, ki, kg, M, Aqk, Tm = _factors(qs, kn, g, beta, DOT_PREC)
+    vcols = tl.arange(0, BV)
     mv = rm[:, None] & (vcols < V)[None, :]
     offv = (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :]
     v = tl.load(v_ptr + offv, mask=mv, other=0.0).to(tl.float32)
@@ -157,20 +190,7 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     Ru = beta[:, None] * v
     w = tl.dot(Tm, Rw, input_precision=DOT_PREC)
     u = tl.dot(Tm, Ru, input_precision=DOT_PREC)
-
     offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
-    offa = (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :]
-    dqe = tl.zeros([16, BK], tl.float32)
-    dw = tl.zeros([16, BK], tl.float32)
-    dkg = tl.zeros([16, BK], tl.float32)
-    dA = tl.zeros([16, 16], tl.float32)
-    dD = tl.zeros([BK], tl.float32)
-    for iv in tl.static_range(NV):
-        dqe += tl.load(dqe_ptr + iv * T_total * H * K + offk, mask=mk, other=0.0)
-        dw += tl.load(dw_ptr + iv * T_total * H * K + offk, mask=mk, other=0.0)
-        dkg += tl.load(dkg_ptr + iv * T_total * H * K + offk, mask=mk, other=0.0)
-        dA += tl.load(daqk_ptr + iv * T_total * H * 16 + offa, mask=rm[:, None], other=0.0)
-        dD += tl.load(dgc_ptr + ((iv * NC + ic) * H + h) * K + cols, mask=cm, other=0.0)
     du = tl.load(du_ptr + offv, mask=mv, other=0.0)
     dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
 

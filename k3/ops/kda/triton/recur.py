@@ -104,38 +104,31 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
 
 
 @triton.jit
-def _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, hall_ptr, vnew_ptr, do_ptr, t0, eos, ci, h, H, K, V,
-              kc, vc):
+def _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, t0, eos, ci, h, H, K, V, kc, vc):
     rows = tl.arange(0, 16)
     t = t0 + rows
     rm = t < eos
     mk = rm[:, None] & (kc < K)[None, :]
     mv = rm[:, None] & (vc < V)[None, :]
     offk = t[:, None] * (H * K) + h * K + kc[None, :]
-    offv = t[:, None] * (H * V) + h * V + vc[None, :]
-    sm = (kc < K)[:, None] & (vc < V)[None, :] & (t0 + 0 * vc < eos)[None, :]
-    S = tl.load(hall_ptr + (ci * H + h).to(tl.int64) * K * V + kc[:, None] * V + vc[None, :], mask=sm, other=0.0)
     qe = tl.load(qe_ptr + offk, mask=mk, other=0.0)
     kg = tl.load(kg_ptr + offk, mask=mk, other=0.0)
     w = tl.load(w_ptr + offk, mask=mk, other=0.0)
     A = tl.load(aqk_ptr + t[:, None] * (H * 16) + h * 16 + rows[None, :], mask=rm[:, None], other=0.0)
     gC = tl.load(gc_ptr + (ci * H + h) * K + kc, mask=(kc < K) & (t0 + 0 * kc < eos), other=0.0)
-    vn = tl.load(vnew_ptr + offv, mask=mv, other=0.0)
-    do = tl.load(do_ptr + offv, mask=mv, other=0.0)
-    return S, qe, kg, w, A, gC, vn, do
+    do = tl.load(do_ptr + t[:, None] * (H * V) + h * V + vc[None, :], mask=mv, other=0.0)
+    return qe, kg, w, A, gC, do
 
 
 @triton.jit
-def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, hall_ptr, vnew_ptr, do_ptr, dht_ptr,
-                         dh0_ptr, dqe_ptr, dw_ptr, dkg_ptr, daqk_ptr, du_ptr, dgc_ptr, cu_ptr, coff_ptr,
-                         H, K, V, NC, T_total,
+def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr, dh0_ptr, du_ptr, dsall_ptr,
+                         cu_ptr, coff_ptr, H, K, V,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                          DOT_PREC: tl.constexpr, BF16: tl.constexpr, PREFETCH: tl.constexpr):
-    """Reverse sweep: carries dS (gradient of the outgoing state) from the last chunk to the first.
-
-    Writes du = dv_new [T, H, V] and, per value block iv, the partial sums over that block of dqe,
-    dw, dkg [NV, T, H, K], dAqk [NV, T, H, 16] and d e^{G_C} [NV, NC, H, K]; and dh0. Products with
-    the fp32 gradient state dS use DOT_PREC (never bf16).
+    """Reverse sweep of the state gradient only: dS' (gradient of the state leaving a chunk) runs from
+    the last chunk to the first. Per chunk c it writes dS'_c to dsall [NC, H, K, V] and du = dv_new
+    = Aqk^T do + kg dS'_c [T, H, V]; at the start of the sequence, dh0. Everything that does not feed the
+    recurrence (dq, dk, dw, dAqk, d e^{G_C}) is left to the token-parallel `kda_intra_bwd_kernel`.
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -155,38 +148,26 @@ def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, hall_ptr, vnew_
     else:
         dS = tl.zeros([BK, BV], tl.float32)
     nch = tl.cdiv(eos - bos, 16)
-    part_k = iv * T_total * H * K
-    part_a = iv * T_total * H * 16
     if PREFETCH:
         i0 = tl.maximum(nch - 1, 0)
-        S_n, qe_n, kg_n, w_n, A_n, gC_n, vn_n, do_n = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, hall_ptr,
-                                                                vnew_ptr, do_ptr, bos + i0 * 16, eos, c0 + i0,
-                                                                h, H, K, V, kc, vc)
+        qe_n, kg_n, w_n, A_n, gC_n, do_n = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr,
+                                                     bos + i0 * 16, eos, c0 + i0, h, H, K, V, kc, vc)
     for j in range(0, nch):
         i = nch - 1 - j
         if PREFETCH:
-            S, qe, kg, w, A, gC, vn, do = S_n, qe_n, kg_n, w_n, A_n, gC_n, vn_n, do_n
+            qe, kg, w, A, gC, do = qe_n, kg_n, w_n, A_n, gC_n, do_n
             ip = tl.maximum(i - 1, 0)
-            S_n, qe_n, kg_n, w_n, A_n, gC_n, vn_n, do_n = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, hall_ptr,
-                                                                    vnew_ptr, do_ptr, bos + ip * 16, eos, c0 + ip,
-                                                                    h, H, K, V, kc, vc)
+            qe_n, kg_n, w_n, A_n, gC_n, do_n = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr,
+                                                         bos + ip * 16, eos, c0 + ip, h, H, K, V, kc, vc)
         else:
-            S, qe, kg, w, A, gC, vn, do = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, hall_ptr, vnew_ptr,
-                                                    do_ptr, bos + i * 16, eos, c0 + i, h, H, K, V, kc, vc)
+            qe, kg, w, A, gC, do = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, bos + i * 16, eos,
+                                             c0 + i, h, H, K, V, kc, vc)
         t = bos + i * 16 + rows
-        rm = t < eos
-        mk = rm[:, None] & km[None, :]
-        mv = rm[:, None] & vm[None, :]
-        offk = t[:, None] * (H * K) + h * K + kc[None, :]
-        offv = t[:, None] * (H * V) + h * V + vc[None, :]
-        offa = t[:, None] * (H * 16) + h * 16 + rows[None, :]
-        dvn = _mm(tl.trans(A), do, BF16, DOT_PREC) + _mm(kg, dS, False, DOT_PREC)
-        tl.store(du_ptr + offv, dvn, mask=mv)
-        tl.store(dqe_ptr + part_k + offk, _mm(do, tl.trans(S), BF16, DOT_PREC), mask=mk)
-        tl.store(dw_ptr + part_k + offk, -_mm(dvn, tl.trans(S), BF16, DOT_PREC), mask=mk)
-        tl.store(dkg_ptr + part_k + offk, _mm(vn, tl.trans(dS), False, DOT_PREC), mask=mk)
-        tl.store(daqk_ptr + part_a + offa, _mm(do, tl.trans(vn), BF16, DOT_PREC), mask=rm[:, None])
-        tl.store(dgc_ptr + ((iv * NC + c0 + i) * H + h) * K + kc, tl.sum(S.to(tl.float32) * dS, 1), mask=km)
+        mv = (t < eos)[:, None] & vm[None, :]
+        tl.store(dsall_ptr + ((c0 + i) * H + h).to(tl.int64) * K * V + soff,
+                 dS.to(dsall_ptr.dtype.element_ty), mask=sm)
+        dvn = _mm(tl.trans(A), do, BF16, DOT_PREC) + _mm(kg, dS, BF16, DOT_PREC)
+        tl.store(du_ptr + t[:, None] * (H * V) + h * V + vc[None, :], dvn, mask=mv)
         dS = dS * tl.exp(gC)[:, None] + _mm(tl.trans(qe), do, BF16, DOT_PREC) \
             - _mm(tl.trans(w), dvn, BF16, DOT_PREC)
     if HAS_H0:

@@ -1,0 +1,75 @@
+"""Per-kernel time breakdown of one KDA call (ours and/or fla), with torch.profiler on CUDA.
+
+Shows where a chunked KDA forward / forward+backward spends its time, kernel by kernel, so kernel work
+goes where it pays. Optional launch-parameter variants of ours (`--variants`, JSON list of CFG updates).
+
+    python benchmarks/kda_profile.py --shape 1x8192x96 --impl ours,fla --out prof.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kda import Timer, fla_fn, make_inputs, ours_fn  # noqa: E402
+
+
+def breakdown(fn, reps):
+    """{kernel name: mean µs per call} over `reps` calls of fn (after the caller's warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows[ev.key[:90]] = t / reps
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1x8192x96", help="BxTxH (D = 128)")
+    ap.add_argument("--impl", default="ours")
+    ap.add_argument("--variants", default="[]", help='JSON list of CFG updates for ours, e.g. [{"intra_warps": 8}]')
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="kda_profile.json")
+    a = ap.parse_args()
+    B, T, H = (int(s) for s in a.shape.split("x"))
+    x = make_inputs(B, T, H, 128, "cuda", torch.bfloat16, seed=7)
+    timer = Timer(True, 3, a.reps)
+    out = {"shape": a.shape, "runs": []}
+    impls = [("ours", ours_fn, {})] if "ours" in a.impl else []
+    if "ours" in a.impl:
+        impls += [("ours", ours_fn, v) for v in json.loads(a.variants)]
+    if "fla" in a.impl:
+        impls.append(("fla", fla_fn, {}))
+    from k3.ops.kda.triton.chunk import CFG
+    base = dict(CFG)
+    for name, make, var in impls:
+        CFG.clear()
+        CFG.update(base, **var)
+        run = {"impl": name, "cfg": var}
+        fwd, _ = make(x, None, False)
+        with torch.no_grad():
+            run["fwd_ms"] = timer(fwd)
+            run["fwd_kernels_us"] = breakdown(fwd, 3)
+        f2, bwd = make(x, None, True)
+        step = lambda: bwd(f2())  # noqa: E731
+        run["fwd+bwd_ms"] = timer(step)
+        run["fwd+bwd_kernels_us"] = breakdown(step, 3)
+        out["runs"].append(run)
+        print(json.dumps(run, indent=1), flush=True)
+        with open(a.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# KDA kernel measurements on the lent H200s (device kind nvidia-h200-x2): GPU1 times fla 0.6.0 (autotuning
+# once; its autotune results are kept in $OUT/tcache and reused from .tcache_fla/ when carried back) and GPU0
+# profiles ours (per-kernel breakdown, launch variants, Nsight Compute sections of each kernel).
+#   bash benchmarks/run_kda_gpu.sh profile|bench
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+export TRITON_CACHE_DIR=/tmp/tc
+mkdir -p /tmp/tc && if [ -d .tcache_fla ]; then cp -r .tcache_fla/. /tmp/tc/; fi
+PART=${1:-profile}
+VARIANTS=${VARIANTS:-'[{"intra_warps": 8}, {"intra_warps": 2}, {"fwd_bv": 32}, {"save_states": true}]'}
+keep_tune() { mkdir -p "$OUT/tcache"; (cd /tmp/tc && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/tcache/" \;); }
+if [ "$PART" = profile ]; then
+( CUDA_VISIBLE_DEVICES=1 timeout 560 bash -c "
+    python3 benchmarks/kda_profile.py --impl fla --out $OUT/prof_fla.json > $OUT/fla.log 2>&1
+    python3 benchmarks/kda.py --shapes abcd --fla all --fla-budget-s 420 --deadline-s 430 --reps 20 \
+      --out $OUT/kda_all.json >> $OUT/fla.log 2>&1" ; keep_tune ) &
+( export CUDA_VISIBLE_DEVICES=0
+  timeout 200 python3 benchmarks/kda_profile.py --impl ours --variants "$VARIANTS" --out $OUT/prof_ours.json > $OUT/ours.log 2>&1
+  timeout 200 ncu --clock-control none -k regex:kda_ -c 6 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 -c "
+import torch, sys; sys.path.insert(0, 'benchmarks')
+from kda import make_inputs, ours_fn
+x = make_inputs(1, 8192, 96, 128, 'cuda', torch.bfloat16, 1)
+f, b = ours_fn(x, None, True); b(f()); torch.cuda.synchronize()" > $OUT/ncu.log 2>&1 || echo "ncu exit $?" >> $OUT/ncu.log
+  bash benchmarks/kda_gpu_extra.sh >> $OUT/ours.log 2>&1 || true ) &
+wait
+else
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/kda.py --shapes abcde --fla all --fla-budget-s 500 \
+    --reps 20 --out "$OUT/kda.json" > "$OUT/bench.log" 2>&1; keep_tune
+fi

@@ -1,0 +1,81 @@
+"""Register / spill report of the Triton KDA kernels compiled for sm_90a, without a GPU (ptxas -v).
+
+    python scripts/kda_regs.py            # every kernel at D = 128, bf16 inputs
+Numbers come from the local Triton's code generation (may differ slightly from the GPU machine's version).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sig(fn, types, consts):
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = "constexpr" if name in consts else types.get(name, "i32")
+    return sig
+
+
+def report(fn, types, consts, num_warps=4, **opts):
+    src = ASTSource(fn, _sig(fn, types, consts), constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **opts))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(k.asm["ptx"])
+    r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
+                       capture_output=True, text=True)
+    txt = r.stderr
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    smem = k.metadata.shared
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_st=int(spill.group(1)) if spill else None, spill_ld=int(spill.group(2)) if spill else None,
+                smem=smem)
+
+
+def kernels():
+    """(name, kernel, pointer/float argument types, constexprs, warps) at D = 128 with bf16 inputs."""
+    from k3.ops.kda.triton import intra, recur
+    from k3.ops.kda.triton.chunk import CFG
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    flags = dict(GATE=True, BETA_SIG=True, L2=True)
+    t = {n: bf for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "w_ptr", "u_ptr", "qe_ptr", "kg_ptr",
+                         "hall_ptr", "vnew_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dg_ptr", "db_ptr",
+                         "o_ptr", "dsall_ptr")}
+    t.update({n: f32 for n in ("alog_ptr", "dtb_ptr", "aqk_ptr", "gc_ptr", "h0_ptr", "ht_ptr", "hsel_ptr",
+                               "dht_ptr", "dh0_ptr", "du_ptr", "ddtb_ptr", "dalog_ptr", "dqe_ptr", "dw_ptr",
+                               "dkg_ptr", "daqk_ptr", "dgc_ptr")})
+    t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr")})
+    t.update(scale="fp32", lower_bound="fp32")
+    out = []
+    for name in dir(intra) + dir(recur):
+        if not name.endswith("_kernel"):
+            continue
+        fn = getattr(intra, name, None) or getattr(recur, name)
+        consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, NV=1, VB=32,
+                                         **flags).items() if c in fn.arg_names}
+        if "recur" in name:
+            consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
+        warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
+                         "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
+        out.append((name, fn, t, consts, warps))
+    return out
+
+
+def main():
+    for name, fn, types, consts, warps in kernels():
+        print(f"{name:34s} warps={warps} {report(fn, types, consts, warps)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
