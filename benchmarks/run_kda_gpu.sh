@@ -9,11 +9,19 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 export TRITON_CACHE_DIR=/tmp/tc
-mkdir -p /tmp/tc && if [ -d .tcache_fla ]; then cp -r .tcache_fla/. /tmp/tc/; fi
+mkdir -p /tmp/tc && if [ -f .tcache_fla/tcache.tgz ]; then tar xzf .tcache_fla/tcache.tgz -C /tmp/tc; fi
 PART=${1:-profile}
 VARIANTS=${VARIANTS:-'[{"intra_warps": 8}, {"intra_warps": 2}, {"fwd_bv": 32}, {"save_states": true}]'}
-keep_tune() { mkdir -p "$OUT/tcache"; (cd /tmp/tc && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/tcache/" \;); }
-if [ "$PART" = profile ]; then
+keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache.tgz" -T -); }
+if [ "$PART" = tune ]; then
+( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/kda.py --shapes abcd --fla all --fla-budget-s 530 \
+    --deadline-s 540 --reps 10 --out $OUT/kda_all.json > $OUT/fla.log 2>&1; keep_tune ) &
+( export CUDA_VISIBLE_DEVICES=0
+  PYTHONPATH=$PWD timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_kda_triton.py \
+    > $OUT/tests.log 2>&1 || echo "tests exit $?" >> $OUT/tests.log
+  timeout 300 python3 benchmarks/kda_profile.py --impl ours --variants "$VARIANTS" --out $OUT/prof_ours.json > $OUT/ours.log 2>&1 ) &
+wait
+elif [ "$PART" = profile ]; then
 ( CUDA_VISIBLE_DEVICES=1 timeout 560 bash -c "
     python3 benchmarks/kda_profile.py --impl fla --out $OUT/prof_fla.json > $OUT/fla.log 2>&1
     python3 benchmarks/kda.py --shapes abcd --fla all --fla-budget-s 420 --deadline-s 430 --reps 20 \

@@ -8,6 +8,7 @@ all be fused: their gradients come out for the raw inputs.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,7 +24,8 @@ CFG = {
     "fwd_warps": int(os.environ.get("K3_KDA_FWD_WARPS", "4")),
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
-    "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "4")),
+    "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
+    "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "8")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
@@ -43,13 +45,19 @@ CFG = {
 
 def _layout(cu_seqlens, B, T, device):
     """Sequence and chunk tables: cu int32 [N+1], chunk_off int32 [N] (first chunk of each sequence),
-    chunks int32 [NC, 2] (first token, valid tokens), the host copy of cu and NC."""
+    chunks int32 [NC, 2] (first token, valid tokens), the host copy of cu, chunk offsets and NC.
+    Cached per layout (a fixed-length batch needs no device read at all; varlen reads cu_seqlens once)."""
     if cu_seqlens is None:
-        cu_host = [b * T for b in range(B + 1)]
+        cu_host = tuple(b * T for b in range(B + 1))
     else:
-        cu_host = [int(x) for x in cu_seqlens.tolist()]
+        cu_host = tuple(int(x) for x in cu_seqlens.tolist())
         if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu_host}")
+            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {list(cu_host)}")
+    return _layout_tables(cu_host, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_tables(cu_host, device):
     cu = torch.tensor(cu_host, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
     nch = (lens + C - 1) // C
@@ -61,7 +69,7 @@ def _layout(cu_seqlens, B, T, device):
     valid = torch.minimum(cu[1:][seq] - start, torch.full_like(start, C))
     chunks = torch.stack([start, valid], 1).to(torch.int32)
     to = dict(device=device, dtype=torch.int32)
-    return cu.to(**to), coff[:-1].to(**to), chunks.to(device), cu_host, coff.tolist(), NC
+    return cu.to(**to), coff[:-1].to(**to), chunks.to(device), list(cu_host), coff.tolist(), NC
 
 
 def _slots(states_at, cu_host, coff_host, NC, device):
@@ -95,7 +103,7 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags):
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK, BV = _blk(K), _blk(V)
     kda_intra_fwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, chunks, w, u, qe, kg, aqk, gc,
-                                  H, K, V, scale, lb, BK=BK, BV=BV, DOT_PREC=_prec(q.dtype),
+                                  H, K, V, scale, lb, BK=BK, BV=BV, KB=min(CFG["intra_kb"], BK, BV), DOT_PREC=_prec(q.dtype),
                                   num_warps=CFG["intra_warps"], **flags)
     return w, u, qe, kg, aqk, gc
 

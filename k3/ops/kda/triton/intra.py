@@ -103,36 +103,100 @@ def _factors(qs, kn, g, beta, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _cols(x_ptr, t0, nvalid, h, H, K, kb, KB: tl.constexpr):
+    """Rows [t0, t0 + nvalid) x columns [kb, kb + KB) of one head of x [T, H, K], as fp32 (0 outside)."""
+    rows = tl.arange(0, 16)
+    cols = kb + tl.arange(0, KB)
+    m2 = (rows < nvalid)[:, None] & (cols < K)[None, :]
+    off = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    return tl.load(x_ptr + off, mask=m2, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB: tl.constexpr, GATE: tl.constexpr):
+    """In-chunk cumulative log decay G [16, KB] of columns [kb, kb + KB) (0 on invalid rows/columns)."""
+    rows = tl.arange(0, 16)
+    cols = kb + tl.arange(0, KB)
+    graw = _cols(g_ptr, t0, nvalid, h, H, K, kb, KB)
+    if GATE:
+        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        z = graw + tl.load(dtb_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        g = graw
+    g = tl.where((rows < nvalid)[:, None] & (cols < K)[None, :], g, 0.0)
+    return tl.cumsum(g, 0)
+
+
+@triton.jit
 def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
                          w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr,
                          H, K, V, scale, lower_bound,
-                         BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
-                         L2: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Per (chunk, head): w, u, qe, kg [T, H, *], Aqk [T, H, 16] and G_C [NC, H, K]."""
+                         BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
+                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Per (chunk, head): w, u, qe, kg [T, H, *], Aqk [T, H, 16] and G_C [NC, H, K].
+
+    Works in column blocks of KB (every factor is per column except the l2norms and the two score
+    matrices, which are sums over columns), so only [16, KB] tiles are live: low register use, many
+    programs per SM. Pass 1 sums Akk and Aqk and writes qe, kg, G_C; pass 2 writes w = T (beta ke) and
+    u = T (beta v) once T = (I + beta Akk)^-1 is known (k and g are re-read, from cache).
+    """
     ic = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(chunks_ptr + 2 * ic)
     nvalid = tl.load(chunks_ptr + 2 * ic + 1)
-    qs, kn, g, beta, _, _, _, _, _ = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,
-                                           scale, lower_bound, BK, GATE, BETA_SIG, L2)
-    G, gC, eG, qe, ke, ki, kg, M, Aqk, Tm = _factors(qs, kn, g, beta, DOT_PREC)
     rows = tl.arange(0, 16)
-    cols = tl.arange(0, BK)
-    vcols = tl.arange(0, BV)
     rm = rows < nvalid
-    mk = rm[:, None] & (cols < K)[None, :]
-    mv = rm[:, None] & (vcols < V)[None, :]
-    v = tl.load(v_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], mask=mv, other=0.0).to(tl.float32)
-    w = tl.dot(Tm, beta[:, None] * ke, input_precision=DOT_PREC)
-    u = tl.dot(Tm, beta[:, None] * v, input_precision=DOT_PREC)
-    offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    rq = tl.full([16], 1.0, tl.float32)
+    rk = tl.full([16], 1.0, tl.float32)
+    if L2:
+        sq = tl.zeros([16], tl.float32)
+        sk = tl.zeros([16], tl.float32)
+        for kb in range(0, BK, KB):
+            qb = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB)
+            kb_ = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB)
+            sq += tl.sum(qb * qb, 1)
+            sk += tl.sum(kb_ * kb_, 1)
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(braw) if BETA_SIG else braw
+    beta = tl.where(rm, beta, 0.0)
     odt = w_ptr.dtype.element_ty
-    tl.store(w_ptr + offk, w.to(odt), mask=mk)
-    tl.store(qe_ptr + offk, qe.to(odt), mask=mk)
-    tl.store(kg_ptr + offk, kg.to(odt), mask=mk)
-    tl.store(u_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], u.to(odt), mask=mv)
+    M = tl.zeros([16, 16], tl.float32)
+    Aqk = tl.zeros([16, 16], tl.float32)
+    for kb in range(0, BK, KB):
+        cols = kb + tl.arange(0, KB)
+        mk = rm[:, None] & (cols < K)[None, :]
+        offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+        G = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        gC = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), 0)
+        kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
+        eG = tl.exp(G)
+        ki = kn * tl.exp(-G)
+        M += tl.dot(kn * eG, tl.trans(ki), input_precision=DOT_PREC)
+        qe = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB) * (rq * scale)[:, None] * eG
+        Aqk += tl.dot(qe, tl.trans(ki), input_precision=DOT_PREC)
+        tl.store(qe_ptr + offk, qe.to(odt), mask=mk)
+        tl.store(kg_ptr + offk, (kn * tl.exp(gC[None, :] - G)).to(odt), mask=mk)
+        tl.store(gc_ptr + (ic * H + h) * K + cols, gC, mask=cols < K)
+    M = tl.where(rows[:, None] > rows[None, :], M, 0.0)
+    Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
     tl.store(aqk_ptr + (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :], Aqk, mask=rm[:, None])
-    tl.store(gc_ptr + (ic * H + h) * K + cols, gC, mask=cols < K)
+    Tm = _unit_lower_inverse(beta[:, None] * M)
+    for kb in range(0, BK, KB):
+        cols = kb + tl.arange(0, KB)
+        G = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        ke = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * (rk * beta)[:, None] * tl.exp(G)
+        w = tl.dot(Tm, ke, input_precision=DOT_PREC)
+        tl.store(w_ptr + (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :], w.to(odt),
+                 mask=rm[:, None] & (cols < K)[None, :])
+    for vb in range(0, BV, KB):
+        vcols = vb + tl.arange(0, KB)
+        vv = _cols(v_ptr, t0, nvalid, h, H, V, vb, KB) * beta[:, None]
+        u = tl.dot(Tm, vv, input_precision=DOT_PREC)
+        tl.store(u_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], u.to(odt),
+                 mask=rm[:, None] & (vcols < V)[None, :])
 
 
 @triton.jit
