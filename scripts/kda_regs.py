@@ -53,7 +53,7 @@ def kernels():
                          "o_ptr", "dsall_ptr")}
     t.update({n: f32 for n in ("alog_ptr", "dtb_ptr", "aqk_ptr", "gc_ptr", "h0_ptr", "ht_ptr", "hsel_ptr",
                                "dht_ptr", "dh0_ptr", "du_ptr", "ddtb_ptr", "dalog_ptr", "dqe_ptr", "dw_ptr",
-                               "dkg_ptr", "daqk_ptr", "dgc_ptr")})
+                               "dkg_ptr", "daqk_ptr", "dgc_ptr", "da_ptr", "dd_ptr")})
     t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr")})
     t.update(scale="fp32", lower_bound="fp32")
     out = []
@@ -62,7 +62,7 @@ def kernels():
             continue
         fn = getattr(intra, name, None) or getattr(recur, name)
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, NV=1, VB=32, KB=32,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, NV=1, VB=16, KB=32,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]

@@ -114,7 +114,8 @@ def _cols(x_ptr, t0, nvalid, h, H, K, kb, KB: tl.constexpr):
 
 @triton.jit
 def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB: tl.constexpr, GATE: tl.constexpr):
-    """In-chunk cumulative log decay G [16, KB] of columns [kb, kb + KB) (0 on invalid rows/columns)."""
+    """In-chunk cumulative log decay G [16, KB] of columns [kb, kb + KB) (0 on invalid rows/columns), and the
+    gate's pre-activation z (f + dt_bias with GATE, else g itself) for the backward."""
     rows = tl.arange(0, 16)
     cols = kb + tl.arange(0, KB)
     graw = _cols(g_ptr, t0, nvalid, h, H, K, kb, KB)
@@ -123,9 +124,34 @@ def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, K
         z = graw + tl.load(dtb_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
         g = lower_bound * tl.sigmoid(a * z)
     else:
+        z = graw
         g = graw
     g = tl.where((rows < nvalid)[:, None] & (cols < K)[None, :], g, 0.0)
-    return tl.cumsum(g, 0)
+    return tl.cumsum(g, 0), z
+
+
+@triton.jit
+def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: tl.constexpr,
+                BETA_SIG: tl.constexpr, L2: tl.constexpr):
+    """1/||q||, 1/||k|| per row (1 without L2) and beta (0 on invalid rows), reading q, k in column blocks."""
+    rows = tl.arange(0, 16)
+    rm = rows < nvalid
+    rq = tl.full([16], 1.0, tl.float32)
+    rk = tl.full([16], 1.0, tl.float32)
+    if L2:
+        sq = tl.zeros([16], tl.float32)
+        sk = tl.zeros([16], tl.float32)
+        for kb in range(0, BK, KB):
+            qb = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB)
+            kb_ = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB)
+            sq += tl.sum(qb * qb, 1)
+            sk += tl.sum(kb_ * kb_, 1)
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(braw) if BETA_SIG else braw
+    beta = tl.where(rm, beta, 0.0)
+    return rq, rk, beta
 
 
 @triton.jit
@@ -147,21 +173,7 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     nvalid = tl.load(chunks_ptr + 2 * ic + 1)
     rows = tl.arange(0, 16)
     rm = rows < nvalid
-    rq = tl.full([16], 1.0, tl.float32)
-    rk = tl.full([16], 1.0, tl.float32)
-    if L2:
-        sq = tl.zeros([16], tl.float32)
-        sk = tl.zeros([16], tl.float32)
-        for kb in range(0, BK, KB):
-            qb = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB)
-            kb_ = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB)
-            sq += tl.sum(qb * qb, 1)
-            sk += tl.sum(kb_ * kb_, 1)
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
-    beta = tl.sigmoid(braw) if BETA_SIG else braw
-    beta = tl.where(rm, beta, 0.0)
+    rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK, KB, BETA_SIG, L2)
     odt = w_ptr.dtype.element_ty
     M = tl.zeros([16, 16], tl.float32)
     Aqk = tl.zeros([16, 16], tl.float32)
@@ -169,7 +181,7 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
         cols = kb + tl.arange(0, KB)
         mk = rm[:, None] & (cols < K)[None, :]
         offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
-        G = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
         gC = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), 0)
         kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
         eG = tl.exp(G)
@@ -186,7 +198,7 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     Tm = _unit_lower_inverse(beta[:, None] * M)
     for kb in range(0, BK, KB):
         cols = kb + tl.arange(0, KB)
-        G = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
         ke = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * (rk * beta)[:, None] * tl.exp(G)
         w = tl.dot(Tm, ke, input_precision=DOT_PREC)
         tl.store(w_ptr + (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :], w.to(odt),
@@ -307,3 +319,180 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     tl.store(dq_ptr + offk, dq.to(dq_ptr.dtype.element_ty), mask=mk)
     tl.store(dk_ptr + offk, dk.to(dk_ptr.dtype.element_ty), mask=mk)
     tl.store(dv_ptr + offv, dv.to(dv_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def kda_state_grad_kernel(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, dqe_ptr, dw_ptr, dkg_ptr, dd_ptr,
+                          chunks_ptr, H, K, V,
+                          BK: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, DOT_PREC: tl.constexpr,
+                          BF16: tl.constexpr):
+    """Per (chunk, head): the recurrence's gradients that do not feed it back, from the chunk's incoming
+    state S (hall) and the gradient dS' of its outgoing state (dsall), in value blocks of VB:
+    dqe = do S^T, dw = -du S^T, dkg = vn dS'^T [T, H, K] and d e^{G_C} = rowsum(S * dS') [NC, H, K], all
+    fp32. (dAqk = do vn^T is formed by `kda_chunk_bwd_kernel`, which reads do and vn anyway.)"""
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(chunks_ptr + 2 * ic)
+    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, BK)
+    rm = rows < nvalid
+    cm = cols < K
+    dqe = tl.zeros([16, BK], tl.float32)
+    dw = tl.zeros([16, BK], tl.float32)
+    dkg = tl.zeros([16, BK], tl.float32)
+    dD = tl.zeros([BK], tl.float32)
+    sbase = (ic * H + h).to(tl.int64) * K * V
+    for vb in range(0, BV, VB):
+        vcb = vb + tl.arange(0, VB)
+        vmb = vcb < V
+        smb = cm[:, None] & vmb[None, :]
+        mvb = rm[:, None] & vmb[None, :]
+        offb = (t0 + rows)[:, None] * (H * V) + h * V + vcb[None, :]
+        S = tl.load(hall_ptr + sbase + cols[:, None] * V + vcb[None, :], mask=smb, other=0.0)
+        dS = tl.load(dsall_ptr + sbase + cols[:, None] * V + vcb[None, :], mask=smb, other=0.0)
+        dob = tl.load(do_ptr + offb, mask=mvb, other=0.0)
+        vnb = tl.load(vnew_ptr + offb, mask=mvb, other=0.0)
+        dub = tl.load(du_ptr + offb, mask=mvb, other=0.0)
+        dqe += _mmb(dob, tl.trans(S), BF16, DOT_PREC)
+        dw -= _mmb(dub, tl.trans(S), BF16, DOT_PREC)
+        dkg += _mmb(vnb, tl.trans(dS), BF16, DOT_PREC)
+        dD += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+    mk = rm[:, None] & cm[None, :]
+    offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    tl.store(dqe_ptr + offk, dqe, mask=mk)
+    tl.store(dw_ptr + offk, dw, mask=mk)
+    tl.store(dkg_ptr + offk, dkg, mask=mk)
+    tl.store(dd_ptr + (ic * H + h) * K + cols, dD, mask=cm)
+
+
+@triton.jit
+def kda_chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
+                         dqe_ptr, dw_ptr, dkg_ptr, dd_ptr, du_ptr, do_ptr, vnew_ptr,
+                         dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, ddtb_ptr, dalog_ptr,
+                         H, K, V, scale, lower_bound,
+                         BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
+                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr):
+    """Per (chunk, head), in column blocks of KB like the forward: back-propagate dqe, dw, dkg, d e^{G_C}
+    (from `kda_state_grad_kernel`), dAqk = do vn^T and du through the chunk to q, k, v, g (or f, dt_bias, A_log)
+    and beta (or its logit), including the l2norm.
+
+    Passes: (1) Akk -> T = (I + beta Akk)^-1; (2) dAkk = -(T^T dw) w^T - (T^T du) u^T summed over columns,
+    dv, most of dbeta; (3) per column block dq, dk before the l2norm (kept in the dqe / dkg buffers, which
+    this program alone reads), dg and the gate's gradients; (4) the l2norm's backward.
+    """
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(chunks_ptr + 2 * ic)
+    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
+    rows = tl.arange(0, 16)
+    rm = rows < nvalid
+    rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK, KB, BETA_SIG, L2)
+    lower = rows[:, None] > rows[None, :]
+    # (1) Akk and T
+    M = tl.zeros([16, 16], tl.float32)
+    for kb in range(0, BK, KB):
+        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
+        M += tl.dot(kn * tl.exp(G), tl.trans(kn * tl.exp(-G)), input_precision=DOT_PREC)
+    M = tl.where(lower, M, 0.0)
+    Tm = _unit_lower_inverse(beta[:, None] * M)
+    TmT = tl.trans(Tm)
+    # (2) through w = T (beta ke) and u = T (beta v)
+    P = tl.zeros([16, 16], tl.float32)
+    dA = tl.zeros([16, 16], tl.float32)
+    dbeta = tl.zeros([16], tl.float32)
+    for kb in range(0, BK, KB):
+        cols = kb + tl.arange(0, KB)
+        offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+        mk = rm[:, None] & (cols < K)[None, :]
+        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        ke = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None] * tl.exp(G)
+        dRw = tl.dot(TmT, tl.load(dw_ptr + offk, mask=mk, other=0.0), input_precision=DOT_PREC)
+        w = tl.dot(Tm, beta[:, None] * ke, input_precision=DOT_PREC)
+        P += tl.dot(dRw, tl.trans(w), input_precision=DOT_PREC)
+        dbeta += tl.sum(ke * dRw, 1)
+    for vb in range(0, BV, KB):
+        vcols = vb + tl.arange(0, KB)
+        offv = (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :]
+        mv = rm[:, None] & (vcols < V)[None, :]
+        vv = _cols(v_ptr, t0, nvalid, h, H, V, vb, KB)
+        dRu = tl.dot(TmT, tl.load(du_ptr + offv, mask=mv, other=0.0), input_precision=DOT_PREC)
+        u = tl.dot(Tm, beta[:, None] * vv, input_precision=DOT_PREC)
+        P += tl.dot(dRu, tl.trans(u), input_precision=DOT_PREC)
+        dA += _mmb(tl.load(do_ptr + offv, mask=mv, other=0.0), tl.trans(tl.load(vnew_ptr + offv, mask=mv, other=0.0)),
+                   BF16, DOT_PREC)
+        dbeta += tl.sum(vv * dRu, 1)
+        tl.store(dv_ptr + offv, (beta[:, None] * dRu).to(dv_ptr.dtype.element_ty), mask=mv)
+    dAkk = tl.where(lower, -P, 0.0)
+    dbeta += tl.sum(dAkk * M, 1)
+    dM = beta[:, None] * dAkk
+    # Aqk's diagonal q_t.k_t (no decay, no G dependence) is kept out of the G-gradient, where its
+    # two large opposite terms would cancel only up to matmul rounding (amplified ~e^5 at g = -5).
+    dAd = tl.sum(tl.where(rows[:, None] == rows[None, :], dA, 0.0), 1)
+    dAs = tl.where(lower, dA, 0.0)
+    # (3) per column block
+    rsq = tl.zeros([16], tl.float32)
+    rsk = tl.zeros([16], tl.float32)
+    dal = tl.zeros([16], tl.float32)
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32)) if GATE else 1.0
+    for kb in range(0, BK, KB):
+        cols = kb + tl.arange(0, KB)
+        cm = cols < K
+        offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+        mk = rm[:, None] & cm[None, :]
+        G, z = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        gC = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), 0)
+        kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
+        qn = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB) * rq[:, None]
+        qs = qn * scale
+        eG = tl.exp(G)
+        eGi = tl.exp(-G)
+        egc = tl.exp(gC[None, :] - G)
+        ke = kn * eG
+        ki = kn * eGi
+        qe = qs * eG
+        kg = kn * egc
+        dqe = tl.load(dqe_ptr + offk, mask=mk, other=0.0) + tl.dot(dAs, ki, input_precision=DOT_PREC)
+        dRw = tl.dot(TmT, tl.load(dw_ptr + offk, mask=mk, other=0.0), input_precision=DOT_PREC)
+        dke = beta[:, None] * dRw + tl.dot(dM, ki, input_precision=DOT_PREC)
+        dki = tl.dot(tl.trans(dM), ke, input_precision=DOT_PREC) + tl.dot(tl.trans(dAs), qe, input_precision=DOT_PREC)
+        dkg = tl.load(dkg_ptr + offk, mask=mk, other=0.0)
+        dqn = (dqe * eG + dAd[:, None] * kn) * scale
+        dkn = dke * eG + dki * eGi + dkg * egc + dAd[:, None] * qs
+        dG = dqe * qe + dke * ke - dki * ki - dkg * kg
+        dgC = tl.sum(dkg * kg, 0) + tl.load(dd_ptr + (ic * H + h) * K + cols, mask=cm, other=0.0) * tl.exp(gC)
+        dG += tl.where(rows[:, None] == 15, dgC[None, :], 0.0)
+        dg = tl.where(mk, tl.cumsum(dG, 0, reverse=True), 0.0)
+        if GATE:
+            x = a * z  # sigmoid'(x) as sigmoid(x) * sigmoid(-x): no cancellation when saturated
+            dg = tl.where(mk, dg * lower_bound * tl.sigmoid(x) * tl.sigmoid(-x) * a, 0.0)
+            tl.store(ddtb_ptr + (ic * H + h) * K + cols, tl.sum(dg, 0), mask=cm)
+            dal += tl.sum(dg * z, 1)
+        tl.store(dg_ptr + offk, dg.to(dg_ptr.dtype.element_ty), mask=mk)
+        if L2:
+            rsq += tl.sum(dqn * qn, 1)
+            rsk += tl.sum(dkn * kn, 1)
+            tl.store(dqe_ptr + offk, dqn, mask=mk)
+            tl.store(dkg_ptr + offk, dkn, mask=mk)
+        else:
+            tl.store(dq_ptr + offk, dqn.to(dq_ptr.dtype.element_ty), mask=mk)
+            tl.store(dk_ptr + offk, dkn.to(dk_ptr.dtype.element_ty), mask=mk)
+    if GATE:
+        tl.store(dalog_ptr + ic * H + h, tl.sum(dal, 0))
+    if BETA_SIG:
+        dbeta = dbeta * beta * (1.0 - beta)
+    tl.store(db_ptr + (t0 + rows) * H + h, dbeta.to(db_ptr.dtype.element_ty), mask=rm)
+    # (4) the l2norm's backward: d x = (d xn - xn <d xn, xn>) / ||x||
+    if L2:
+        tl.debug_barrier()  # pass 3's stores to the dqe / dkg buffers are read back by other threads
+        for kb in range(0, BK, KB):
+            cols = kb + tl.arange(0, KB)
+            offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+            mk = rm[:, None] & (cols < K)[None, :]
+            qn = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB) * rq[:, None]
+            kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
+            dqn = tl.load(dqe_ptr + offk, mask=mk, other=0.0)
+            dkn = tl.load(dkg_ptr + offk, mask=mk, other=0.0)
+            tl.store(dq_ptr + offk, ((dqn - qn * rsq[:, None]) * rq[:, None]).to(dq_ptr.dtype.element_ty), mask=mk)
+            tl.store(dk_ptr + offk, ((dkn - kn * rsk[:, None]) * rk[:, None]).to(dk_ptr.dtype.element_ty), mask=mk)
