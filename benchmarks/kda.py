@@ -178,44 +178,42 @@ def decode_rows(args, timer, dev, dtype, fla_ok, log):
     return rows
 
 
+# Launch-parameter candidates, tried in order at the first shape; each stage keeps its fastest setting.
+SWEEP_FWD = [{}, {"intra_kb": 16, "intra_warps": 2}, {"intra_kb": 32, "intra_warps": 4}, {"fwd_warps": 8}]
+SWEEP_BWD = [{}, {"intra_bwd_split": False}, {"chunk_bwd_warps": 2}, {"state_grad_vb": 32},
+             {"bwd_prefetch": False}, {"bwd_bv": 32}]
+if os.environ.get("K3_KDA_SWEEP") == "short":  # the backward's structural choices only
+    SWEEP_FWD, SWEEP_BWD = [{}], [{}, {"intra_bwd_split": False}, {"chunk_bwd_warps": 2}, {"state_grad_vb": 32}]
+ENV = {"fwd_bv": "K3_KDA_FWD_BV", "fwd_warps": "K3_KDA_FWD_WARPS", "intra_warps": "K3_KDA_INTRA_WARPS",
+       "intra_kb": "K3_KDA_INTRA_KB", "bwd_bv": "K3_KDA_BWD_BV", "bwd_warps": "K3_KDA_BWD_WARPS",
+       "intra_bwd_warps": "K3_KDA_INTRA_BWD_WARPS", "intra_bwd_split": "K3_KDA_INTRA_BWD_SPLIT",
+       "state_grad_warps": "K3_KDA_STATE_GRAD_WARPS", "state_grad_vb": "K3_KDA_STATE_GRAD_VB",
+       "chunk_bwd_warps": "K3_KDA_CHUNK_BWD_WARPS", "bwd_prefetch": "K3_KDA_BWD_PREFETCH",
+       "prefetch": "K3_KDA_PREFETCH"}
+
+
 def sweep(timer, shape, D, dev, dtype, log, out_path):
-    """Time our kernels under a few launch configurations at one shape; keep the fastest in CFG."""
+    """Time our kernels under the SWEEP_* launch settings at one shape (forward settings by forward time,
+    backward settings by forward+backward time), keep the fastest in CFG and write them as an env file."""
     from k3.ops.kda.triton.chunk import CFG
     name, B, T, H, cu_list = shape
     x = make_inputs(B, T, H, D, dev, dtype, seed=1)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=dev)
     res = []
-    best = None
-    keys = ("fwd_bv", "fwd_warps", "intra_warps", "prefetch", "stages", "bf16_dots")
-    for vals in ((64, 4, 4, True, 1, True), (64, 4, 4, False, 3, True), (64, 4, 4, True, 1, False),
-                 (128, 8, 4, True, 1, True), (32, 4, 4, True, 1, True), (64, 4, 2, True, 1, True)):
-        CFG.update(zip(keys, vals))
-        ms = time_modes(timer, ours_fn, x, cu, ("fwd",))["fwd"]
-        res.append(dict(zip(keys, vals), fwd_ms=ms))
-        log(res[-1])
-        best = min(best or res[-1], res[-1], key=lambda r: r["fwd_ms"])
-    CFG.update({k: best[k] for k in keys})
-    bbest = None
-    bkeys = ("bwd_bv", "bwd_warps", "intra_bwd_warps")
-    for vals in ((32, 4, 4), (64, 4, 4), (64, 8, 4), (128, 8, 4)):
-        CFG.update(zip(bkeys, vals))
-        ms = time_modes(timer, ours_fn, x, cu, ("fwd+bwd",))
-        res.append(dict(zip(bkeys, vals), **{"fwd+bwd_ms": ms["fwd+bwd"], "bwd_ms": ms["bwd"]}))
-        log(res[-1])
-        bbest = min(bbest or res[-1], res[-1], key=lambda r: r["fwd+bwd_ms"])
-    CFG.update({k: bbest[k] for k in bkeys})
-    CFG["save_states"] = True
-    ms = time_modes(timer, ours_fn, x, cu, ("fwd+bwd",))
-    res.append({"save_states": True, "fwd+bwd_ms": ms["fwd+bwd"], "bwd_ms": ms["bwd"]})
-    log(res[-1])
-    CFG["save_states"] = ms["fwd+bwd"] < bbest["fwd+bwd_ms"]
+    for stage, mode in ((SWEEP_FWD, "fwd"), (SWEEP_BWD, "fwd+bwd")):
+        base, best = dict(CFG), None
+        for var in stage:
+            CFG.clear()
+            CFG.update(base, **var)
+            ms = time_modes(timer, ours_fn, x, cu, (mode,))[mode]
+            res.append({"variant": var, f"{mode}_ms": ms})
+            log(res[-1])
+            if best is None or ms < best[0]:
+                best = (ms, var)
+        CFG.clear()
+        CFG.update(base, **best[1])
     log({"chosen": dict(CFG)})
-    env = {"fwd_bv": "K3_KDA_FWD_BV", "fwd_warps": "K3_KDA_FWD_WARPS", "intra_warps": "K3_KDA_INTRA_WARPS",
-           "bwd_bv": "K3_KDA_BWD_BV", "bwd_warps": "K3_KDA_BWD_WARPS", "intra_bwd_warps": "K3_KDA_INTRA_BWD_WARPS",
-           "stages": "K3_KDA_STAGES"}
-    lines = [f"export {v}={CFG[k]}" for k, v in env.items()]
-    lines += [f"export K3_KDA_PREFETCH={int(CFG['prefetch'])}", f"export K3_KDA_BF16_DOTS={int(CFG['bf16_dots'])}",
-              f"export K3_KDA_SAVE_STATES={int(CFG['save_states'])}"]
+    lines = [f"export {v}={int(CFG[k]) if isinstance(CFG[k], bool) else CFG[k]}" for k, v in ENV.items()]
     with open(os.path.join(os.path.dirname(os.path.abspath(out_path)), "kda_cfg.env"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     return res

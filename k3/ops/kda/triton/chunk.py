@@ -32,13 +32,13 @@ CFG = {
     "intra_bwd_split": os.environ.get("K3_KDA_INTRA_BWD_SPLIT", "1") == "1",
     "state_grad_warps": int(os.environ.get("K3_KDA_STATE_GRAD_WARPS", "4")),
     "state_grad_vb": int(os.environ.get("K3_KDA_STATE_GRAD_VB", "16")),
-    "chunk_bwd_warps": int(os.environ.get("K3_KDA_CHUNK_BWD_WARPS", "2")),
+    "chunk_bwd_warps": int(os.environ.get("K3_KDA_CHUNK_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
-    "bwd_prefetch": os.environ.get("K3_KDA_BWD_PREFETCH", "0") == "1",  # off: 9% faster at (c) 32K
+    "bwd_prefetch": os.environ.get("K3_KDA_BWD_PREFETCH", "1") == "1",
     "stages": int(os.environ.get("K3_KDA_STAGES", "1")),
     # bf16 operands for the recurrence matmuls with bf16/fp16 inputs (never under the CPU
     # interpreter, whose bf16 tl.dot is wrong in Triton 3.9)
