@@ -70,18 +70,17 @@ def _mmb(a, b, BF16: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, PREC: tl.constexpr = "ieee"):
+def _unit_lower_inverse(A):
     """(I + A)^-1 for a strictly lower-triangular 16x16 A (nilpotent: A^16 = 0), as the product
-    (I - A)(I + A^2)(I + A^4)(I + A^8) = sum_j (-A)^j, with fp32-accurate dots (PREC "ieee": CUDA-core
-    FMAs; "tf32x3": three tensor-core tf32 products, about fp32 accuracy)."""
+    (I - A)(I + A^2)(I + A^4)(I + A^8) = sum_j (-A)^j, with exact-fp32 dots."""
     rows = tl.arange(0, 16)
     eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    A2 = tl.dot(A, A, input_precision=PREC)
-    A4 = tl.dot(A2, A2, input_precision=PREC)
-    A8 = tl.dot(A4, A4, input_precision=PREC)
-    Tm = tl.dot(eye - A, eye + A2, input_precision=PREC)
-    Tm = tl.dot(Tm, eye + A4, input_precision=PREC)
-    return tl.dot(Tm, eye + A8, input_precision=PREC)
+    A2 = tl.dot(A, A, input_precision="ieee")
+    A4 = tl.dot(A2, A2, input_precision="ieee")
+    A8 = tl.dot(A4, A4, input_precision="ieee")
+    Tm = tl.dot(eye - A, eye + A2, input_precision="ieee")
+    Tm = tl.dot(Tm, eye + A4, input_precision="ieee")
+    return tl.dot(Tm, eye + A8, input_precision="ieee")
 
 
 @triton.jit
