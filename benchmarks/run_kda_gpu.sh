@@ -2,7 +2,7 @@
 # KDA kernel measurements on the lent H200s (device kind nvidia-h200-x2): GPU1 times fla 0.6.0 (autotuning
 # once; its autotune results are kept in $OUT/tcache and reused from .tcache_fla/ when carried back) and GPU0
 # profiles ours (per-kernel breakdown, launch variants, Nsight Compute sections of each kernel).
-#   bash benchmarks/run_kda_gpu.sh profile|bench
+#   bash benchmarks/run_kda_gpu.sh final|tune|profile|bench   (final: the record run; tune / profile: launch variants, ncu)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -15,14 +15,14 @@ VARIANTS=${VARIANTS:-'[{"intra_warps": 8}, {"intra_warps": 2}, {"fwd_bv": 32}, {
 keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache.tgz" -T -); }
 if [ "$PART" = final ]; then
 # 2-GPU context-parallel test first (both GPUs), then GPU0 benchmarks (a)-(d) against fla after a short sweep,
-# GPU1 the kernel tests under both backward structures, the per-kernel profile and decode (e).
+# GPU1 the kernel tests, the per-kernel profile and decode (e).
 PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -s --timeout 140 tests/test_kda_cp.py \
   > $OUT/tests_cp.log 2>&1 || echo "cp tests exit $?" >> $OUT/tests_cp.log
 ( CUDA_VISIBLE_DEVICES=0 K3_KDA_SWEEP=short timeout 330 python3 benchmarks/kda.py --sweep --shapes abcd --fla all \
     --fla-budget-s 200 --deadline-s 300 --warmup 2 --reps 10 --out $OUT/kda.json > $OUT/bench.log 2>&1 ) &
 ( export CUDA_VISIBLE_DEVICES=1
-  for split in 1 0; do K3_KDA_INTRA_BWD_SPLIT=$split PYTHONPATH=$PWD timeout 100 python3 -m pytest -q -p no:cacheprovider \
-      --timeout 90 tests/test_kda_triton.py > $OUT/tests_split$split.log 2>&1 || echo "exit $?" >> $OUT/tests_split$split.log; done
+  PYTHONPATH=$PWD timeout 100 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/test_kda_triton.py \
+      > $OUT/tests.log 2>&1 || echo "exit $?" >> $OUT/tests.log
   timeout 60 python3 benchmarks/kda_profile.py --impl ours --reps 5 --out $OUT/prof_ours.json > $OUT/prof.log 2>&1
   timeout 80 python3 benchmarks/kda.py --shapes e --fla decode --reps 20 --out $OUT/kda_decode.json > $OUT/decode.log 2>&1 ) &
 wait
@@ -48,7 +48,7 @@ import torch, sys; sys.path.insert(0, 'benchmarks')
 from kda import make_inputs, ours_fn
 x = make_inputs(1, 8192, 96, 128, 'cuda', torch.bfloat16, 1)
 f, b = ours_fn(x, None, True); b(f()); torch.cuda.synchronize()" > $OUT/ncu.log 2>&1 || echo "ncu exit $?" >> $OUT/ncu.log
-  bash benchmarks/kda_gpu_extra.sh >> $OUT/ours.log 2>&1 || true ) &
+  ) &
 wait
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/kda.py --shapes abcde --fla all --fla-budget-s 500 \

@@ -62,7 +62,7 @@ def kernels():
             continue
         fn = getattr(intra, name, None) or getattr(recur, name)
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, NV=1, VB=16, KB=32,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, NV=1, VB=32, KB=32,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]

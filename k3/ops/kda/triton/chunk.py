@@ -14,7 +14,7 @@ import os
 import torch
 import triton
 
-from .intra import C, kda_chunk_bwd_kernel, kda_intra_bwd_kernel, kda_intra_fwd_kernel, kda_state_grad_kernel
+from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
 # Launch parameters (env-overridable for tuning sweeps on the GPU); defaults are the fastest measured
@@ -27,12 +27,6 @@ CFG = {
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
     "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
-    # backward after the reverse sweep: 1 = two token-parallel kernels (state products, then the chunk
-    # backward in column blocks), 0 = one fused kernel
-    "intra_bwd_split": os.environ.get("K3_KDA_INTRA_BWD_SPLIT", "1") == "1",
-    "state_grad_warps": int(os.environ.get("K3_KDA_STATE_GRAD_WARPS", "4")),
-    "state_grad_vb": int(os.environ.get("K3_KDA_STATE_GRAD_VB", "16")),
-    "chunk_bwd_warps": int(os.environ.get("K3_KDA_CHUNK_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
@@ -203,25 +197,11 @@ class _ChunkKDA(torch.autograd.Function):
         dalog = torch.empty(NC, H, **f32) if gate else None
         BK, BVf = _blk(K), _blk(V)
         VB = min(CFG["intra_bwd_vb"], BVf)
-        if CFG["intra_bwd_split"]:
-            dqe, dw, dkg = (torch.empty(Tt, H, K, **f32) for _ in range(3))
-            dd = torch.empty(NC, H, K, **f32)
-            kda_state_grad_kernel[(NC, H)](
-                hall, dsall, vnew, do, du, dqe, dw, dkg, dd, chunks, H, K, V, BK=BK, BV=BVf,
-                VB=min(CFG["state_grad_vb"], BVf), DOT_PREC=_prec(qp.dtype), BF16=_bf16(hall),
-                num_warps=CFG["state_grad_warps"], num_stages=1)
-            del hall, dsall
-            kda_chunk_bwd_kernel[(NC, H)](
-                qp, kp, vp, gp, bp, A_log, dt_bias, chunks, dqe, dw, dkg, dd, du, do, vnew,
-                dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
-                BK=BK, BV=BVf, KB=min(CFG["intra_kb"], BK, BVf), DOT_PREC=_prec(qp.dtype), BF16=_bf16(vnew),
-                num_warps=CFG["chunk_bwd_warps"], **flags)
-        else:
-            kda_intra_bwd_kernel[(NC, H)](
-                qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
-                dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
-                BK=BK, BV=BVf, VB=VB, DOT_PREC=_prec(qp.dtype),
-                BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags)
+        kda_intra_bwd_kernel[(NC, H)](
+            qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
+            dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
+            BK=BK, BV=BVf, VB=VB, DOT_PREC=_prec(qp.dtype),
+            BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags)
         dA_log = dalog.sum(0).reshape(ashape) if gate else None
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731
