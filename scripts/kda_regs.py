@@ -1,7 +1,8 @@
 """Register / spill report of the Triton KDA kernels compiled for sm_90a, without a GPU (ptxas -v).
 
     python scripts/kda_regs.py            # every kernel at D = 128, bf16 inputs
-Numbers come from the local Triton's code generation (may differ slightly from the GPU machine's version).
+Numbers come from the local Triton's code generation: to match the GPU machine, run it with that Triton
+(`pip download triton==3.6.0`, `pip install --no-deps --target /tmp/t36 ...`, `PYTHONPATH=/tmp/t36:.`).
 """
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ def _sig(fn, types, consts):
     return sig
 
 
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+
+
 def report(fn, types, consts, num_warps=4, **opts):
     src = ASTSource(fn, _sig(fn, types, consts), constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **opts))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
         fh.write(k.asm["ptx"])
-    r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
+    r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
                        capture_output=True, text=True)
     txt = r.stderr
     regs = re.search(r"Used (\d+) registers", txt)
@@ -44,7 +47,7 @@ def report(fn, types, consts, num_warps=4, **opts):
 
 def kernels():
     """(name, kernel, pointer/float argument types, constexprs, warps) at D = 128 with bf16 inputs."""
-    from k3.ops.kda.triton import intra, recur
+    from k3.ops.kda.triton import decode, intra, recur
     from k3.ops.kda.triton.chunk import CFG
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     flags = dict(GATE=True, BETA_SIG=True, L2=True)
@@ -54,18 +57,20 @@ def kernels():
     t.update({n: f32 for n in ("alog_ptr", "dtb_ptr", "aqk_ptr", "gc_ptr", "h0_ptr", "ht_ptr", "hsel_ptr",
                                "dht_ptr", "dh0_ptr", "du_ptr", "ddtb_ptr", "dalog_ptr", "dqe_ptr", "dw_ptr",
                                "dkg_ptr", "daqk_ptr", "dgc_ptr", "da_ptr", "dd_ptr")})
-    t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr")})
+    t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr", "idx_ptr")})
+    t["s_ptr"] = f32
     t.update(scale="fp32", lower_bound="fp32")
     out = []
-    for name in dir(intra) + dir(recur):
-        if not name.endswith("_kernel"):
-            continue
-        fn = getattr(intra, name, None) or getattr(recur, name)
+    mods = (intra, recur, decode)
+    for name in sorted({n for m in mods for n in dir(m) if n.endswith("_kernel")}):
+        fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, NV=1, VB=32, KB=32,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, NV=1, VB=32, KB=32,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
+        if "decode" in name:
+            consts["BV"] = 32  # kda_decode_triton's default block
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
                          "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
         out.append((name, fn, t, consts, warps))
