@@ -180,13 +180,14 @@ def decode_rows(args, timer, dev, dtype, fla_ok, log):
 
 # Launch-parameter candidates, tried in order at the first shape; each stage keeps its fastest setting.
 SWEEP_FWD = [{}, {"intra_kb": 16, "intra_warps": 2}, {"intra_kb": 32, "intra_warps": 4}, {"fwd_warps": 8}]
-SWEEP_BWD = [{}, {"intra_bwd_vb": 64}, {"intra_bwd_warps": 8}, {"bwd_prefetch": False}, {"bwd_bv": 32}]
+SWEEP_BWD = [{}, {"save_states": True}, {"intra_bwd_vb": 64}, {"intra_bwd_warps": 8}, {"bwd_prefetch": False},
+             {"bwd_bv": 32}]
 if os.environ.get("K3_KDA_SWEEP") == "short":  # the backward's settings only
     SWEEP_FWD, SWEEP_BWD = [{}], SWEEP_BWD[:3]
 ENV = {"fwd_bv": "K3_KDA_FWD_BV", "fwd_warps": "K3_KDA_FWD_WARPS", "intra_warps": "K3_KDA_INTRA_WARPS",
        "intra_kb": "K3_KDA_INTRA_KB", "bwd_bv": "K3_KDA_BWD_BV", "bwd_warps": "K3_KDA_BWD_WARPS",
        "intra_bwd_warps": "K3_KDA_INTRA_BWD_WARPS", "intra_bwd_vb": "K3_KDA_INTRA_BWD_VB",
-       "bwd_prefetch": "K3_KDA_BWD_PREFETCH",
+       "bwd_prefetch": "K3_KDA_BWD_PREFETCH", "save_states": "K3_KDA_SAVE_STATES",
        "prefetch": "K3_KDA_PREFETCH"}
 
 
@@ -229,6 +230,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--match", default="", help="only the chunked shapes whose name contains this")
     ap.add_argument("--sweep", action="store_true", help="tune our launch parameters at the first shape first")
+    ap.add_argument("--split", default="", help="also time ours with sequences cut into this many parallel "
+                    "segments (comma list, e.g. 4,8; CFG seq_split), on every chunked shape")
     ap.add_argument("--out", default="kda_bench.json")
     a = ap.parse_args()
     t_start = time.time()
@@ -281,6 +284,14 @@ def main():
         row = {"shape": name}
         for mode, ms in time_modes(timer, ours_fn, x, cu, ("fwd", "fwd+bwd")).items():
             row[f"ours_{mode}_ms"] = ms
+        if a.split:
+            from k3.ops.kda.triton.chunk import CFG
+            old = CFG["seq_split"]
+            for P in (int(p) for p in a.split.split(",")):
+                CFG["seq_split"] = P
+                for mode, ms in time_modes(timer, ours_fn, x, cu, ("fwd", "fwd+bwd")).items():
+                    row[f"ours_split{P}_{mode}_ms"] = ms
+            CFG["seq_split"] = old
         log(row)
         if fla_ok and a.fla == "all" and fla_spent < a.fla_budget_s:
             t0 = time.time()

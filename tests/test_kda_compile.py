@@ -31,6 +31,6 @@ def test_kernels_compile_for_sm90():
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     print("\n" + r.stdout)
-    regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s.*'regs': (\d+)", r.stdout, re.M)}
+    regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s.*'regs': (\d+)", r.stdout, re.M)}
     assert KERNELS <= set(regs), r.stdout
     assert all(0 < n <= 255 for n in regs.values()), regs

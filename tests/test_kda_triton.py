@@ -169,6 +169,44 @@ def test_saved_states_backward_equals_recompute():
         assert torch.equal(res[0][name], res[1][name]), name
 
 
+@pytest.mark.parametrize("cu", [None, [0, 5, 60, 60, 110]], ids=["one-sequence", "varlen"])
+def test_sequence_split_equals_whole(cu):
+    """CFG["seq_split"]: long sequences cut into segments that run in parallel (summaries, fp32 combine,
+    then each segment from its incoming state) give the whole-sequence result, values and gradients,
+    including the backward's recompute, states_at offsets and a zero-length sequence next to cut ones."""
+    from k3.ops.kda.triton.chunk import CFG, _split_plan
+    T = 100 if cu is None else cu[-1]
+    x, gr = make(1, T, 1, 16, 16, seed=23, N=1 if cu is None else len(cu) - 1, f_scale=2.0)
+    kw = {} if cu is None else dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
+    keys = ("seq_split", "split_min_chunks", "split_below_programs")
+    old = {k: CFG[k] for k in keys}
+    try:
+        res = []
+        for split in (0, 3):
+            CFG.update(seq_split=split, split_min_chunks=2, split_below_programs=10 ** 6)
+            res.append(run_gated(triton_gated, x, gr, torch.float32, **kw))
+        cu_h = tuple(cu or [0, T])
+        coff = [0]
+        for a, b in zip(cu_h, cu_h[1:]):
+            coff.append(coff[-1] + (b - a + 15) // 16)
+        plan = _split_plan(cu_h, tuple(coff), 3, 2, DEV)
+        assert plan is not None and plan["Na"] >= 2, "the test must exercise cut sequences"
+        # states at chunk ends inside the cut sequence, from the split forward
+        pos = torch.tensor([32, 48, 80] if cu is None else [5 + 32, 5 + 48, 60 + 32])
+        leaf = [t.to(DEV) for t in _gated_args(x)]
+        _, _, sel_split = triton_gated(*leaf, initial_state=x["h0"].to(DEV), states_at=pos, **kw)
+        CFG.update(seq_split=0)
+        _, _, sel_whole = triton_gated(*leaf, initial_state=x["h0"].to(DEV), states_at=pos, **kw)
+    finally:
+        CFG.update(old)
+    for name in res[0]:
+        assert rmse(res[0][name], res[1][name]) <= (1e-5 if not CUDA else 5e-3), name
+    assert rmse(sel_whole, sel_split) <= (1e-5 if not CUDA else 5e-3)
+    ref = run_gated(reference_gated, x, gr, torch.float64, **kw)
+    for name, r in ref.items():
+        assert rmse(r, res[1][name]) <= (min(TOL[name], STRICT) if not CUDA else TOL[name]), name
+
+
 # ---------------------------------------------------------------- causality and continuation
 def _gated_args(x, dev=DEV):
     return [x[n].to(dev) for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias")]

@@ -40,6 +40,11 @@ CFG = {
     # keep the forward's chunk tiles and per-chunk states for the backward instead of recomputing
     # them (faster backward; costs ~(K*V/16 + 5*K) values per token and head of memory)
     "save_states": os.environ.get("K3_KDA_SAVE_STATES", "0") == "1",
+    # cut long sequences into up to this many segments that run in parallel (0/1: off) when the recurrence
+    # has fewer than split_below_programs programs; segments have at least split_min_chunks chunks
+    "seq_split": int(os.environ.get("K3_KDA_SEQ_SPLIT", "0")),
+    "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "132")),
+    "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "32")),
 }
 
 
@@ -131,11 +136,80 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     hsel = torch.zeros(nsel, H, K, V, device=w.device, dtype=torch.float32) if slot is not None else None
     BV = min(CFG["fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V,
+        w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(w.dtype), BF16=_bf16(w),
-        PREFETCH=CFG["prefetch"], num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+        PREFETCH=CFG["prefetch"], SUMMARY=False, num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
+
+
+@functools.lru_cache(maxsize=64)
+def _split_plan(cu_host, coff_host, parts, min_chunks, device):
+    """Cut every sequence of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
+
+    Returns None when nothing is cut, else a dict of int64/int32 device tensors: the segments as
+    consecutive sequences (vcu, vcoff, Nv), the segments to summarise (all but the last of each cut
+    sequence, as (start, end) pairs and first chunks), each sequence's first and last segment, and per
+    step j the segments whose incoming state comes from segment j - 1's summary.
+    """
+    vcu, vcoff, first, last, pairs, scoff, steps = [0], [], [], [], [], [], []
+    for n in range(len(cu_host) - 1):
+        bos, eos, c0, nch = cu_host[n], cu_host[n + 1], coff_host[n], coff_host[n + 1] - coff_host[n]
+        seg = max(min_chunks, -(-nch // parts)) if nch >= 2 * min_chunks else max(nch, 1)
+        first.append(len(vcoff))
+        for j, cj in enumerate(range(0, max(nch, 1), seg)):
+            v = len(vcoff)
+            vcoff.append(c0 + cj)
+            vcu.append(min(bos + 16 * (cj + seg), eos))
+            if j > 0:
+                while len(steps) < j:
+                    steps.append(([], []))
+                steps[j - 1][0].append(v)
+                steps[j - 1][1].append(len(pairs) // 2 - 1)
+            if vcu[-1] < eos:
+                pairs += [vcu[-2], vcu[-1]]
+                scoff.append(c0 + cj)
+        last.append(len(vcoff) - 1)
+    if not pairs:
+        return None
+    i32 = dict(device=device, dtype=torch.int32)
+    i64 = dict(device=device, dtype=torch.int64)
+    return dict(vcu=torch.tensor(vcu, **i32), vcoff=torch.tensor(vcoff, **i32), Nv=len(vcoff),
+                pairs=torch.tensor(pairs, **i32), scoff=torch.tensor(scoff, **i32), Na=len(scoff),
+                first=torch.tensor(first, **i64), last=torch.tensor(last, **i64),
+                steps=[(torch.tensor(t, **i64), torch.tensor(a, **i64)) for t, a in steps])
+
+
+def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dtype, **kw):
+    """`_recur_fwd`, with long sequences cut into segments that run in parallel when the plain recurrence
+    would leave the GPU mostly idle (few sequences x heads, e.g. H = 12 at 128K tokens).
+
+    Each cut segment but the last is first summarised from a zero state: its own contribution S_loc and its
+    K x K transition M (one extra launch, `SUMMARY`); the segments' incoming states follow in fp32 from
+    S_in[j + 1] = M_j S_in[j] + S_loc[j]; then every segment runs as its own sequence from that state.
+    """
+    BV = min(CFG["fwd_bv"], _blk(V))
+    P = CFG["seq_split"]
+    plan = None
+    if P > 1 and N * H * triton.cdiv(V, BV) < CFG["split_below_programs"]:
+        plan = _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(parts[0].device))
+    if plan is None:
+        return _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, **kw)
+    w, u, qe, kg, aqk, gc = parts
+    summ = torch.empty(plan["Na"], H, K, V + K, device=w.device, dtype=torch.float32)
+    kda_recur_fwd_kernel[(plan["Na"], H, triton.cdiv(V + K, BV))](
+        w, u, qe, kg, aqk, gc, None, None, summ, None, None, None, None, plan["pairs"], plan["scoff"], H, K, V, 2,
+        BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(w.dtype),
+        BF16=_bf16(w), PREFETCH=CFG["prefetch"], SUMMARY=True, num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+    S_loc, M = summ[..., :V], summ[..., V:]
+    h0v = torch.zeros(plan["Nv"], H, K, V, device=w.device, dtype=torch.float32)
+    if h0 is not None:
+        h0v[plan["first"]] = h0.float()
+    for tgt, src in plan["steps"]:
+        h0v[tgt] = torch.matmul(M[src], h0v[tgt - 1]) + S_loc[src]
+    o, htv, hall, vnew, hsel = _recur_fwd(parts, h0v, plan["vcu"], plan["vcoff"], plan["Nv"], H, K, V, out_dtype,
+                                          **kw)
+    return o, htv[plan["last"]], hall, vnew, hsel
 
 
 class _ChunkKDA(torch.autograd.Function):
@@ -152,11 +226,11 @@ class _ChunkKDA(torch.autograd.Function):
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
         save = CFG["save_states"] and torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, h0))
-        o, ht, hall, vnew, hsel = _recur_fwd(parts, h0c, cu, coff, N, H, K, V, v.dtype, store_h=save,
-                                             slot=slot, nsel=nsel)
+        o, ht, hall, vnew, hsel = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, N, H, K, V, v.dtype,
+                                                   store_h=save, slot=slot, nsel=nsel)
         ctx.saved_parts = (parts, hall, vnew) if save else None
         ctx.save_for_backward(qp, kp, vp, gp, bp, A_log, dt_bias, h0c)
-        ctx.meta = (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, g.dtype, beta.dtype,
+        ctx.meta = (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, g.dtype, beta.dtype,
                     None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape)
         if hsel is not None:
             ctx.mark_non_differentiable(hsel)
@@ -165,7 +239,7 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht, _dsel):
         qp, kp, vp, gp, bp, A_log, dt_bias, h0 = ctx.saved_tensors
-        B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, gdt, bdt, ashape, dshape = ctx.meta
+        B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, gdt, bdt, ashape, dshape = ctx.meta
         Tt = B * T
         dev = qp.device
         if ctx.saved_parts is not None:
@@ -173,7 +247,8 @@ class _ChunkKDA(torch.autograd.Function):
             ctx.saved_parts = None
         else:
             parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
-            _, _, hall, vnew, _ = _recur_fwd(parts, h0, cu, coff, N, H, K, V, vp.dtype, store_h=True)
+            _, _, hall, vnew, _ = _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, vp.dtype,
+                                                   store_h=True)
         w, u, qe, kg, aqk, gc = parts
         BV = min(CFG["bwd_bv"], _blk(V))
         f32 = dict(device=dev, dtype=torch.float32)

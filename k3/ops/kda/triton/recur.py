@@ -44,30 +44,38 @@ def _load_fwd(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, t0, eos, ci, h, H, 
 @triton.jit
 def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, o_ptr, ht_ptr,
                          hall_ptr, vnew_ptr, slot_ptr, hsel_ptr, cu_ptr, coff_ptr,
-                         H, K, V,
+                         H, K, V, CS,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          STORE_H: tl.constexpr, STORE_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BF16: tl.constexpr, PREFETCH: tl.constexpr):
+                         BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr):
     """o = qe S + Aqk (u - w S); S <- e^{G_C} S + kg^T (u - w S), chunk by chunk.
 
-    STORE_H: write the incoming state of every chunk to hall [NC, H, K, V] and v_new to vnew
-    (for the backward). STORE_SEL: after chunk c, write S to hsel[slot[c]] when slot[c] >= 0.
+    Program (n, h, iv) runs tokens cu[n*CS] .. cu[n*CS + 1] (CS = 1: consecutive sequences; CS = 2: a list of
+    (start, end) pairs) whose first chunk is coff[n]. STORE_H: write the incoming state of every chunk to
+    hall [NC, H, K, V] and v_new to vnew (for the backward). STORE_SEL: after chunk c, write S to
+    hsel[slot[c]] when slot[c] >= 0.
+    SUMMARY (segment summary for splitting long sequences): no output; the state has V + K columns, the
+    first V start at 0 (the segment's own contribution, u as given) and the last K at the identity with
+    u = 0 (the segment's K x K transition), and ht [N, H, K, V + K] receives both.
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
+    bos = tl.load(cu_ptr + n * CS)
+    eos = tl.load(cu_ptr + n * CS + 1)
     c0 = tl.load(coff_ptr + n)
     rows = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     vc = iv * BV + tl.arange(0, BV)
+    VS = V + K if SUMMARY else V
     km = kc < K
     vm = vc < V
-    sm = km[:, None] & vm[None, :]
-    soff = kc[:, None] * V + vc[None, :]
+    sm = km[:, None] & (vc < VS)[None, :]
+    soff = kc[:, None] * VS + vc[None, :]
     if HAS_H0:
-        S = tl.load(h0_ptr + (n * H + h) * K * V + soff, mask=sm, other=0.0).to(tl.float32)
+        S = tl.load(h0_ptr + (n * H + h) * K * VS + soff, mask=sm, other=0.0).to(tl.float32)
+    elif SUMMARY:
+        S = (kc[:, None] == vc[None, :] - V).to(tl.float32)
     else:
         S = tl.zeros([BK, BV], tl.float32)
     nch = tl.cdiv(eos - bos, 16)
@@ -90,8 +98,9 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
             tl.store(hall_ptr + ((c0 + i) * H + h).to(tl.int64) * K * V + soff,
                      S.to(hall_ptr.dtype.element_ty), mask=sm)
         vn = u.to(tl.float32) - _mm(w, S, BF16, DOT_PREC)
-        o = _mm(qe, S, BF16, DOT_PREC) + _mm(A, vn, BF16, DOT_PREC)
-        tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if not SUMMARY:
+            o = _mm(qe, S, BF16, DOT_PREC) + _mm(A, vn, BF16, DOT_PREC)
+            tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv)
         if STORE_H:
             tl.store(vnew_ptr + offv, vn.to(vnew_ptr.dtype.element_ty), mask=mv)
         S = S * tl.exp(gC)[:, None] + _mm(tl.trans(kg), vn, BF16, DOT_PREC)
@@ -100,7 +109,7 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
             if slot >= 0:
                 tl.store(hsel_ptr + (slot * H + h).to(tl.int64) * K * V + soff, S, mask=sm)
     if STORE_HT:
-        tl.store(ht_ptr + (n * H + h) * K * V + soff, S, mask=sm)
+        tl.store(ht_ptr + (n * H + h) * K * VS + soff, S, mask=sm)
 
 
 @triton.jit
