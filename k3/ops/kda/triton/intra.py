@@ -21,26 +21,6 @@ C = 16  # chunk size (tokens); the recurrence runs one step per chunk
 
 
 @triton.jit
-def _sigmoid(x):
-    """1 / (1 + e^-x) with the fast full-range division (2 ulp in fp32; IEEE division costs ~10x the
-    instructions in these issue-bound kernels)."""
-    return tl.fdiv(1.0, 1.0 + tl.exp(-x), ieee_rounding=False)
-
-
-@triton.jit
-def _dsigmoid(x):
-    """sigmoid'(x) = e^-|x| / (1 + e^-|x|)^2: symmetric, no cancellation when saturated."""
-    t = tl.exp(-tl.abs(x))
-    return tl.fdiv(t, (1.0 + t) * (1.0 + t), ieee_rounding=False)
-
-
-@triton.jit
-def _rnorm(ss):
-    """1 / sqrt(ss + 1e-6): the l2norm's reciprocal (fast rsqrt)."""
-    return tl.math.rsqrt(ss + 1e-6)
-
-
-@triton.jit
 def _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, scale, lower_bound,
           BK: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr, L2: tl.constexpr):
     """Load one chunk of one head and apply l2norm / gate / beta sigmoid.
@@ -59,22 +39,22 @@ def _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, sc
     rq = tl.full([16], 1.0, tl.float32)
     rk = tl.full([16], 1.0, tl.float32)
     if L2:
-        rq = _rnorm(tl.sum(q * q, 1))
-        rk = _rnorm(tl.sum(k * k, 1))
+        rq = 1.0 / tl.sqrt(tl.sum(q * q, 1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(k * k, 1) + 1e-6)
     qn = q * rq[:, None]
     kn = k * rk[:, None]
     graw = tl.load(g_ptr + off, mask=m2, other=0.0).to(tl.float32)
     if GATE:
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         z = graw + tl.load(dtb_ptr + h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        g = lower_bound * _sigmoid(a * z)
+        g = lower_bound * tl.sigmoid(a * z)
     else:
         z = graw
         g = graw
     g = tl.where(m2, g, 0.0)
     braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
     if BETA_SIG:
-        beta = _sigmoid(braw)
+        beta = tl.sigmoid(braw)
     else:
         beta = braw
     beta = tl.where(rm, beta, 0.0)
@@ -142,7 +122,7 @@ def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, K
     if GATE:
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         z = graw + tl.load(dtb_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-        g = lower_bound * _sigmoid(a * z)
+        g = lower_bound * tl.sigmoid(a * z)
     else:
         z = graw
         g = graw
@@ -166,10 +146,10 @@ def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: 
             kb_ = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB)
             sq += tl.sum(qb * qb, 1)
             sk += tl.sum(kb_ * kb_, 1)
-        rq = _rnorm(sq)
-        rk = _rnorm(sk)
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
     braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
-    beta = _sigmoid(braw) if BETA_SIG else braw
+    beta = tl.sigmoid(braw) if BETA_SIG else braw
     beta = tl.where(rm, beta, 0.0)
     return rq, rk, beta
 
@@ -325,7 +305,8 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
         dk = dkn
     if GATE:
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        dz = dg * lower_bound * _dsigmoid(a * z) * a
+        x = a * z  # sigmoid'(x) as sigmoid(x) * sigmoid(-x): no cancellation when saturated
+        dz = dg * lower_bound * tl.sigmoid(x) * tl.sigmoid(-x) * a
         dz = tl.where(mk, dz, 0.0)
         tl.store(dg_ptr + offk, dz.to(dg_ptr.dtype.element_ty), mask=mk)
         tl.store(ddtb_ptr + (ic * H + h) * K + cols, tl.sum(dz, 0), mask=cm)
