@@ -74,8 +74,10 @@ def kernels():
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
                          "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
         out.append((name, fn, t, consts, warps))
-        if name == "kda_recur_fwd_kernel":  # the segment-summary specialisation (sequence splitting)
+        if name == "kda_recur_fwd_kernel":  # the segment-summary specialisations (sequence splitting)
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, STORE_H=False, HAS_H0=False), warps))
+        if name == "kda_recur_bwd_kernel":
+            out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, HAS_DHT=False, HAS_H0=True), warps))
     return out
 
 

@@ -148,11 +148,14 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device):
     """Cut every sequence of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
 
     Returns None when nothing is cut, else a dict of int64/int32 device tensors: the segments as
-    consecutive sequences (vcu, vcoff, Nv), the segments to summarise (all but the last of each cut
-    sequence, as (start, end) pairs and first chunks), each sequence's first and last segment, and per
-    step j the segments whose incoming state comes from segment j - 1's summary.
+    consecutive sequences (vcu, vcoff, Nv); the segments the forward summarises (all but the last of each
+    cut sequence, as (start, end) pairs and first chunks) and per step j the segments whose incoming state
+    comes from segment j - 1's summary; the same for the backward (all but the first segment; per step,
+    from the last segment down, the segments whose outgoing-state gradient comes from segment j + 1's);
+    each sequence's first and last segment.
     """
     vcu, vcoff, first, last, pairs, scoff, steps = [0], [], [], [], [], [], []
+    bpairs, bcoff, bsteps = [], [], []
     for n in range(len(cu_host) - 1):
         bos, eos, c0, nch = cu_host[n], cu_host[n + 1], coff_host[n], coff_host[n + 1] - coff_host[n]
         seg = max(min_chunks, -(-nch // parts)) if nch >= 2 * min_chunks else max(nch, 1)
@@ -169,6 +172,13 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device):
             if vcu[-1] < eos:
                 pairs += [vcu[-2], vcu[-1]]
                 scoff.append(c0 + cj)
+            if j > 0:
+                while len(bsteps) < j:
+                    bsteps.append(([], []))
+                bsteps[j - 1][0].append(v - 1)
+                bsteps[j - 1][1].append(len(bcoff))
+                bpairs += [vcu[-2], vcu[-1]]
+                bcoff.append(c0 + cj)
         last.append(len(vcoff) - 1)
     if not pairs:
         return None
@@ -177,7 +187,30 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device):
     return dict(vcu=torch.tensor(vcu, **i32), vcoff=torch.tensor(vcoff, **i32), Nv=len(vcoff),
                 pairs=torch.tensor(pairs, **i32), scoff=torch.tensor(scoff, **i32), Na=len(scoff),
                 first=torch.tensor(first, **i64), last=torch.tensor(last, **i64),
-                steps=[(torch.tensor(t, **i64), torch.tensor(a, **i64)) for t, a in steps])
+                steps=[(torch.tensor(t, **i64), torch.tensor(a, **i64)) for t, a in steps],
+                bpairs=torch.tensor(bpairs, **i32), bcoff=torch.tensor(bcoff, **i32), Nb=len(bcoff),
+                bsteps=[(torch.tensor(t, **i64), torch.tensor(a, **i64)) for t, a in reversed(bsteps)])
+
+
+def _plan(cu_host, coff_host, N, H, V, device):
+    """The sequence-splitting plan when CFG asks for it and the recurrences would have too few programs."""
+    P = CFG["seq_split"]
+    if P > 1 and N * H * triton.cdiv(V, min(CFG["fwd_bv"], _blk(V))) < CFG["split_below_programs"]:
+        return _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(device))
+    return None
+
+
+def _summaries(parts, pairs, scoff, n, H, K, V):
+    """Forward summaries [n, H, K, V + K] of the segments (start, end) = pairs: each one's contribution from
+    a zero state (first V columns) and its K x K transition (last K columns)."""
+    w, u, qe, kg, aqk, gc = parts
+    BV = min(CFG["fwd_bv"], _blk(V))
+    summ = torch.empty(n, H, K, V + K, device=w.device, dtype=torch.float32)
+    kda_recur_fwd_kernel[(n, H, triton.cdiv(V + K, BV))](
+        w, u, qe, kg, aqk, gc, None, None, summ, None, None, None, None, pairs, scoff, H, K, V, 2,
+        BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(w.dtype),
+        BF16=_bf16(w), PREFETCH=CFG["prefetch"], SUMMARY=True, num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+    return summ
 
 
 def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dtype, **kw):
@@ -188,19 +221,11 @@ def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dt
     K x K transition M (one extra launch, `SUMMARY`); the segments' incoming states follow in fp32 from
     S_in[j + 1] = M_j S_in[j] + S_loc[j]; then every segment runs as its own sequence from that state.
     """
-    BV = min(CFG["fwd_bv"], _blk(V))
-    P = CFG["seq_split"]
-    plan = None
-    if P > 1 and N * H * triton.cdiv(V, BV) < CFG["split_below_programs"]:
-        plan = _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(parts[0].device))
+    plan = _plan(cu_host, coff_host, N, H, V, parts[0].device)
     if plan is None:
         return _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, **kw)
-    w, u, qe, kg, aqk, gc = parts
-    summ = torch.empty(plan["Na"], H, K, V + K, device=w.device, dtype=torch.float32)
-    kda_recur_fwd_kernel[(plan["Na"], H, triton.cdiv(V + K, BV))](
-        w, u, qe, kg, aqk, gc, None, None, summ, None, None, None, None, plan["pairs"], plan["scoff"], H, K, V, 2,
-        BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(w.dtype),
-        BF16=_bf16(w), PREFETCH=CFG["prefetch"], SUMMARY=True, num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+    w = parts[0]
+    summ = _summaries(parts, plan["pairs"], plan["scoff"], plan["Na"], H, K, V)
     S_loc, M = summ[..., :V], summ[..., V:]
     h0v = torch.zeros(plan["Nv"], H, K, V, device=w.device, dtype=torch.float32)
     if h0 is not None:
@@ -210,6 +235,40 @@ def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dt
     o, htv, hall, vnew, hsel = _recur_fwd(parts, h0v, plan["vcu"], plan["vcoff"], plan["Nv"], H, K, V, out_dtype,
                                           **kw)
     return o, htv[plan["last"]], hall, vnew, hsel
+
+
+def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summary=False):
+    w, u, qe, kg, aqk, gc = parts
+    BV = min(CFG["bwd_bv"], _blk(V))
+    kda_recur_bwd_kernel[(n, H, triton.cdiv(V, BV))](
+        qe, kg, w, aqk, gc, do, dht, dh0, du, dsall, cu, coff, H, K, V, cs,
+        BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, DOT_PREC=_prec(w.dtype),
+        BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, num_warps=CFG["bwd_warps"],
+        num_stages=CFG["stages"])
+
+
+def _recur_bwd_split(parts, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V):
+    """The reverse sweep, with the forward's sequence splitting mirrored: the state map of a segment is
+    S_end = M S_start + S_loc, so dS_start = M^T dS_end + dS_loc, where dS_loc is the segment's own
+    contribution (a SUMMARY sweep from a zero gradient). The segments' outgoing-state gradients follow from
+    the last segment down in fp32; then every segment runs its sweep from that gradient."""
+    plan = _plan(cu_host, coff_host, N, H, V, do.device)
+    if plan is None:
+        return _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, N, H, K, V)
+    f32 = dict(device=do.device, dtype=torch.float32)
+    M = _summaries(parts, plan["bpairs"], plan["bcoff"], plan["Nb"], H, K, V)[..., V:]
+    dS_loc = torch.empty(plan["Nb"], H, K, V, **f32)
+    _recur_bwd(parts, do, None, dS_loc, None, None, plan["bpairs"], plan["bcoff"], plan["Nb"], H, K, V, cs=2,
+               summary=True)
+    dhtv = torch.zeros(plan["Nv"], H, K, V, **f32)
+    if dht is not None:
+        dhtv[plan["last"]] = dht.float()
+    for tgt, src in plan["bsteps"]:
+        dhtv[tgt] = torch.matmul(M[src].transpose(-1, -2), dhtv[tgt + 1]) + dS_loc[src]
+    dh0v = torch.empty(plan["Nv"], H, K, V, **f32) if dh0 is not None else None
+    _recur_bwd(parts, do, dhtv, dh0v, du, dsall, plan["vcu"], plan["vcoff"], plan["Nv"], H, K, V)
+    if dh0 is not None:
+        dh0.copy_(dh0v[plan["first"]])
 
 
 class _ChunkKDA(torch.autograd.Function):
@@ -250,19 +309,14 @@ class _ChunkKDA(torch.autograd.Function):
             _, _, hall, vnew, _ = _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, vp.dtype,
                                                    store_h=True)
         w, u, qe, kg, aqk, gc = parts
-        BV = min(CFG["bwd_bv"], _blk(V))
         f32 = dict(device=dev, dtype=torch.float32)
         du = torch.empty(Tt, H, V, **f32)
         dsall = torch.empty(NC, H, K, V, device=dev, dtype=hall.dtype)
         dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
         do = do.contiguous().reshape(Tt, H, V)
         dht = dht.contiguous() if dht is not None else None
-        kda_recur_bwd_kernel[(N, H, triton.cdiv(V, BV))](
-            qe, kg, w, aqk, gc, do, dht, dh0, du, dsall, cu, coff,
-            H, K, V, BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            DOT_PREC=_prec(qp.dtype), BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"],
-            num_warps=CFG["bwd_warps"], num_stages=CFG["stages"])
-        del w, u, qe, kg, aqk
+        _recur_bwd_split(parts, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V)
+        del w, u, qe, kg, aqk, parts
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)
         dv = torch.empty_like(vp)
         dg = torch.empty(Tt, H, K, device=dev, dtype=gdt)

@@ -131,19 +131,21 @@ def _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, t0, eos, ci, h, H,
 
 @triton.jit
 def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr, dh0_ptr, du_ptr, dsall_ptr,
-                         cu_ptr, coff_ptr, H, K, V,
+                         cu_ptr, coff_ptr, H, K, V, CS,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BF16: tl.constexpr, PREFETCH: tl.constexpr):
+                         DOT_PREC: tl.constexpr, BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr):
     """Reverse sweep of the state gradient only: dS' (gradient of the state leaving a chunk) runs from
     the last chunk to the first. Per chunk c it writes dS'_c to dsall [NC, H, K, V] and du = dv_new
     = Aqk^T do + kg dS'_c [T, H, V]; at the start of the sequence, dh0. Everything that does not feed the
     recurrence (dq, dk, dw, dAqk, d e^{G_C}) is left to the token-parallel `kda_intra_bwd_kernel`.
+    Tokens cu[n*CS] .. cu[n*CS + 1] as in `kda_recur_fwd_kernel`. SUMMARY: write nothing per chunk, only dh0
+    (a segment's own contribution to the gradient of its incoming state, for sequence splitting).
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
+    bos = tl.load(cu_ptr + n * CS)
+    eos = tl.load(cu_ptr + n * CS + 1)
     c0 = tl.load(coff_ptr + n)
     rows = tl.arange(0, 16)
     kc = tl.arange(0, BK)
@@ -173,10 +175,11 @@ def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr
                                              c0 + i, h, H, K, V, kc, vc)
         t = bos + i * 16 + rows
         mv = (t < eos)[:, None] & vm[None, :]
-        tl.store(dsall_ptr + ((c0 + i) * H + h).to(tl.int64) * K * V + soff,
-                 dS.to(dsall_ptr.dtype.element_ty), mask=sm)
         dvn = _mm(tl.trans(A), do, BF16, DOT_PREC) + _mm(kg, dS, BF16, DOT_PREC)
-        tl.store(du_ptr + t[:, None] * (H * V) + h * V + vc[None, :], dvn, mask=mv)
+        if not SUMMARY:
+            tl.store(dsall_ptr + ((c0 + i) * H + h).to(tl.int64) * K * V + soff,
+                     dS.to(dsall_ptr.dtype.element_ty), mask=sm)
+            tl.store(du_ptr + t[:, None] * (H * V) + h * V + vc[None, :], dvn, mask=mv)
         dS = dS * tl.exp(gC)[:, None] + _mm(tl.trans(qe), do, BF16, DOT_PREC) \
             - _mm(tl.trans(w), dvn, BF16, DOT_PREC)
     if HAS_H0:
