@@ -15,7 +15,7 @@ VARIANTS=${VARIANTS:-'[{"intra_warps": 8}, {"intra_warps": 2}, {"fwd_bv": 32}, {
 keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache.tgz" -T -); }
 if [ "$PART" = final ]; then
 # 2-GPU context-parallel test first (both GPUs), then GPU0 benchmarks (a)-(d) against fla after a short sweep,
-# GPU1 the kernel tests, the per-kernel profile, decode (e) and (c) with long sequences cut into 4 / 8 segments.
+# GPU1 the kernel tests, the per-kernel profile, decode (e) and (c), (d) with long sequences cut into 4 / 8 segments.
 PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -s --timeout 140 tests/test_kda_cp.py \
   > $OUT/tests_cp.log 2>&1 || echo "cp tests exit $?" >> $OUT/tests_cp.log
 ( CUDA_VISIBLE_DEVICES=0 K3_KDA_SWEEP=short timeout 330 python3 benchmarks/kda.py --sweep --shapes abcd --fla all \
@@ -25,7 +25,7 @@ PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -s 
       > $OUT/tests.log 2>&1 || echo "exit $?" >> $OUT/tests.log
   timeout 60 python3 benchmarks/kda_profile.py --impl ours --reps 5 --out $OUT/prof_ours.json > $OUT/prof.log 2>&1
   timeout 80 python3 benchmarks/kda.py --shapes e --fla decode --reps 20 --out $OUT/kda_decode.json > $OUT/decode.log 2>&1
-  timeout 200 python3 benchmarks/kda.py --shapes c --fla none --split 4,8 --reps 10 --out $OUT/kda_split.json \
+  timeout 240 python3 benchmarks/kda.py --shapes cd --fla none --split 4,8 --reps 10 --out $OUT/kda_split.json \
     > $OUT/split.log 2>&1 ) &
 wait
 elif [ "$PART" = tune ]; then
