@@ -18,8 +18,8 @@ if [ "$PART" = final ]; then
 # GPU1 the kernel tests, the per-kernel profile, decode (e) and (c), (d) with long sequences cut into 4 / 8 segments.
 PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -s --timeout 140 tests/test_kda_cp.py \
   > $OUT/tests_cp.log 2>&1 || echo "cp tests exit $?" >> $OUT/tests_cp.log
-( CUDA_VISIBLE_DEVICES=0 K3_KDA_SWEEP=short timeout 330 python3 benchmarks/kda.py --sweep --shapes abcd --fla all \
-    --fla-budget-s 200 --deadline-s 300 --warmup 2 --reps 10 --out $OUT/kda.json > $OUT/bench.log 2>&1 ) &
+( CUDA_VISIBLE_DEVICES=0 K3_KDA_SWEEP=short timeout 500 python3 benchmarks/kda.py --sweep --shapes abcd --fla all \
+    --fla-budget-s 400 --deadline-s 460 --warmup 2 --reps 10 --out $OUT/kda.json > $OUT/bench.log 2>&1; keep_tune ) &
 ( export CUDA_VISIBLE_DEVICES=1
   PYTHONPATH=$PWD timeout 100 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/test_kda_triton.py \
       > $OUT/tests.log 2>&1 || echo "exit $?" >> $OUT/tests.log
