@@ -235,6 +235,24 @@ def test_backend_dispatch():
             chunk_kda(*args, backend="fla")
 
 
+def test_auto_prefers_our_forward_only_where_measured_faster(monkeypatch):
+    """auto's policy (docs/benchmarks.md): our Triton forward over fla without autograd from 64 sequence x head
+    pairs on (H64: 1.30x, H96: 1.31x, 2 x H16: 1.00x), fla for training."""
+    import k3.ops.kda as kda
+    monkeypatch.setattr(kda, "_triton_fits", lambda q, v: True)
+    q = torch.randn(1, 32, 64, 16)
+    v = torch.randn(1, 32, 64, 16)
+    assert kda._prefer_triton_forward(q, v, None, (q, v))
+    assert not kda._prefer_triton_forward(q[:, :, :32], v[:, :, :32], None, (q, v))       # 32 pairs
+    assert kda._prefer_triton_forward(q[:, :, :32], v[:, :, :32], torch.tensor([0, 9, 20, 32]), (q, v))  # 96
+    leaf = q.clone().requires_grad_()
+    assert not kda._prefer_triton_forward(q, v, None, (leaf, v))                           # training
+    with torch.no_grad():
+        assert kda._prefer_triton_forward(q, v, None, (leaf, v))
+    monkeypatch.setattr(kda, "_triton_fits", lambda q, v: False)
+    assert not kda._prefer_triton_forward(q, v, None, (q, v))
+
+
 def test_input_validation():
     x = make_inputs(2, 20, 3, 16, 8, seed=13)
     q, k, v, g, beta, h0 = (x[m] for m in ("q", "k", "v", "g", "beta", "h0"))

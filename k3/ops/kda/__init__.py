@@ -3,9 +3,11 @@
 Backends: "triton" (k3's own Triton kernels, `k3.ops.kda.triton`: 16-token tiles that need K3's
 lower-bounded gate, g >= -5), "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), "torch"
 (chunk_kda_torch, chunked PyTorch with autograd, any device), "reference" (recurrent_kda, token
-loop). "auto" on CUDA picks, for whole sequences, fla when it is importable (its 64-token chunked kernels
-are faster than ours today: see docs/benchmarks.md), else triton (head dims <= 128 and, for an activated g,
-g >= -5), else torch; for decode, triton (faster than fla's fused recurrent kernel at every measured batch).
+loop). "auto" on CUDA picks, for whole sequences: triton for forwards without autograd over at least 64 sequence x
+head pairs (1.30x fla's forward at H64 and H96 on the H200; equal at 2 x H16), fla for training when it is
+importable (its 64-token chunked backward is faster than ours today), else triton (head dims <= 128 and, for
+an activated g, g >= -5), else torch; for decode, triton (faster than fla's fused recurrent kernel at every
+measured batch). Figures: docs/benchmarks.md.
 `states_at` (prefix-cache states) needs triton. On CPU "auto" is torch. All share the fla contract:
 q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (K-first).
 """
@@ -62,6 +64,19 @@ def _fla_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, c
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, **gate_kw)
 
 
+TRITON_FWD_MIN_PAIRS = 64  # sequence x head pairs from which our forward beat fla's (measured: 96, 128, 384)
+
+
+def _prefer_triton_forward(q, v, cu_seqlens, grad_inputs) -> bool:
+    """auto's choice of our kernels over fla: a forward without autograd with enough parallel recurrences."""
+    if not _triton_fits(q, v):
+        return False
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in grad_inputs):
+        return False
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    return n_seq * q.shape[2] >= TRITON_FWD_MIN_PAIRS
+
+
 def _check_backend(fn, backend, q):
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
@@ -103,6 +118,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if backend == "auto":
         if states_at is not None and _triton_fits(q, v):
             backend = "triton"
+        elif (q.is_cuda and fla_available()
+              and _prefer_triton_forward(q, v, cu_seqlens, (q, k, v, g, beta, initial_state))
+              and _g_min(g, g_lower_bound) >= TRITON_G_MIN):
+            backend = "triton"
         elif q.is_cuda and fla_available():
             backend = "fla"
         elif _triton_fits(q, v) and _g_min(g, g_lower_bound) >= TRITON_G_MIN:
@@ -142,7 +161,9 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
     check_inputs("chunk_kda_gated", q, k, v, f, beta_logit, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
-        if states_at is None and q.is_cuda and fla_available():
+        ours = TRITON_G_MIN <= lower_bound < 0 and _prefer_triton_forward(
+            q, v, cu_seqlens, (q, k, v, f, beta_logit, A_log, dt_bias, initial_state))
+        if states_at is None and q.is_cuda and fla_available() and not ours:
             backend = "fla"
         else:
             backend = "triton" if _triton_fits(q, v) else "torch"
