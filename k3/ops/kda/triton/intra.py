@@ -21,6 +21,30 @@ C = 16  # chunk size (tokens); the recurrence runs one step per chunk
 
 
 @triton.jit
+def _gate(graw, alog_ptr, dtb_ptr, h, K, cols, lower_bound, GATE: tl.constexpr):
+    """Per-token log decay g of raw rows [16, n] at head h and columns `cols`, and the pre-activation z:
+    with GATE, z = f + dt_bias and g = lower_bound * sigmoid(exp(A_log[h]) * z); else g = z = graw."""
+    if GATE:
+        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        z = graw + tl.load(dtb_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        z = graw
+        g = graw
+    return g, z
+
+
+@triton.jit
+def _beta(b_ptr, t0, nvalid, h, H, BETA_SIG: tl.constexpr):
+    """beta [16] of one chunk of one head (sigmoid of the logits with BETA_SIG), 0 on invalid rows."""
+    rows = tl.arange(0, 16)
+    rm = rows < nvalid
+    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(braw) if BETA_SIG else braw
+    return tl.where(rm, beta, 0.0)
+
+
+@triton.jit
 def _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, scale, lower_bound,
           BK: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr, L2: tl.constexpr):
     """Load one chunk of one head and apply l2norm / gate / beta sigmoid.
@@ -43,26 +67,15 @@ def _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, sc
         rk = 1.0 / tl.sqrt(tl.sum(k * k, 1) + 1e-6)
     qn = q * rq[:, None]
     kn = k * rk[:, None]
-    graw = tl.load(g_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    if GATE:
-        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        z = graw + tl.load(dtb_ptr + h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        g = lower_bound * tl.sigmoid(a * z)
-    else:
-        z = graw
-        g = graw
+    g, z = _gate(tl.load(g_ptr + off, mask=m2, other=0.0).to(tl.float32), alog_ptr, dtb_ptr, h, K, cols,
+                 lower_bound, GATE)
     g = tl.where(m2, g, 0.0)
-    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
-    if BETA_SIG:
-        beta = tl.sigmoid(braw)
-    else:
-        beta = braw
-    beta = tl.where(rm, beta, 0.0)
+    beta = _beta(b_ptr, t0, nvalid, h, H, BETA_SIG)
     return qn * scale, kn, g, beta, qn, kn, z, rq, rk
 
 
 @triton.jit
-def _mmb(a, b, BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+def _mm(a, b, BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     """a @ b: bf16 operands (fp32 accumulate) for bf16/fp16 storage on GPU, else fp32 at DOT_PREC."""
     if BF16:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
@@ -118,14 +131,7 @@ def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, K
     gate's pre-activation z (f + dt_bias with GATE, else g itself) for the backward."""
     rows = tl.arange(0, 16)
     cols = kb + tl.arange(0, KB)
-    graw = _cols(g_ptr, t0, nvalid, h, H, K, kb, KB)
-    if GATE:
-        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        z = graw + tl.load(dtb_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-        g = lower_bound * tl.sigmoid(a * z)
-    else:
-        z = graw
-        g = graw
+    g, z = _gate(_cols(g_ptr, t0, nvalid, h, H, K, kb, KB), alog_ptr, dtb_ptr, h, K, cols, lower_bound, GATE)
     g = tl.where((rows < nvalid)[:, None] & (cols < K)[None, :], g, 0.0)
     return tl.cumsum(g, 0), z
 
@@ -134,8 +140,6 @@ def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, K
 def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: tl.constexpr,
                 BETA_SIG: tl.constexpr, L2: tl.constexpr):
     """1/||q||, 1/||k|| per row (1 without L2) and beta (0 on invalid rows), reading q, k in column blocks."""
-    rows = tl.arange(0, 16)
-    rm = rows < nvalid
     rq = tl.full([16], 1.0, tl.float32)
     rk = tl.full([16], 1.0, tl.float32)
     if L2:
@@ -148,10 +152,7 @@ def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: 
             sk += tl.sum(kb_ * kb_, 1)
         rq = 1.0 / tl.sqrt(sq + 1e-6)
         rk = 1.0 / tl.sqrt(sk + 1e-6)
-    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
-    beta = tl.sigmoid(braw) if BETA_SIG else braw
-    beta = tl.where(rm, beta, 0.0)
-    return rq, rk, beta
+    return rq, rk, _beta(b_ptr, t0, nvalid, h, H, BETA_SIG)
 
 
 @triton.jit
@@ -249,10 +250,10 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
         dob = tl.load(do_ptr + offb, mask=mvb, other=0.0)
         vnb = tl.load(vnew_ptr + offb, mask=mvb, other=0.0)
         dub = tl.load(du_ptr + offb, mask=mvb, other=0.0)
-        dqe += _mmb(dob, tl.trans(S), BF16, DOT_PREC)
-        dw -= _mmb(dub, tl.trans(S), BF16, DOT_PREC)
-        dkg += _mmb(vnb, tl.trans(dS), BF16, DOT_PREC)
-        dA += _mmb(dob, tl.trans(vnb), BF16, DOT_PREC)
+        dqe += _mm(dob, tl.trans(S), BF16, DOT_PREC)
+        dw -= _mm(dub, tl.trans(S), BF16, DOT_PREC)
+        dkg += _mm(vnb, tl.trans(dS), BF16, DOT_PREC)
+        dA += _mm(dob, tl.trans(vnb), BF16, DOT_PREC)
         dD += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
 
     qs, kn, g, beta, qn, _, z, rq, rk = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,

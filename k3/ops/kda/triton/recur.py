@@ -15,17 +15,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _mm(a, b, BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    if BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
+from .intra import _mm
 
 
 @triton.jit
-def _load_fwd(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, t0, eos, ci, h, H, K, V, kc, vc):
-    """One chunk's tiles (storage dtype): w, qe, kg [16, BK]; u [16, BV]; Aqk [16, 16]; G_C [BK]."""
+def _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, x_ptr, t0, eos, ci, h, H, K, V, kc, vc):
+    """One chunk's tiles (storage dtype) for a recurrence step: w, qe, kg [16, BK]; x [16, BV] (u forward,
+    do backward); Aqk [16, 16]; G_C [BK]. Zero outside the sequence."""
     rows = tl.arange(0, 16)
     t = t0 + rows
     rm = t < eos
@@ -35,10 +31,10 @@ def _load_fwd(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, t0, eos, ci, h, H, 
     w = tl.load(w_ptr + offk, mask=mk, other=0.0)
     qe = tl.load(qe_ptr + offk, mask=mk, other=0.0)
     kg = tl.load(kg_ptr + offk, mask=mk, other=0.0)
-    u = tl.load(u_ptr + t[:, None] * (H * V) + h * V + vc[None, :], mask=mv, other=0.0)
+    x = tl.load(x_ptr + t[:, None] * (H * V) + h * V + vc[None, :], mask=mv, other=0.0)
     A = tl.load(aqk_ptr + t[:, None] * (H * 16) + h * 16 + rows[None, :], mask=rm[:, None], other=0.0)
     gC = tl.load(gc_ptr + (ci * H + h) * K + kc, mask=(kc < K) & (t0 + 0 * kc < eos), other=0.0)
-    return w, qe, kg, u, A, gC
+    return w, qe, kg, x, A, gC
 
 
 @triton.jit
@@ -80,17 +76,17 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
         S = tl.zeros([BK, BV], tl.float32)
     nch = tl.cdiv(eos - bos, 16)
     if PREFETCH:
-        w_n, qe_n, kg_n, u_n, A_n, gC_n = _load_fwd(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, bos, eos, c0,
-                                                    h, H, K, V, kc, vc)
+        w_n, qe_n, kg_n, u_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr, bos, eos, c0,
+                                                     h, H, K, V, kc, vc)
     for i in range(0, nch):
         if PREFETCH:
             w, qe, kg, u, A, gC = w_n, qe_n, kg_n, u_n, A_n, gC_n
-            w_n, qe_n, kg_n, u_n, A_n, gC_n = _load_fwd(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr,
-                                                        bos + (i + 1) * 16, eos, c0 + tl.minimum(i + 1, nch - 1),
-                                                        h, H, K, V, kc, vc)
+            w_n, qe_n, kg_n, u_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr,
+                                                         bos + (i + 1) * 16, eos, c0 + tl.minimum(i + 1, nch - 1),
+                                                         h, H, K, V, kc, vc)
         else:
-            w, qe, kg, u, A, gC = _load_fwd(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, bos + i * 16, eos,
-                                            c0 + i, h, H, K, V, kc, vc)
+            w, qe, kg, u, A, gC = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr, bos + i * 16, eos,
+                                             c0 + i, h, H, K, V, kc, vc)
         t = bos + i * 16 + rows
         mv = (t < eos)[:, None] & vm[None, :]
         offv = t[:, None] * (H * V) + h * V + vc[None, :]
@@ -110,23 +106,6 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
                 tl.store(hsel_ptr + (slot * H + h).to(tl.int64) * K * V + soff, S, mask=sm)
     if STORE_HT:
         tl.store(ht_ptr + (n * H + h) * K * VS + soff, S, mask=sm)
-
-
-@triton.jit
-def _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, t0, eos, ci, h, H, K, V, kc, vc):
-    rows = tl.arange(0, 16)
-    t = t0 + rows
-    rm = t < eos
-    mk = rm[:, None] & (kc < K)[None, :]
-    mv = rm[:, None] & (vc < V)[None, :]
-    offk = t[:, None] * (H * K) + h * K + kc[None, :]
-    qe = tl.load(qe_ptr + offk, mask=mk, other=0.0)
-    kg = tl.load(kg_ptr + offk, mask=mk, other=0.0)
-    w = tl.load(w_ptr + offk, mask=mk, other=0.0)
-    A = tl.load(aqk_ptr + t[:, None] * (H * 16) + h * 16 + rows[None, :], mask=rm[:, None], other=0.0)
-    gC = tl.load(gc_ptr + (ci * H + h) * K + kc, mask=(kc < K) & (t0 + 0 * kc < eos), other=0.0)
-    do = tl.load(do_ptr + t[:, None] * (H * V) + h * V + vc[None, :], mask=mv, other=0.0)
-    return qe, kg, w, A, gC, do
 
 
 @triton.jit
@@ -161,18 +140,18 @@ def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr
     nch = tl.cdiv(eos - bos, 16)
     if PREFETCH:
         i0 = tl.maximum(nch - 1, 0)
-        qe_n, kg_n, w_n, A_n, gC_n, do_n = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr,
-                                                     bos + i0 * 16, eos, c0 + i0, h, H, K, V, kc, vc)
+        w_n, qe_n, kg_n, do_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr,
+                                                      bos + i0 * 16, eos, c0 + i0, h, H, K, V, kc, vc)
     for j in range(0, nch):
         i = nch - 1 - j
         if PREFETCH:
-            qe, kg, w, A, gC, do = qe_n, kg_n, w_n, A_n, gC_n, do_n
+            w, qe, kg, do, A, gC = w_n, qe_n, kg_n, do_n, A_n, gC_n
             ip = tl.maximum(i - 1, 0)
-            qe_n, kg_n, w_n, A_n, gC_n, do_n = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr,
-                                                         bos + ip * 16, eos, c0 + ip, h, H, K, V, kc, vc)
+            w_n, qe_n, kg_n, do_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr,
+                                                          bos + ip * 16, eos, c0 + ip, h, H, K, V, kc, vc)
         else:
-            qe, kg, w, A, gC, do = _load_bwd(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, bos + i * 16, eos,
-                                             c0 + i, h, H, K, V, kc, vc)
+            w, qe, kg, do, A, gC = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr, bos + i * 16, eos,
+                                              c0 + i, h, H, K, V, kc, vc)
         t = bos + i * 16 + rows
         mv = (t < eos)[:, None] & vm[None, :]
         dvn = _mm(tl.trans(A), do, BF16, DOT_PREC) + _mm(kg, dS, BF16, DOT_PREC)
