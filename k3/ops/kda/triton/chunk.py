@@ -147,49 +147,40 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
 def _split_plan(cu_host, coff_host, parts, min_chunks, device):
     """Cut every sequence of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
 
-    Returns None when nothing is cut, else a dict of int64/int32 device tensors: the segments as
-    consecutive sequences (vcu, vcoff, Nv); the segments the forward summarises (all but the last of each
-    cut sequence, as (start, end) pairs and first chunks) and per step j the segments whose incoming state
-    comes from segment j - 1's summary; the same for the backward (all but the first segment; per step,
-    from the last segment down, the segments whose outgoing-state gradient comes from segment j + 1's);
-    each sequence's first and last segment.
+    Returns None when nothing is cut, else a dict of device tensors: the segments as consecutive sequences
+    (vcu, vcoff, Nv); the segments of cut sequences, which get summaries, as (start, end) pairs and first
+    chunks (Ns of them); each sequence's first and last segment; the forward's combine steps, in order,
+    as (segments j, summary index of segment j - 1), and the backward's, from the last segment down, as
+    (segments j - 1, summary index of segment j).
     """
     vcu, vcoff, first, last, pairs, scoff, steps = [0], [], [], [], [], [], []
-    bpairs, bcoff, bsteps = [], [], []
     for n in range(len(cu_host) - 1):
         bos, eos, c0, nch = cu_host[n], cu_host[n + 1], coff_host[n], coff_host[n + 1] - coff_host[n]
-        seg = max(min_chunks, -(-nch // parts)) if nch >= 2 * min_chunks else max(nch, 1)
+        cut = nch >= 2 * min_chunks
+        seg = max(min_chunks, -(-nch // parts)) if cut else max(nch, 1)
         first.append(len(vcoff))
         for j, cj in enumerate(range(0, max(nch, 1), seg)):
-            v = len(vcoff)
             vcoff.append(c0 + cj)
             vcu.append(min(bos + 16 * (cj + seg), eos))
-            if j > 0:
-                while len(steps) < j:
-                    steps.append(([], []))
-                steps[j - 1][0].append(v)
-                steps[j - 1][1].append(len(pairs) // 2 - 1)
-            if vcu[-1] < eos:
+            if cut:
+                if j > 0:
+                    while len(steps) < j:
+                        steps.append(([], [], []))
+                    steps[j - 1][0].append(len(vcoff) - 1)        # segment j
+                    steps[j - 1][1].append(len(scoff) - 1)        # summary of segment j - 1
+                    steps[j - 1][2].append(len(scoff))            # summary of segment j
                 pairs += [vcu[-2], vcu[-1]]
                 scoff.append(c0 + cj)
-            if j > 0:
-                while len(bsteps) < j:
-                    bsteps.append(([], []))
-                bsteps[j - 1][0].append(v - 1)
-                bsteps[j - 1][1].append(len(bcoff))
-                bpairs += [vcu[-2], vcu[-1]]
-                bcoff.append(c0 + cj)
         last.append(len(vcoff) - 1)
     if not pairs:
         return None
     i32 = dict(device=device, dtype=torch.int32)
-    i64 = dict(device=device, dtype=torch.int64)
+    i64 = lambda x: torch.tensor(x, device=device, dtype=torch.int64)  # noqa: E731
     return dict(vcu=torch.tensor(vcu, **i32), vcoff=torch.tensor(vcoff, **i32), Nv=len(vcoff),
-                pairs=torch.tensor(pairs, **i32), scoff=torch.tensor(scoff, **i32), Na=len(scoff),
-                first=torch.tensor(first, **i64), last=torch.tensor(last, **i64),
-                steps=[(torch.tensor(t, **i64), torch.tensor(a, **i64)) for t, a in steps],
-                bpairs=torch.tensor(bpairs, **i32), bcoff=torch.tensor(bcoff, **i32), Nb=len(bcoff),
-                bsteps=[(torch.tensor(t, **i64), torch.tensor(a, **i64)) for t, a in reversed(bsteps)])
+                pairs=torch.tensor(pairs, **i32), scoff=torch.tensor(scoff, **i32), Ns=len(scoff),
+                first=i64(first), last=i64(last),
+                fsteps=[(i64(v), i64(prev)) for v, prev, _ in steps],
+                bsteps=[(i64(v) - 1, i64(cur)) for v, _, cur in reversed(steps)])
 
 
 def _plan(cu_host, coff_host, N, H, V, device):
@@ -217,24 +208,24 @@ def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dt
     """`_recur_fwd`, with long sequences cut into segments that run in parallel when the plain recurrence
     would leave the GPU mostly idle (few sequences x heads, e.g. H = 12 at 128K tokens).
 
-    Each cut segment but the last is first summarised from a zero state: its own contribution S_loc and its
+    Every segment of a cut sequence is first summarised from a zero state: its own contribution S_loc and its
     K x K transition M (one extra launch, `SUMMARY`); the segments' incoming states follow in fp32 from
     S_in[j + 1] = M_j S_in[j] + S_loc[j]; then every segment runs as its own sequence from that state.
+    Returns `_recur_fwd`'s outputs and the summaries (None when nothing is cut), which the backward reuses.
     """
     plan = _plan(cu_host, coff_host, N, H, V, parts[0].device)
     if plan is None:
-        return _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, **kw)
-    w = parts[0]
-    summ = _summaries(parts, plan["pairs"], plan["scoff"], plan["Na"], H, K, V)
+        return _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, **kw) + (None,)
+    summ = _summaries(parts, plan["pairs"], plan["scoff"], plan["Ns"], H, K, V)
     S_loc, M = summ[..., :V], summ[..., V:]
-    h0v = torch.zeros(plan["Nv"], H, K, V, device=w.device, dtype=torch.float32)
+    h0v = torch.zeros(plan["Nv"], H, K, V, device=summ.device, dtype=torch.float32)
     if h0 is not None:
         h0v[plan["first"]] = h0.float()
-    for tgt, src in plan["steps"]:
+    for tgt, src in plan["fsteps"]:
         h0v[tgt] = torch.matmul(M[src], h0v[tgt - 1]) + S_loc[src]
     o, htv, hall, vnew, hsel = _recur_fwd(parts, h0v, plan["vcu"], plan["vcoff"], plan["Nv"], H, K, V, out_dtype,
                                           **kw)
-    return o, htv[plan["last"]], hall, vnew, hsel
+    return o, htv[plan["last"]], hall, vnew, hsel, summ
 
 
 def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summary=False):
@@ -247,18 +238,21 @@ def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summa
         num_stages=CFG["stages"])
 
 
-def _recur_bwd_split(parts, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V):
+def _recur_bwd_split(parts, summ, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V):
     """The reverse sweep, with the forward's sequence splitting mirrored: the state map of a segment is
-    S_end = M S_start + S_loc, so dS_start = M^T dS_end + dS_loc, where dS_loc is the segment's own
-    contribution (a SUMMARY sweep from a zero gradient). The segments' outgoing-state gradients follow from
-    the last segment down in fp32; then every segment runs its sweep from that gradient."""
+    S_end = M S_start + S_loc, so dS_start = M^T dS_end + dS_loc, where M comes from the forward's summaries
+    `summ` and dS_loc is the segment's own contribution (a SUMMARY sweep from a zero gradient). The segments'
+    outgoing-state gradients follow from the last segment down in fp32; then every segment runs its sweep
+    from that gradient."""
     plan = _plan(cu_host, coff_host, N, H, V, do.device)
     if plan is None:
         return _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, N, H, K, V)
+    if summ is None:  # the forward ran unsplit (CFG changed in between)
+        summ = _summaries(parts, plan["pairs"], plan["scoff"], plan["Ns"], H, K, V)
+    M = summ[..., V:]
     f32 = dict(device=do.device, dtype=torch.float32)
-    M = _summaries(parts, plan["bpairs"], plan["bcoff"], plan["Nb"], H, K, V)[..., V:]
-    dS_loc = torch.empty(plan["Nb"], H, K, V, **f32)
-    _recur_bwd(parts, do, None, dS_loc, None, None, plan["bpairs"], plan["bcoff"], plan["Nb"], H, K, V, cs=2,
+    dS_loc = torch.empty(plan["Ns"], H, K, V, **f32)
+    _recur_bwd(parts, do, None, dS_loc, None, None, plan["pairs"], plan["scoff"], plan["Ns"], H, K, V, cs=2,
                summary=True)
     dhtv = torch.zeros(plan["Nv"], H, K, V, **f32)
     if dht is not None:
@@ -285,9 +279,9 @@ class _ChunkKDA(torch.autograd.Function):
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
         save = CFG["save_states"] and torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, h0))
-        o, ht, hall, vnew, hsel = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, N, H, K, V, v.dtype,
-                                                   store_h=save, slot=slot, nsel=nsel)
-        ctx.saved_parts = (parts, hall, vnew) if save else None
+        o, ht, hall, vnew, hsel, summ = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, N, H, K, V,
+                                                         v.dtype, store_h=save, slot=slot, nsel=nsel)
+        ctx.saved_parts = (parts, hall, vnew, summ) if save else None
         ctx.save_for_backward(qp, kp, vp, gp, bp, A_log, dt_bias, h0c)
         ctx.meta = (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, g.dtype, beta.dtype,
                     None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape)
@@ -302,12 +296,12 @@ class _ChunkKDA(torch.autograd.Function):
         Tt = B * T
         dev = qp.device
         if ctx.saved_parts is not None:
-            parts, hall, vnew = ctx.saved_parts
+            parts, hall, vnew, summ = ctx.saved_parts
             ctx.saved_parts = None
         else:
             parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
-            _, _, hall, vnew, _ = _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, vp.dtype,
-                                                   store_h=True)
+            _, _, hall, vnew, _, summ = _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V,
+                                                         vp.dtype, store_h=True)
         w, u, qe, kg, aqk, gc = parts
         f32 = dict(device=dev, dtype=torch.float32)
         du = torch.empty(Tt, H, V, **f32)
@@ -315,8 +309,8 @@ class _ChunkKDA(torch.autograd.Function):
         dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
         do = do.contiguous().reshape(Tt, H, V)
         dht = dht.contiguous() if dht is not None else None
-        _recur_bwd_split(parts, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V)
-        del w, u, qe, kg, aqk, parts
+        _recur_bwd_split(parts, summ, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V)
+        del w, u, qe, kg, aqk, parts, summ
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)
         dv = torch.empty_like(vp)
         dg = torch.empty(Tt, H, K, device=dev, dtype=gdt)
