@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_ms  # noqa: E402
 
 VARLEN = [1300, 547, 2048, 963, 271, 3063]
 
@@ -65,22 +67,7 @@ class Timer:
         self.cuda, self.warmup, self.reps = cuda, warmup, reps
 
     def __call__(self, fn):
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
+        return median_ms(fn, self.warmup, self.reps, self.cuda)
 
 
 def ours_fn(x, cu, grad):

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 # NVLink multicast stays off (before any process group exists).
 os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -36,6 +34,9 @@ import torch.distributed as dist  # noqa: E402
 from k3.dist._launch import spawn_gloo  # noqa: E402
 from k3.dist.kda_cp import chunk_kda_cp  # noqa: E402
 from k3.ops.kda import chunk_kda, kda_gate  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_ms  # noqa: E402
 
 GRADS = ("q", "k", "v", "g", "beta", "h0")
 
@@ -58,26 +59,8 @@ def make_inputs(T, H, D, N, dtype, device, seed):
 
 
 def timed(fn, warmup, reps, device, barrier):
-    """Median milliseconds of fn() after warm-up (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        if barrier:
-            dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(out)
+    """Median milliseconds of fn() after warm-up; with `barrier`, all ranks start each repetition together."""
+    return median_ms(fn, warmup, reps, device.type == "cuda", dist.barrier if barrier else None)
 
 
 def all_ranks_ok(fn, device) -> str | None:

@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 
 from k3.ops.kda import chunk_kda, kda_gate
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_ms  # noqa: E402
+
 
 def timed(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, warmup, reps)
 
 
 def inputs(B, T, H, D, grad):

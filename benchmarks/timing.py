@@ -1,0 +1,31 @@
+"""Median wall time of a callable for the benchmark scripts: CUDA events on GPU, perf_counter on CPU."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, warmup: int, reps: int, cuda: bool = True, before=None) -> float:
+    """Median milliseconds of fn() over `reps` calls after `warmup` calls; `before()` runs ahead of each
+    timed call (e.g. a barrier across ranks), outside the timed region."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
