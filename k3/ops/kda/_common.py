@@ -45,6 +45,19 @@ def check_inputs(fn, q, k, v, g, beta, initial_state=None, cu_seqlens=None, stri
     return N
 
 
+def check_token_shapes(fn, q, k, v, g, beta, rows="N") -> tuple[int, int, int, int]:
+    """Shapes of per-token rows without a batch dim: q, k, g [N, H, K], v [N, H, V], beta [N, H]; returns
+    (N, H, K, V) or raises naming the bad tensor (`rows`: the name of the first dim in the message)."""
+    if q.dim() != 3:
+        raise ValueError(f"{fn}: q must have shape [{rows},H,K] but got {tuple(q.shape)}")
+    N, H, K = q.shape
+    V = v.shape[-1]
+    for name, x, shp in (("k", k, (N, H, K)), ("g", g, (N, H, K)), ("v", v, (N, H, V)), ("beta", beta, (N, H))):
+        if tuple(x.shape) != shp:
+            raise ValueError(f"{fn}: {name} must have shape {shp} but got {tuple(x.shape)}")
+    return N, H, K, V
+
+
 def varlen_index(cu_seqlens: torch.Tensor, T: int, multiple: int, device):
     """Gather index [N, L] and validity mask [N, L] that lay packed sequences out as a padded batch.
 

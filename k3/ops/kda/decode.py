@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_inputs, from_batch, prepare, to_batch, varlen_index
+from ._common import check_inputs, check_token_shapes, from_batch, prepare, to_batch, varlen_index
 from .gate import l2norm
 
 
@@ -56,13 +56,7 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
     Returns:
         (o [N, H, V] in v's dtype, state).
     """
-    if q.dim() != 3:
-        raise ValueError(f"kda_decode_step: q must have shape [N,H,K] but got {tuple(q.shape)}")
-    N, H, K = q.shape
-    V = v.shape[-1]
-    for name, x, shp in (("k", k, (N, H, K)), ("g", g, (N, H, K)), ("v", v, (N, H, V)), ("beta", beta, (N, H))):
-        if tuple(x.shape) != shp:
-            raise ValueError(f"kda_decode_step: {name} must have shape {shp} but got {tuple(x.shape)}")
+    N, H, K, V = check_token_shapes("kda_decode_step", q, k, v, g, beta)
     if state_indices is None:
         if tuple(state.shape) != (N, H, K, V):
             raise ValueError(f"kda_decode_step: state must have shape [N,H,K,V]={(N, H, K, V)} "

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import check_token_shapes
+
 
 @triton.jit
 def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, idx_ptr, cu_ptr,
@@ -64,13 +66,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
     beta is passed through a sigmoid. Slots not indexed are not read or written. Returns o [Ttot, H, V].
     """
-    if q.dim() != 3:
-        raise ValueError(f"kda_decode_triton: q must have shape [T,H,K] but got {tuple(q.shape)}")
-    T, H, K = q.shape
-    V = v.shape[-1]
-    for name, x, shp in (("k", k, (T, H, K)), ("g", g, (T, H, K)), ("v", v, (T, H, V)), ("beta", beta, (T, H))):
-        if tuple(x.shape) != shp:
-            raise ValueError(f"kda_decode_triton: {name} must have shape {shp} but got {tuple(x.shape)}")
+    T, H, K, V = check_token_shapes("kda_decode_triton", q, k, v, g, beta, rows="T")
     if state_indices is not None and (state_indices.dim() != 1 or state_indices.is_floating_point()):
         raise ValueError(f"kda_decode_triton: state_indices must be an integer tensor [N] but got "
                          f"{state_indices.dtype} {tuple(state_indices.shape)}")
