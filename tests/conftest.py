@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in Triton's CPU interpreter. Triton binds its own language helpers
+# (tl.zeros, ...) to the interpreter or the compiler when it is first imported, so the choice is made here,
+# before any test module imports it, and not by whichever test happens to run first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3 import K3Config, K3ForConditionalGeneration
 

@@ -7,7 +7,6 @@ the interpreter) and prints its register / spill table.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -15,11 +14,7 @@ import sys
 
 import pytest
 
-# find triton without importing it here: importing it in this process before tests/test_kda_triton.py sets
-# TRITON_INTERPRET=1 would bind triton.language's own helpers (tl.zeros, ...) to the compiler, not the
-# interpreter, for the rest of the session
-SPEC = importlib.util.find_spec("triton")
-pytestmark = pytest.mark.skipif(SPEC is None, reason="triton is not installed")
+triton = pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = {"kda_intra_fwd_kernel", "kda_intra_bwd_kernel", "kda_recur_fwd_kernel", "kda_recur_bwd_kernel",
@@ -27,7 +22,7 @@ KERNELS = {"kda_intra_fwd_kernel", "kda_intra_bwd_kernel", "kda_recur_fwd_kernel
 
 
 def test_kernels_compile_for_sm90():
-    ptxas = os.path.join(os.path.dirname(SPEC.origin), "backends", "nvidia", "bin", "ptxas-blackwell")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     if not os.path.exists(ptxas):
         pytest.skip(f"{ptxas} not shipped with this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
