@@ -34,15 +34,50 @@ def breakdown(fn, reps):
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
 
 
+def recur_steps(shape, specs, reps):
+    """Time the forward recurrence kernel alone at chunk sizes BT (sequential steps of BT tokens) on random
+    per-chunk inputs of the right shapes: what longer chunks would buy the recurrence, before building the
+    intra-chunk kernels they need. specs: list of dicts with BT, fwd_bv, fwd_warps, prefetch, stages."""
+    from k3.ops.kda.triton.chunk import CFG, _layout, _recur_fwd
+    B, T, H = shape
+    D = 128
+    timer = Timer(True, 3, reps)
+    rows = []
+    for spec in specs:
+        bt = spec["BT"]
+        cu, coff, _, cu_host, _, NC = _layout(None, B, T, "cuda", bt)
+        r = lambda *s: 0.05 * torch.randn(*s, device="cuda")  # noqa: E731
+        parts = (r(B * T, H, D).bfloat16(), r(B * T, H, D).bfloat16(), r(B * T, H, D).bfloat16(),
+                 r(B * T, H, D).bfloat16(), r(B * T, H, bt), -r(NC, H, D).abs())
+        base = dict(CFG)
+        CFG.update({k: v for k, v in spec.items() if k != "BT"})
+        try:
+            ms = timer(lambda: _recur_fwd(parts, None, cu, coff, len(cu_host) - 1, H, D, D, torch.bfloat16))
+        except Exception as e:  # e.g. out of shared memory / registers at this setting
+            ms = repr(e)[:200]
+        CFG.clear()
+        CFG.update(base)
+        rows.append(dict(spec, ms=ms))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x8192x96", help="BxTxH (D = 128)")
     ap.add_argument("--impl", default="ours")
     ap.add_argument("--variants", default="[]", help='JSON list of CFG updates for ours, e.g. [{"intra_warps": 8}]')
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--fwd-only", action="store_true", help="time and break down the forward only")
     ap.add_argument("--out", default="kda_profile.json")
+    ap.add_argument("--recur-steps", default="", help="JSON list of recurrence-only specs (see recur_steps)")
     a = ap.parse_args()
     B, T, H = (int(s) for s in a.shape.split("x"))
+    if a.recur_steps:
+        with open(a.out, "w") as fh:
+            json.dump({"shape": a.shape, "recur_steps": recur_steps((B, T, H), json.loads(a.recur_steps), a.reps)},
+                      fh, indent=1)
+        return
     x = make_inputs(B, T, H, 128, "cuda", torch.bfloat16, seed=7)
     timer = Timer(True, 3, a.reps)
     out = {"shape": a.shape, "runs": []}
@@ -61,10 +96,11 @@ def main():
         with torch.no_grad():
             run["fwd_ms"] = timer(fwd)
             run["fwd_kernels_us"] = breakdown(fwd, 3)
-        f2, bwd = make(x, None, True)
-        step = lambda: bwd(f2())  # noqa: E731
-        run["fwd+bwd_ms"] = timer(step)
-        run["fwd+bwd_kernels_us"] = breakdown(step, 3)
+        if not a.fwd_only:
+            f2, bwd = make(x, None, True)
+            step = lambda: bwd(f2())  # noqa: E731
+            run["fwd+bwd_ms"] = timer(step)
+            run["fwd+bwd_kernels_us"] = breakdown(step, 3)
         out["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
         with open(a.out, "w") as fh:

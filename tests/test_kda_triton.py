@@ -153,18 +153,21 @@ def test_no_initial_state_no_dht():
         assert rmse(ref[n].grad, leaf[n].grad) <= 2e-2, n
 
 
-def test_saved_states_backward_equals_recompute():
-    """CFG["save_states"] (keep the forward's tiles and states) gives the same gradients as recomputing."""
-    from k3.ops.kda.triton.chunk import CFG
+def test_saved_states_backward_equals_recompute(monkeypatch):
+    """CFG["save_states"] (keep the forward's tiles and states) gives the same gradients as recomputing,
+    and really skips the backward's recompute (one intra-chunk forward pass instead of two)."""
+    from k3.ops.kda.triton import chunk as ch
     x, gr = make(1, 35, 2, 32, 16, seed=18)
-    old = CFG["save_states"]
-    try:
-        res = []
-        for save in (False, True):
-            CFG["save_states"] = save
-            res.append(run_gated(triton_gated, x, gr, torch.float32))
-    finally:
-        CFG["save_states"] = old
+    calls = []
+    orig = ch._intra_fwd
+    monkeypatch.setattr(ch, "_intra_fwd", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    res, counts = [], []
+    for save in (False, True):
+        monkeypatch.setitem(ch.CFG, "save_states", save)
+        calls.clear()
+        res.append(run_gated(triton_gated, x, gr, torch.float32))
+        counts.append(len(calls))
+    assert counts == [2, 1], counts
     for name in res[0]:
         assert torch.equal(res[0][name], res[1][name]), name
 
@@ -205,6 +208,42 @@ def test_sequence_split_equals_whole(cu):
     ref = run_gated(reference_gated, x, gr, torch.float64, **kw)
     for name, r in ref.items():
         assert rmse(r, res[1][name]) <= (min(TOL[name], STRICT) if not CUDA else TOL[name]), name
+
+
+# ---------------------------------------------------------------- 32-token chunks (forwards without autograd)
+def _forward_only(x, dtype, **kw):
+    with torch.no_grad():
+        args = [t.to(DEV, dtype if i < 5 else torch.float32) for i, t in enumerate(_gated_args(x, "cpu"))]
+        return triton_gated(*args, initial_state=x["h0"].to(DEV), output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("T,cu,gate,split", [
+    (75, None, (0.0, 8.0), 0), (75, None, (-8.0, 1.0), 0), (75, None, (8.0, 1.0), 0), (10, None, (0.0, 1.0), 0),
+    (77, [0, 5, 21, 21, 60, 77], (0.0, 4.0), 0), (200, [0, 3, 200], (0.0, 2.0), 3)],
+    ids=["N(0,64)", "f~-8", "f~+8", "T<16", "varlen", "split"])
+def test_forward_32_token_chunks(T, cu, gate, split):
+    """CFG["fwd_chunk"] = 32 (two 16-token tiles, the off-diagonal block anchored at the tile boundary; 32-token
+    recurrence steps): o and the final state against the fp64 oracle, extreme gates, T not a multiple of 32, a
+    sequence shorter than one tile, varlen with an empty sequence, and sequence splitting at 32-token chunks."""
+    from k3.ops.kda.triton.chunk import CFG
+    x, _ = make(1, T, 2, 32, 16, seed=30 + T, f_shift=gate[0], f_scale=gate[1], N=1 if cu is None else len(cu) - 1)
+    kw = {} if cu is None else dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
+    keys = ("fwd_chunk", "seq_split", "split_min_chunks", "split_below_programs")
+    old = {k: CFG[k] for k in keys}
+    try:
+        CFG.update(fwd_chunk=32, seq_split=split, split_min_chunks=2, split_below_programs=10 ** 6)
+        o32, h32 = _forward_only(x, torch.float32, **kw)
+        CFG.update(fwd_chunk=16, seq_split=0)
+        o16, h16 = _forward_only(x, torch.float32, **kw)
+    finally:
+        CFG.update(old)
+    ref_o, ref_h = reference_gated(*[t.double() for t in _gated_args(x, "cpu")], initial_state=x["h0"].double(),
+                                   output_final_state=True, **{k: v.cpu() for k, v in kw.items()})
+    bar = 5e-3 if CUDA else STRICT
+    for name, r, t in (("o", ref_o, o32), ("ht", ref_h, h32)):
+        assert torch.isfinite(t).all(), name
+        assert rmse(r, t) <= bar, (name, rmse(r, t))
+    assert rmse(o16, o32) <= bar and rmse(h16, h32) <= bar
 
 
 # ---------------------------------------------------------------- causality and continuation
@@ -351,6 +390,28 @@ def test_gpu_bf16_varlen():
     for n in ("q", "k", "v", "f", "beta"):
         x[n] = x[n].bfloat16().float()
     compare(x, gr, dtype=torch.bfloat16, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("f_shift,f_scale", [(-8.0, 1.0), (0.0, 8.0)], ids=["f~-8", "f~N(0,64)"])
+def test_gpu_bf16_forward_32_token_chunks(f_shift, f_scale):
+    """The 32-token forward (no autograd) in bf16 at K = V = 128, varlen, against the fp64 oracle."""
+    from k3.ops.kda.triton.chunk import CFG
+    cu = [0, 15, 100, 333, 1200, 2000]
+    x, _ = make(1, cu[-1], 4, 128, 128, seed=24, N=len(cu) - 1, f_shift=f_shift, f_scale=f_scale)
+    for n in ("q", "k", "v", "f", "beta"):
+        x[n] = x[n].bfloat16().float()
+    kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
+    old = CFG["fwd_chunk"]
+    try:
+        CFG["fwd_chunk"] = 32
+        o, ht = _forward_only(x, torch.bfloat16, **kw)
+    finally:
+        CFG["fwd_chunk"] = old
+    ref_o, ref_h = reference_gated(*[t.double().to(DEV) for t in _gated_args(x, "cpu")],
+                                   initial_state=x["h0"].double().to(DEV), output_final_state=True, **kw)
+    assert rmse(ref_o, o) <= TOL["o"] and rmse(ref_h, ht) <= TOL["ht"], (rmse(ref_o, o), rmse(ref_h, ht))
 
 
 @cuda

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
+from .intra32 import kda_intra_fwd32_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
 # Launch parameters (env-overridable for tuning sweeps on the GPU); defaults are the fastest measured
@@ -25,7 +26,8 @@ CFG = {
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
-    "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
+    "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),
+    "intra32_warps": int(os.environ.get("K3_KDA_INTRA32_WARPS", "2")),  # column block of the forward intra kernel
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
@@ -45,11 +47,14 @@ CFG = {
     "seq_split": int(os.environ.get("K3_KDA_SEQ_SPLIT", "0")),
     "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "132")),
     "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "32")),
+    # chunk size of forwards without autograd and without states_at: 16, or 32 (half the recurrence's
+    # sequential steps; `intra32.py`)
+    "fwd_chunk": int(os.environ.get("K3_KDA_FWD_CHUNK", "16")),
 }
 
 
-def _layout(cu_seqlens, B, T, device):
-    """Sequence and chunk tables: cu int32 [N+1], chunk_off int32 [N] (first chunk of each sequence),
+def _layout(cu_seqlens, B, T, device, bt=C):
+    """Sequence and chunk tables of bt-token chunks: cu int32 [N+1], chunk_off int32 [N] (first chunk of each sequence),
     chunks int32 [NC, 2] (first token, valid tokens), the host copy of cu, chunk offsets and NC.
     Cached per layout (a fixed-length batch needs no device read at all; varlen reads cu_seqlens once)."""
     if cu_seqlens is None:
@@ -58,20 +63,20 @@ def _layout(cu_seqlens, B, T, device):
         cu_host = tuple(int(x) for x in cu_seqlens.tolist())
         if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
             raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {list(cu_host)}")
-    return _layout_tables(cu_host, str(torch.device(device)))
+    return _layout_tables(cu_host, str(torch.device(device)), bt)
 
 
 @functools.lru_cache(maxsize=64)
-def _layout_tables(cu_host, device):
+def _layout_tables(cu_host, device, bt):
     cu = torch.tensor(cu_host, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
-    nch = (lens + C - 1) // C
+    nch = (lens + bt - 1) // bt
     coff = torch.cat([torch.zeros(1, dtype=torch.int64), nch.cumsum(0)])
     NC = int(coff[-1])
     seq = torch.repeat_interleave(torch.arange(len(lens)), nch)
     local = torch.arange(NC) - coff[:-1][seq]
-    start = cu[:-1][seq] + local * C
-    valid = torch.minimum(cu[1:][seq] - start, torch.full_like(start, C))
+    start = cu[:-1][seq] + local * bt
+    valid = torch.minimum(cu[1:][seq] - start, torch.full_like(start, bt))
     chunks = torch.stack([start, valid], 1).to(torch.int32)
     to = dict(device=device, dtype=torch.int32)
     return cu.to(**to), coff[:-1].to(**to), chunks.to(device), list(cu_host), coff.tolist(), NC
@@ -96,7 +101,8 @@ def _slots(states_at, cu_host, coff_host, NC, device):
     return slot.to(device), len(pos)
 
 
-def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags):
+def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, bt=C):
+    """The recurrence's per-chunk inputs (w, u, qe, kg, Aqk, G_C) for chunks of bt = 16 or 32 tokens."""
     T, H, K = q.shape
     V = v.shape[-1]
     idt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.bfloat16
@@ -104,12 +110,13 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags):
     w = torch.empty(T, H, K, device=q.device, dtype=idt)
     qe, kg = torch.empty_like(w), torch.empty_like(w)
     u = torch.empty(T, H, V, device=q.device, dtype=idt)
-    aqk = torch.empty(T, H, C, device=q.device, dtype=torch.float32)
+    aqk = torch.empty(T, H, bt, device=q.device, dtype=torch.float32)
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK, BV = _blk(K), _blk(V)
-    kda_intra_fwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, chunks, w, u, qe, kg, aqk, gc,
-                                  H, K, V, scale, lb, BK=BK, BV=BV, KB=min(CFG["intra_kb"], BK, BV), DOT_PREC=_prec(q.dtype),
-                                  num_warps=CFG["intra_warps"], **flags)
+    kernel = kda_intra_fwd32_kernel if bt == 32 else kda_intra_fwd_kernel
+    kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, chunks, w, u, qe, kg, aqk, gc,
+                    H, K, V, scale, lb, BK=BK, BV=BV, KB=min(CFG["intra_kb"], BK, BV), DOT_PREC=_prec(q.dtype),
+                    num_warps=CFG["intra32_warps" if bt == 32 else "intra_warps"], **flags)
     return w, u, qe, kg, aqk, gc
 
 
@@ -139,13 +146,13 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
         w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(w.dtype), BF16=_bf16(w),
-        PREFETCH=CFG["prefetch"], SUMMARY=False, num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1], num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
 
 @functools.lru_cache(maxsize=64)
-def _split_plan(cu_host, coff_host, parts, min_chunks, device):
-    """Cut every sequence of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
+def _split_plan(cu_host, coff_host, parts, min_chunks, device, bt=C):
+    """Cut every sequence (of bt-token chunks) of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
 
     Returns None when nothing is cut, else a dict of device tensors: the segments as consecutive sequences
     (vcu, vcoff, Nv); the segments of cut sequences, which get summaries, as (start, end) pairs and first
@@ -161,7 +168,7 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device):
         first.append(len(vcoff))
         for j, cj in enumerate(range(0, max(nch, 1), seg)):
             vcoff.append(c0 + cj)
-            vcu.append(min(bos + 16 * (cj + seg), eos))
+            vcu.append(min(bos + bt * (cj + seg), eos))
             if cut:
                 if j > 0:
                     while len(steps) < j:
@@ -183,11 +190,11 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device):
                 bsteps=[(i64(v) - 1, i64(cur)) for v, _, cur in reversed(steps)])
 
 
-def _plan(cu_host, coff_host, N, H, V, device):
+def _plan(cu_host, coff_host, N, H, V, device, bt=C):
     """The sequence-splitting plan when CFG asks for it and the recurrences would have too few programs."""
     P = CFG["seq_split"]
     if P > 1 and N * H * triton.cdiv(V, min(CFG["fwd_bv"], _blk(V))) < CFG["split_below_programs"]:
-        return _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(device))
+        return _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(device), bt)
     return None
 
 
@@ -200,7 +207,8 @@ def _summaries(parts, pairs, scoff, n, H, K, V):
     kda_recur_fwd_kernel[(n, H, triton.cdiv(V + K, BV))](
         w, u, qe, kg, aqk, gc, None, None, summ, None, None, None, None, pairs, scoff, H, K, V, 2,
         BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(w.dtype),
-        BF16=_bf16(w), PREFETCH=CFG["prefetch"], SUMMARY=True, num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+        BF16=_bf16(w), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=aqk.shape[-1], num_warps=CFG["fwd_warps"],
+        num_stages=CFG["stages"])
     return summ
 
 
@@ -213,7 +221,7 @@ def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dt
     S_in[j + 1] = M_j S_in[j] + S_loc[j]; then every segment runs as its own sequence from that state.
     Returns `_recur_fwd`'s outputs and the summaries (None when nothing is cut), which the backward reuses.
     """
-    plan = _plan(cu_host, coff_host, N, H, V, parts[0].device)
+    plan = _plan(cu_host, coff_host, N, H, V, parts[0].device, parts[4].shape[-1])
     if plan is None:
         return _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, **kw) + (None,)
     summ = _summaries(parts, plan["pairs"], plan["scoff"], plan["Ns"], H, K, V)
@@ -234,7 +242,7 @@ def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summa
     kda_recur_bwd_kernel[(n, H, triton.cdiv(V, BV))](
         qe, kg, w, aqk, gc, do, dht, dh0, du, dsall, cu, coff, H, K, V, cs,
         BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, DOT_PREC=_prec(w.dtype),
-        BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, num_warps=CFG["bwd_warps"],
+        BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=aqk.shape[-1], num_warps=CFG["bwd_warps"],
         num_stages=CFG["stages"])
 
 
@@ -270,15 +278,21 @@ class _ChunkKDA(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, lb, flags, states_at):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
-        N = len(cu_host) - 1
+        grad = any(ctx.needs_input_grad[:8])  # (grad mode itself is off inside forward)
         pk = lambda x: x.contiguous().reshape((B * T,) + tuple(x.shape[2:]))  # noqa: E731
         qp, kp, vp, gp, bp = (pk(x) for x in (q, k, v, g, beta))
         h0c = h0.contiguous() if h0 is not None else None
+        if not grad and states_at is None and CFG["fwd_chunk"] == 32:
+            cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device, 32)
+            parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags, 32)
+            o, ht = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, len(cu_host) - 1, H, K, V,
+                                     v.dtype)[:2]
+            return o.reshape(B, T, H, V), ht, None
+        cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
+        N = len(cu_host) - 1
         parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
-        save = CFG["save_states"] and torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, h0))
+        save = CFG["save_states"] and grad
         o, ht, hall, vnew, hsel, summ = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, N, H, K, V,
                                                          v.dtype, store_h=save, slot=slot, nsel=nsel)
         ctx.saved_parts = (parts, hall, vnew, summ) if save else None

@@ -1,11 +1,12 @@
 """Sequential KDA kernels: the chunk-to-chunk state recurrence, forward and backward.
 
 One program per (sequence, head, value block of BV columns); the fp32 state tile [K, BV] stays in
-registers and each step consumes one 16-token chunk prepared by `intra.kda_intra_fwd_kernel`.
+registers and each step consumes one chunk of BT tokens prepared by `intra.kda_intra_fwd_kernel` (BT = 16) or
+`intra.kda_intra_fwd32_kernel` (BT = 32: half the sequential steps, for forwards without autograd).
 Sequences are given by cu_seqlens (fixed-length batches are passed as packed sequences) and
 chunk_off[n], the index of sequence n's first chunk in the global chunk list.
 
-The step is latency-bound (a chain of two small matmuls per 16 tokens), so with PREFETCH the next
+The step is latency-bound (a chain of two small matmuls per chunk), so with PREFETCH the next
 chunk's tiles are loaded before the current step's matmuls (register double buffering). With BF16
 (bf16/fp16 inputs) the matmul operands are bf16 (the state is rounded to bf16 as a product operand
 only; it is carried and accumulated in fp32), otherwise fp32 with DOT_PREC.
@@ -19,10 +20,10 @@ from .intra import _mm
 
 
 @triton.jit
-def _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, x_ptr, t0, eos, ci, h, H, K, V, kc, vc):
-    """One chunk's tiles (storage dtype) for a recurrence step: w, qe, kg [16, BK]; x [16, BV] (u forward,
-    do backward); Aqk [16, 16]; G_C [BK]. Zero outside the sequence."""
-    rows = tl.arange(0, 16)
+def _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, x_ptr, t0, eos, ci, h, H, K, V, kc, vc, BT: tl.constexpr):
+    """One chunk's tiles (storage dtype) for a recurrence step: w, qe, kg [BT, BK]; x [BT, BV] (u forward,
+    do backward); Aqk [BT, BT]; G_C [BK]. Zero outside the sequence."""
+    rows = tl.arange(0, BT)
     t = t0 + rows
     rm = t < eos
     mk = rm[:, None] & (kc < K)[None, :]
@@ -32,7 +33,7 @@ def _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, x_ptr, t0, eos, ci, h, H,
     qe = tl.load(qe_ptr + offk, mask=mk, other=0.0)
     kg = tl.load(kg_ptr + offk, mask=mk, other=0.0)
     x = tl.load(x_ptr + t[:, None] * (H * V) + h * V + vc[None, :], mask=mv, other=0.0)
-    A = tl.load(aqk_ptr + t[:, None] * (H * 16) + h * 16 + rows[None, :], mask=rm[:, None], other=0.0)
+    A = tl.load(aqk_ptr + t[:, None] * (H * BT) + h * BT + rows[None, :], mask=rm[:, None], other=0.0)
     gC = tl.load(gc_ptr + (ci * H + h) * K + kc, mask=(kc < K) & (t0 + 0 * kc < eos), other=0.0)
     return w, qe, kg, x, A, gC
 
@@ -43,7 +44,7 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
                          H, K, V, CS,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          STORE_H: tl.constexpr, STORE_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr):
+                         BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr, BT: tl.constexpr):
     """o = qe S + Aqk (u - w S); S <- e^{G_C} S + kg^T (u - w S), chunk by chunk.
 
     Program (n, h, iv) runs tokens cu[n*CS] .. cu[n*CS + 1] (CS = 1: consecutive sequences; CS = 2: a list of
@@ -60,7 +61,7 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
     bos = tl.load(cu_ptr + n * CS)
     eos = tl.load(cu_ptr + n * CS + 1)
     c0 = tl.load(coff_ptr + n)
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, BT)
     kc = tl.arange(0, BK)
     vc = iv * BV + tl.arange(0, BV)
     VS = V + K if SUMMARY else V
@@ -74,20 +75,20 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
         S = (kc[:, None] == vc[None, :] - V).to(tl.float32)
     else:
         S = tl.zeros([BK, BV], tl.float32)
-    nch = tl.cdiv(eos - bos, 16)
+    nch = tl.cdiv(eos - bos, BT)
     if PREFETCH:
         w_n, qe_n, kg_n, u_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr, bos, eos, c0,
-                                                     h, H, K, V, kc, vc)
+                                                     h, H, K, V, kc, vc, BT)
     for i in range(0, nch):
         if PREFETCH:
             w, qe, kg, u, A, gC = w_n, qe_n, kg_n, u_n, A_n, gC_n
             w_n, qe_n, kg_n, u_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr,
-                                                         bos + (i + 1) * 16, eos, c0 + tl.minimum(i + 1, nch - 1),
-                                                         h, H, K, V, kc, vc)
+                                                         bos + (i + 1) * BT, eos, c0 + tl.minimum(i + 1, nch - 1),
+                                                         h, H, K, V, kc, vc, BT)
         else:
-            w, qe, kg, u, A, gC = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr, bos + i * 16, eos,
-                                             c0 + i, h, H, K, V, kc, vc)
-        t = bos + i * 16 + rows
+            w, qe, kg, u, A, gC = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, u_ptr, bos + i * BT, eos,
+                                             c0 + i, h, H, K, V, kc, vc, BT)
+        t = bos + i * BT + rows
         mv = (t < eos)[:, None] & vm[None, :]
         offv = t[:, None] * (H * V) + h * V + vc[None, :]
         if STORE_H:
@@ -112,7 +113,8 @@ def kda_recur_fwd_kernel(w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, h0_ptr, 
 def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr, dh0_ptr, du_ptr, dsall_ptr,
                          cu_ptr, coff_ptr, H, K, V, CS,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr):
+                         DOT_PREC: tl.constexpr, BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr,
+                         BT: tl.constexpr):
     """Reverse sweep of the state gradient only: dS' (gradient of the state leaving a chunk) runs from
     the last chunk to the first. Per chunk c it writes dS'_c to dsall [NC, H, K, V] and du = dv_new
     = Aqk^T do + kg dS'_c [T, H, V]; at the start of the sequence, dh0. Everything that does not feed the
@@ -126,7 +128,7 @@ def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr
     bos = tl.load(cu_ptr + n * CS)
     eos = tl.load(cu_ptr + n * CS + 1)
     c0 = tl.load(coff_ptr + n)
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, BT)
     kc = tl.arange(0, BK)
     vc = iv * BV + tl.arange(0, BV)
     km = kc < K
@@ -137,22 +139,22 @@ def kda_recur_bwd_kernel(qe_ptr, kg_ptr, w_ptr, aqk_ptr, gc_ptr, do_ptr, dht_ptr
         dS = tl.load(dht_ptr + (n * H + h) * K * V + soff, mask=sm, other=0.0).to(tl.float32)
     else:
         dS = tl.zeros([BK, BV], tl.float32)
-    nch = tl.cdiv(eos - bos, 16)
+    nch = tl.cdiv(eos - bos, BT)
     if PREFETCH:
         i0 = tl.maximum(nch - 1, 0)
         w_n, qe_n, kg_n, do_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr,
-                                                      bos + i0 * 16, eos, c0 + i0, h, H, K, V, kc, vc)
+                                                      bos + i0 * BT, eos, c0 + i0, h, H, K, V, kc, vc, BT)
     for j in range(0, nch):
         i = nch - 1 - j
         if PREFETCH:
             w, qe, kg, do, A, gC = w_n, qe_n, kg_n, do_n, A_n, gC_n
             ip = tl.maximum(i - 1, 0)
             w_n, qe_n, kg_n, do_n, A_n, gC_n = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr,
-                                                          bos + ip * 16, eos, c0 + ip, h, H, K, V, kc, vc)
+                                                          bos + ip * BT, eos, c0 + ip, h, H, K, V, kc, vc, BT)
         else:
-            w, qe, kg, do, A, gC = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr, bos + i * 16, eos,
-                                              c0 + i, h, H, K, V, kc, vc)
-        t = bos + i * 16 + rows
+            w, qe, kg, do, A, gC = _load_step(w_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr, do_ptr, bos + i * BT, eos,
+                                              c0 + i, h, H, K, V, kc, vc, BT)
+        t = bos + i * BT + rows
         mv = (t < eos)[:, None] & vm[None, :]
         dvn = _mm(tl.trans(A), do, BF16, DOT_PREC) + _mm(kg, dS, BF16, DOT_PREC)
         if not SUMMARY:
