@@ -62,6 +62,32 @@ def recur_steps(shape, specs, reps):
     return rows
 
 
+def cpu_profile(fn, reps=50, top=25):
+    """Host-side cost of one call: wall µs per call measured on the CPU (after a warm-up, each call synchronised)
+    and cProfile's top functions by own time -- the launch overhead that CUDA-event timings include."""
+    import cProfile
+    import io
+    import pstats
+    import time
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host_us = (time.perf_counter() - t0) / reps * 1e6  # enqueue only: the GPU runs behind
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(reps):
+        fn()
+        torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return {"host_enqueue_us_per_call": host_us, "cprofile": buf.getvalue()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x8192x96", help="BxTxH (D = 128)")
@@ -70,6 +96,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fwd-only", action="store_true", help="time and break down the forward only")
     ap.add_argument("--out", default="kda_profile.json")
+    ap.add_argument("--cpu", action="store_true", help="also profile the host-side cost of our forward (cProfile)")
     ap.add_argument("--recur-steps", default="", help="JSON list of recurrence-only specs (see recur_steps)")
     a = ap.parse_args()
     B, T, H = (int(s) for s in a.shape.split("x"))
@@ -96,6 +123,9 @@ def main():
         with torch.no_grad():
             run["fwd_ms"] = timer(fwd)
             run["fwd_kernels_us"] = breakdown(fwd, 3)
+            if a.cpu and not var:
+                run["fwd_host"] = cpu_profile(fwd)
+                print(run["fwd_host"]["cprofile"], flush=True)
         if not a.fwd_only:
             f2, bwd = make(x, None, True)
             step = lambda: bwd(f2())  # noqa: E731

@@ -2,10 +2,11 @@
 # KDA kernel measurements on the lent H200s (device kind nvidia-h200-x2): GPU1 times fla 0.6.0 (autotuning
 # once; its autotune results are kept in $OUT/tcache and reused from .tcache_fla/ when carried back) and GPU0
 # profiles ours (per-kernel breakdown, launch variants, Nsight Compute sections of each kernel).
-#   bash benchmarks/run_kda_gpu.sh final|tune|profile|bench   (final: the record run; tune / profile: launch variants, ncu)
+#   bash benchmarks/run_kda_gpu.sh final|tune|profile|bench|ab   (final: the record run; tune / profile: launch variants,
+#   ncu; ab: this tree against .old.tar)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"; OUTA=$(cd "$OUT" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 export TRITON_CACHE_DIR=/tmp/tc
@@ -27,6 +28,25 @@ PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -s 
   timeout 80 python3 benchmarks/kda.py --shapes e --fla decode --reps 20 --out $OUT/kda_decode.json > $OUT/decode.log 2>&1
   timeout 240 python3 benchmarks/kda.py --shapes cd --fla none --split 4,8 --reps 10 --out $OUT/kda_split.json \
     > $OUT/split.log 2>&1 ) &
+wait
+elif [ "$PART" = ab ]; then
+# this tree against the tree in .old.tar (git archive of an earlier commit, carried): per-kernel profiles at (a)
+# on GPU1 and GPU0, launch variants, the recurrence alone at 16/32/64-token steps, and (c), (d) with splitting.
+FWDV=${FWDV:-'[{"fwd_chunk": 32}, {"fwd_warps": 8}, {"prefetch": false}, {"fwd_chunk": 32, "prefetch": false}, {"fwd_chunk": 32, "fwd_warps": 8}]'}
+BWDV=${BWDV:-'[{"bwd_warps": 8}, {"store_warps": 8}, {"bwd_prefetch": false}, {"save_states": true}, {"save_states": true, "bwd_warps": 8, "store_warps": 8}]'}
+STEPS=${STEPS:-'[{"BT": 16}, {"BT": 32}, {"BT": 32, "prefetch": false}, {"BT": 32, "fwd_warps": 8}, {"BT": 64, "prefetch": false}, {"BT": 64, "prefetch": false, "fwd_warps": 8}, {"BT": 16, "fwd_bv": 32}]'}
+( export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout 140 tests/test_kda_triton.py > $OUT/tests.log 2>&1 \
+    || echo "tests exit $?" >> $OUT/tests.log
+  timeout 150 python3 benchmarks/kda_profile.py --impl ours --fwd-only --cpu --variants "$FWDV" --out $OUT/prof_fwd.json > $OUT/prof_fwd.log 2>&1
+  timeout 150 python3 benchmarks/kda_profile.py --impl ours --variants "$BWDV" --out $OUT/prof_new.json > $OUT/prof_new.log 2>&1
+  timeout 60 python3 benchmarks/kda_profile.py --recur-steps "$STEPS" --out $OUT/steps.json > $OUT/steps.log 2>&1 ) &
+( export CUDA_VISIBLE_DEVICES=1
+  mkdir -p /tmp/old && tar xf .old.tar -C /tmp/old
+  (cd /tmp/old && PYTHONPATH=/tmp/old timeout 120 python3 benchmarks/kda_profile.py --impl ours \
+     --variants '[{"fwd_chunk": 32}]' --out $OUTA/prof_old.json > $OUTA/prof_old.log 2>&1)
+  PYTHONPATH=$PWD timeout 200 python3 benchmarks/kda.py --shapes cd --fla none --split 4,8 --reps 10 \
+    --out $OUT/kda_split.json > $OUT/split.log 2>&1 ) &
 wait
 elif [ "$PART" = tune ]; then
 ( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/kda.py --shapes abcd --fla all --fla-budget-s 530 \

@@ -51,10 +51,10 @@ def kernels():
     from k3.ops.kda.triton.chunk import CFG
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     flags = dict(GATE=True, BETA_SIG=True, L2=True)
-    t = {n: bf for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "w_ptr", "u_ptr", "qe_ptr", "kg_ptr",
+    t = {n: bf for n in ("q_ptr", "k_ptr", "v_ptr", "ke_ptr", "g_ptr", "b_ptr", "w_ptr", "u_ptr", "qe_ptr", "kg_ptr",
                          "hall_ptr", "vnew_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dg_ptr", "db_ptr",
                          "o_ptr", "dsall_ptr")}
-    t.update({n: f32 for n in ("alog_ptr", "dtb_ptr", "aqk_ptr", "gc_ptr", "h0_ptr", "ht_ptr", "hsel_ptr",
+    t.update({n: f32 for n in ("alog_ptr", "dtb_ptr", "aqk_ptr", "tb_ptr", "gc_ptr", "h0_ptr", "ht_ptr", "hsel_ptr",
                                "dht_ptr", "dh0_ptr", "du_ptr", "ddtb_ptr", "dalog_ptr", "dqe_ptr", "dw_ptr",
                                "dkg_ptr", "daqk_ptr", "dgc_ptr", "da_ptr", "dd_ptr")})
     t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr", "idx_ptr")})

@@ -23,6 +23,8 @@ from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 CFG = {
     "fwd_bv": int(os.environ.get("K3_KDA_FWD_BV", "64")),
     "fwd_warps": int(os.environ.get("K3_KDA_FWD_WARPS", "4")),
+    # warps of the forward recurrence when it also stores every chunk's state (the backward's recompute)
+    "store_warps": int(os.environ.get("K3_KDA_STORE_WARPS", "4")),
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
@@ -102,22 +104,21 @@ def _slots(states_at, cu_host, coff_host, NC, device):
 
 
 def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, bt=C):
-    """The recurrence's per-chunk inputs (w, u, qe, kg, Aqk, G_C) for chunks of bt = 16 or 32 tokens."""
+    """The recurrence's per-chunk inputs for chunks of bt = 16 or 32 tokens:
+    (ke, v, qe, kg, Aqk, G_C, Tb) -- see `intra.py`; v is passed through."""
     T, H, K = q.shape
-    V = v.shape[-1]
-    idt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.bfloat16
-    idt = torch.float32 if idt == torch.float64 else idt
-    w = torch.empty(T, H, K, device=q.device, dtype=idt)
-    qe, kg = torch.empty_like(w), torch.empty_like(w)
-    u = torch.empty(T, H, V, device=q.device, dtype=idt)
+    idt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    ke = torch.empty(T, H, K, device=q.device, dtype=idt)
+    qe, kg = torch.empty_like(ke), torch.empty_like(ke)
     aqk = torch.empty(T, H, bt, device=q.device, dtype=torch.float32)
+    tb = torch.empty_like(aqk)
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
-    BK, BV = _blk(K), _blk(V)
+    BK = _blk(K)
     kernel = kda_intra_fwd32_kernel if bt == 32 else kda_intra_fwd_kernel
-    kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, chunks, w, u, qe, kg, aqk, gc,
-                    H, K, V, scale, lb, BK=BK, BV=BV, KB=min(CFG["intra_kb"], BK, BV), DOT_PREC=_prec(q.dtype),
+    kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, tb, gc, H, K, scale, lb,
+                    BK=BK, KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
                     num_warps=CFG["intra32_warps" if bt == 32 else "intra_warps"], **flags)
-    return w, u, qe, kg, aqk, gc
+    return ke, v, qe, kg, aqk, gc, tb
 
 
 def _blk(d):
@@ -133,20 +134,21 @@ def _prec(dtype):
 
 
 def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0):
-    w, u, qe, kg, aqk, gc = parts
-    T = w.shape[0]
+    ke, v, qe, kg, aqk, gc, tb = parts
+    T = ke.shape[0]
     NC = gc.shape[0]
-    o = torch.empty(T, H, V, device=w.device, dtype=out_dtype)
-    ht = torch.empty(N, H, K, V, device=w.device, dtype=torch.float32)
-    hall = torch.empty(NC, H, K, V, device=w.device, dtype=w.dtype) if store_h else None
-    vnew = torch.empty(T, H, V, device=w.device, dtype=w.dtype) if store_h else None
-    hsel = torch.zeros(nsel, H, K, V, device=w.device, dtype=torch.float32) if slot is not None else None
+    o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype)
+    ht = torch.empty(N, H, K, V, device=ke.device, dtype=torch.float32)
+    hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
+    vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
+    hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
     BV = min(CFG["fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        w, u, qe, kg, aqk, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
+        ke, v, qe, kg, aqk, tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
-        STORE_SEL=slot is not None, DOT_PREC=_prec(w.dtype), BF16=_bf16(w),
-        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1], num_warps=CFG["fwd_warps"], num_stages=CFG["stages"])
+        STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
+        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1],
+        num_warps=CFG["store_warps" if store_h else "fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
 
@@ -201,13 +203,13 @@ def _plan(cu_host, coff_host, N, H, V, device, bt=C):
 def _summaries(parts, pairs, scoff, n, H, K, V):
     """Forward summaries [n, H, K, V + K] of the segments (start, end) = pairs: each one's contribution from
     a zero state (first V columns) and its K x K transition (last K columns)."""
-    w, u, qe, kg, aqk, gc = parts
+    ke, v, qe, kg, aqk, gc, tb = parts
     BV = min(CFG["fwd_bv"], _blk(V))
-    summ = torch.empty(n, H, K, V + K, device=w.device, dtype=torch.float32)
+    summ = torch.empty(n, H, K, V + K, device=ke.device, dtype=torch.float32)
     kda_recur_fwd_kernel[(n, H, triton.cdiv(V + K, BV))](
-        w, u, qe, kg, aqk, gc, None, None, summ, None, None, None, None, pairs, scoff, H, K, V, 2,
-        BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(w.dtype),
-        BF16=_bf16(w), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=aqk.shape[-1], num_warps=CFG["fwd_warps"],
+        ke, v, qe, kg, aqk, tb, gc, None, None, summ, None, None, None, None, pairs, scoff, H, K, V, 2,
+        BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(ke.dtype),
+        BF16=_bf16(ke), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=aqk.shape[-1], num_warps=CFG["fwd_warps"],
         num_stages=CFG["stages"])
     return summ
 
@@ -237,12 +239,12 @@ def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dt
 
 
 def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summary=False):
-    w, u, qe, kg, aqk, gc = parts
+    ke, _, qe, kg, aqk, gc, tb = parts
     BV = min(CFG["bwd_bv"], _blk(V))
     kda_recur_bwd_kernel[(n, H, triton.cdiv(V, BV))](
-        qe, kg, w, aqk, gc, do, dht, dh0, du, dsall, cu, coff, H, K, V, cs,
-        BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, DOT_PREC=_prec(w.dtype),
-        BF16=_bf16(w), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=aqk.shape[-1], num_warps=CFG["bwd_warps"],
+        ke, qe, kg, aqk, tb, gc, do, dht, dh0, du, dsall, cu, coff, H, K, V, cs,
+        BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, DOT_PREC=_prec(ke.dtype),
+        BF16=_bf16(ke), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=aqk.shape[-1], num_warps=CFG["bwd_warps"],
         num_stages=CFG["stages"])
 
 
@@ -316,7 +318,7 @@ class _ChunkKDA(torch.autograd.Function):
             parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
             _, _, hall, vnew, _, summ = _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V,
                                                          vp.dtype, store_h=True)
-        w, u, qe, kg, aqk, gc = parts
+        ke, _, qe, kg, aqk, gc, tb = parts
         f32 = dict(device=dev, dtype=torch.float32)
         du = torch.empty(Tt, H, V, **f32)
         dsall = torch.empty(NC, H, K, V, device=dev, dtype=hall.dtype)
@@ -324,7 +326,7 @@ class _ChunkKDA(torch.autograd.Function):
         do = do.contiguous().reshape(Tt, H, V)
         dht = dht.contiguous() if dht is not None else None
         _recur_bwd_split(parts, summ, do, dht, dh0, du, dsall, cu, coff, cu_host, coff_host, N, H, K, V)
-        del w, u, qe, kg, aqk, parts, summ
+        del ke, qe, kg, aqk, tb, parts, summ
         dq, dk = torch.empty_like(qp), torch.empty_like(kp)
         dv = torch.empty_like(vp)
         dg = torch.empty(Tt, H, K, device=dev, dtype=gdt)

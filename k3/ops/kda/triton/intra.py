@@ -7,10 +7,10 @@ two such factor tiles (no anchor, no pairwise path). Non-causal pairs (values up
 finite) are masked after the matmul.
 
 Per chunk (rows t, s; S_0 the incoming state; scale folded into q):
-    Akk = beta * tril_strict(ke ki^T),  Aqk = tril(qe ki^T),  T = (I + Akk)^-1
-    w = T (beta ke),  u = T (beta v),  kg = k e^{G_C - G}
-and the recurrence kernel does v_new = u - w S_0, o = qe S_0 + Aqk v_new,
-S_C = e^{G_C} S_0 + kg^T v_new.
+    Akk = beta * tril_strict(ke ki^T),  Aqk = tril(qe ki^T),  T = (I + Akk)^-1,  Tb = T diag(beta)
+    kg = k e^{G_C - G}
+and the recurrence kernel does v_new = Tb (v - ke S_0) (= u - w S_0 with w = Tb ke, u = Tb v),
+o = qe S_0 + Aqk v_new, S_C = e^{G_C} S_0 + kg^T v_new.
 """
 from __future__ import annotations
 
@@ -156,17 +156,17 @@ def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: 
 
 
 @triton.jit
-def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
-                         w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr,
-                         H, K, V, scale, lower_bound,
-                         BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
+def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
+                         ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
+                         H, K, scale, lower_bound,
+                         BK: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
                          BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Per (chunk, head): w, u, qe, kg [T, H, *], Aqk [T, H, 16] and G_C [NC, H, K].
+    """Per (chunk, head): ke, qe, kg [T, H, K], Aqk and Tb = T diag(beta) [T, H, 16], G_C [NC, H, K].
 
-    Works in column blocks of KB (every factor is per column except the l2norms and the two score
+    One pass in column blocks of KB (every factor is per column except the l2norms and the two score
     matrices, which are sums over columns), so only [16, KB] tiles are live: low register use, many
-    programs per SM. Pass 1 sums Akk and Aqk and writes qe, kg, G_C; pass 2 writes w = T (beta ke) and
-    u = T (beta v) once T = (I + beta Akk)^-1 is known (k and g are re-read, from cache).
+    programs per SM. w = Tb ke and u = Tb v are left to the recurrence (v_new = Tb (v - ke S)), so k, g are
+    read and the gate evaluated once, and v not at all.
     """
     ic = tl.program_id(0)
     h = tl.program_id(1)
@@ -175,7 +175,7 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     rows = tl.arange(0, 16)
     rm = rows < nvalid
     rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK, KB, BETA_SIG, L2)
-    odt = w_ptr.dtype.element_ty
+    odt = ke_ptr.dtype.element_ty
     M = tl.zeros([16, 16], tl.float32)
     Aqk = tl.zeros([16, 16], tl.float32)
     for kb in range(0, BK, KB):
@@ -187,29 +187,20 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
         kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
         eG = tl.exp(G)
         ki = kn * tl.exp(-G)
-        M += tl.dot(kn * eG, tl.trans(ki), input_precision=DOT_PREC)
+        ke = kn * eG
+        M += tl.dot(ke, tl.trans(ki), input_precision=DOT_PREC)
         qe = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB) * (rq * scale)[:, None] * eG
         Aqk += tl.dot(qe, tl.trans(ki), input_precision=DOT_PREC)
+        tl.store(ke_ptr + offk, ke.to(odt), mask=mk)
         tl.store(qe_ptr + offk, qe.to(odt), mask=mk)
         tl.store(kg_ptr + offk, (kn * tl.exp(gC[None, :] - G)).to(odt), mask=mk)
         tl.store(gc_ptr + (ic * H + h) * K + cols, gC, mask=cols < K)
     M = tl.where(rows[:, None] > rows[None, :], M, 0.0)
     Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
-    tl.store(aqk_ptr + (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :], Aqk, mask=rm[:, None])
-    Tm = _unit_lower_inverse(beta[:, None] * M)
-    for kb in range(0, BK, KB):
-        cols = kb + tl.arange(0, KB)
-        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
-        ke = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * (rk * beta)[:, None] * tl.exp(G)
-        w = tl.dot(Tm, ke, input_precision=DOT_PREC)
-        tl.store(w_ptr + (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :], w.to(odt),
-                 mask=rm[:, None] & (cols < K)[None, :])
-    for vb in range(0, BV, KB):
-        vcols = vb + tl.arange(0, KB)
-        vv = _cols(v_ptr, t0, nvalid, h, H, V, vb, KB) * beta[:, None]
-        u = tl.dot(Tm, vv, input_precision=DOT_PREC)
-        tl.store(u_ptr + (t0 + rows)[:, None] * (H * V) + h * V + vcols[None, :], u.to(odt),
-                 mask=rm[:, None] & (vcols < V)[None, :])
+    offa = (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :]
+    tl.store(aqk_ptr + offa, Aqk, mask=rm[:, None])
+    Tb = _unit_lower_inverse(beta[:, None] * M) * beta[None, :]
+    tl.store(tb_ptr + offa, Tb, mask=rm[:, None])
 
 
 @triton.jit

@@ -7,7 +7,7 @@ b (16-31), each with its own local cumulative decay (La, Lb, both in (-80, 0]):
 - the off-diagonal block (b rows, a columns) anchored at the tile boundary: k_b e^{Lb} against
   k_a e^{La_C - La}, both factors <= 1 (and the latter is tile a's own kg, so it costs no exponential);
 - T = (I + A)^-1 blockwise: T_aa, T_bb as in `intra.py`, T_ba = -T_bb A_ba T_aa.
-The outputs are those of `intra.kda_intra_fwd_kernel` for 32-token chunks (Aqk [T, H, 32]).
+The outputs are those of `intra.kda_intra_fwd_kernel` for 32-token chunks (Aqk, Tb [T, H, 32]).
 """
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ def _store_rows(ptr, x, t0, nvalid, h, H, D, c0, NCOL: tl.constexpr):
 
 
 @triton.jit
-def kda_intra_fwd32_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
-                           w_ptr, u_ptr, qe_ptr, kg_ptr, aqk_ptr, gc_ptr,
-                           H, K, V, scale, lower_bound,
-                           BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
+def kda_intra_fwd32_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
+                           ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
+                           H, K, scale, lower_bound,
+                           BK: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
                            BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Per (32-token chunk, head): w, u, qe, kg [T, H, *], Aqk [T, H, 32] and G_C [NC, H, K], in column blocks
-    of KB as `intra.kda_intra_fwd_kernel` (pass 1: the score blocks, qe, kg, G_C; pass 2: w and u)."""
+    """Per (32-token chunk, head): ke, qe, kg [T, H, K], Aqk and Tb = T diag(beta) [T, H, 32], G_C [NC, H, K],
+    in one pass over column blocks of KB as `intra.kda_intra_fwd_kernel`."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
     ta = tl.load(chunks_ptr + 2 * ic)
@@ -70,8 +70,9 @@ def kda_intra_fwd32_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr,
         kia = ka * tl.exp(-La)
         kib = kbt * tl.exp(-Lb)
         kta = ka * tl.exp(gCa[None, :] - La)      # tile a's own kg: the off-diagonal block's column factor
+        kea = ka * ea
         keb = kbt * eb
-        Maa += tl.dot(ka * ea, tl.trans(kia), input_precision=DOT_PREC)
+        Maa += tl.dot(kea, tl.trans(kia), input_precision=DOT_PREC)
         Mbb += tl.dot(keb, tl.trans(kib), input_precision=DOT_PREC)
         Mba += tl.dot(keb, tl.trans(kta), input_precision=DOT_PREC)
         qa = _cols(q_ptr, ta, na, h, H, K, kb, KB) * (rqa * scale)[:, None] * ea
@@ -79,9 +80,12 @@ def kda_intra_fwd32_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr,
         Aaa += tl.dot(qa, tl.trans(kia), input_precision=DOT_PREC)
         Abb += tl.dot(qb, tl.trans(kib), input_precision=DOT_PREC)
         Aba += tl.dot(qb, tl.trans(kta), input_precision=DOT_PREC)
-        # chunk-relative factors: q e^{G} (G from the chunk start), k e^{G_C - G}, and G_C
+        # chunk-relative factors: k e^{G}, q e^{G} (G from the chunk start), k e^{G_C - G}, and G_C
+        xa = tl.exp(gCa)[None, :]
+        _store_rows(ke_ptr, kea, ta, na, h, H, K, kb, KB)
+        _store_rows(ke_ptr, keb * xa, tb, nb, h, H, K, kb, KB)
         _store_rows(qe_ptr, qa, ta, na, h, H, K, kb, KB)
-        _store_rows(qe_ptr, qb * tl.exp(gCa)[None, :], tb, nb, h, H, K, kb, KB)
+        _store_rows(qe_ptr, qb * xa, tb, nb, h, H, K, kb, KB)
         _store_rows(kg_ptr, kta * tl.exp(gCb)[None, :], ta, na, h, H, K, kb, KB)
         _store_rows(kg_ptr, kbt * tl.exp(gCb[None, :] - Lb), tb, nb, h, H, K, kb, KB)
         tl.store(gc_ptr + (ic * H + h) * K + cols, gCa + gCb, mask=cols < K)
@@ -90,21 +94,12 @@ def kda_intra_fwd32_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr,
     Tbb = _unit_lower_inverse(beta_b[:, None] * tl.where(lower, Mbb, 0.0))
     Tba = -tl.dot(tl.dot(Tbb, beta_b[:, None] * Mba, input_precision="ieee"), Taa, input_precision="ieee")
     diag = rows[:, None] >= rows[None, :]
+    zero = tl.zeros([16, 16], tl.float32)
     _store_rows(aqk_ptr, tl.where(diag, Aaa, 0.0), ta, na, h, H, BT, 0, 16)
-    _store_rows(aqk_ptr, tl.zeros([16, 16], tl.float32), ta, na, h, H, BT, 16, 16)
+    _store_rows(aqk_ptr, zero, ta, na, h, H, BT, 16, 16)
     _store_rows(aqk_ptr, Aba, tb, nb, h, H, BT, 0, 16)
     _store_rows(aqk_ptr, tl.where(diag, Abb, 0.0), tb, nb, h, H, BT, 16, 16)
-    for kb in range(0, BK, KB):
-        La, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, ta, na, h, H, K, kb, lower_bound, KB, GATE)
-        Lb, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, tb, nb, h, H, K, kb, lower_bound, KB, GATE)
-        kea = _cols(k_ptr, ta, na, h, H, K, kb, KB) * (rka * beta_a)[:, None] * tl.exp(La)
-        keb = _cols(k_ptr, tb, nb, h, H, K, kb, KB) * (rkb * beta_b)[:, None] * tl.exp(Lb + _row_last(La)[None, :])
-        _store_rows(w_ptr, tl.dot(Taa, kea, input_precision=DOT_PREC), ta, na, h, H, K, kb, KB)
-        wb = tl.dot(Tba, kea, input_precision=DOT_PREC) + tl.dot(Tbb, keb, input_precision=DOT_PREC)
-        _store_rows(w_ptr, wb, tb, nb, h, H, K, kb, KB)
-    for vb in range(0, BV, KB):
-        va = _cols(v_ptr, ta, na, h, H, V, vb, KB) * beta_a[:, None]
-        vbt = _cols(v_ptr, tb, nb, h, H, V, vb, KB) * beta_b[:, None]
-        _store_rows(u_ptr, tl.dot(Taa, va, input_precision=DOT_PREC), ta, na, h, H, V, vb, KB)
-        ub = tl.dot(Tba, va, input_precision=DOT_PREC) + tl.dot(Tbb, vbt, input_precision=DOT_PREC)
-        _store_rows(u_ptr, ub, tb, nb, h, H, V, vb, KB)
+    _store_rows(tb_ptr, Taa * beta_a[None, :], ta, na, h, H, BT, 0, 16)
+    _store_rows(tb_ptr, zero, ta, na, h, H, BT, 16, 16)
+    _store_rows(tb_ptr, Tba * beta_a[None, :], tb, nb, h, H, BT, 0, 16)
+    _store_rows(tb_ptr, Tbb * beta_b[None, :], tb, nb, h, H, BT, 16, 16)
