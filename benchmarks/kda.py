@@ -83,7 +83,7 @@ def ours_fn(x, cu, grad):
     return fwd, lambda o: o.backward(do)
 
 
-def fla_fn(x, cu, grad):
+def fla_fn(x, cu, grad, **extra):
     from fla.ops.kda import chunk_kda as fla_chunk_kda
     names = ("q", "k", "v", "f", "beta")
     leaf = [x[n].detach().requires_grad_(grad) for n in names]
@@ -94,7 +94,7 @@ def fla_fn(x, cu, grad):
     def fwd():
         return fla_chunk_kda(*leaf, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                             lower_bound=-5.0, cu_seqlens=cu64)[0]
+                             lower_bound=-5.0, cu_seqlens=cu64, **extra)[0]
     return fwd, (lambda o: o.backward(do)) if grad else None
 
 
@@ -219,6 +219,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="tune our launch parameters at the first shape first")
     ap.add_argument("--split", default="", help="also time ours with sequences cut into this many parallel "
                     "segments (comma list, e.g. 4,8; CFG seq_split), on every chunked shape")
+    ap.add_argument("--keep-states", action="store_true", help="also time forward+backward with the forward's "
+                    "states kept for the backward: ours with CFG save_states, fla with disable_recompute=True")
     ap.add_argument("--out", default="kda_bench.json")
     a = ap.parse_args()
     t_start = time.time()
@@ -279,6 +281,11 @@ def main():
                 for mode, ms in time_modes(timer, ours_fn, x, cu, ("fwd", "fwd+bwd")).items():
                     row[f"ours_split{P}_{mode}_ms"] = ms
             CFG["seq_split"] = old
+        if a.keep_states:
+            from k3.ops.kda.triton.chunk import CFG
+            CFG["save_states"] = True
+            row["ours_keep_fwd+bwd_ms"] = time_modes(timer, ours_fn, x, cu, ("fwd+bwd",))["fwd+bwd"]
+            CFG["save_states"] = False
         log(row)
         if fla_ok and a.fla == "all" and fla_spent < a.fla_budget_s:
             t0 = time.time()
@@ -287,6 +294,9 @@ def main():
                     row[f"fla_{mode}_ms"] = ms
                     row[f"speedup_{mode}"] = ms / row[f"ours_{mode}_ms"]
                 row["gdn_fwd_ms"] = timer(gdn_fwd(x, cu))
+                if a.keep_states:
+                    keep = lambda x_, cu_, grad: fla_fn(x_, cu_, grad, disable_recompute=True)  # noqa: E731
+                    row["fla_keep_fwd+bwd_ms"] = time_modes(timer, keep, x, cu, ("fwd+bwd",))["fwd+bwd"]
             except Exception as e:
                 row["fla_error"] = repr(e)[:300]
             fla_spent += time.time() - t0
@@ -306,12 +316,14 @@ def main():
     if ("e" in a.shapes or a.smoke) and time.time() - t_start < a.deadline_s:
         out["decode"] = decode_rows(a, timer, dev, dtype, fla_ok, log)
     save()
-    print("\n| shape | ours fwd | fla fwd | x | ours fwd+bwd | fla fwd+bwd | x | ours bwd | fla bwd | GDN fwd |")
+    print("\n| shape | ours fwd | fla fwd | x | ours fwd+bwd | fla fwd+bwd | x | ours bwd | fla bwd | GDN fwd "
+          "| ours keep fwd+bwd | fla keep fwd+bwd |")
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "-"  # noqa: E731
     for r in out["rows"]:
         print(f"| {r['shape']} | {f(r, 'ours_fwd_ms')} | {f(r, 'fla_fwd_ms')} | {f(r, 'speedup_fwd')} | "
               f"{f(r, 'ours_fwd+bwd_ms')} | {f(r, 'fla_fwd+bwd_ms')} | {f(r, 'speedup_fwd+bwd')} | "
-              f"{f(r, 'ours_bwd_ms')} | {f(r, 'fla_bwd_ms')} | {f(r, 'gdn_fwd_ms')} |")
+              f"{f(r, 'ours_bwd_ms')} | {f(r, 'fla_bwd_ms')} | {f(r, 'gdn_fwd_ms')} | "
+              f"{f(r, 'ours_keep_fwd+bwd_ms')} | {f(r, 'fla_keep_fwd+bwd_ms')} |")
     for r in out["decode"]:
         print(f"| {r['shape']} | {f(r, 'ours_ms')} | {f(r, 'fla_ms')} | {f(r, 'fla_over_ours')} |")
     print(f"total {time.time() - t_start:.0f} s", file=sys.stderr)

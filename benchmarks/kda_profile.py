@@ -48,7 +48,7 @@ def recur_steps(shape, specs, reps):
         cu, coff, _, cu_host, _, NC = _layout(None, B, T, "cuda", bt)
         r = lambda *s: 0.05 * torch.randn(*s, device="cuda")  # noqa: E731
         parts = (r(B * T, H, D).bfloat16(), r(B * T, H, D).bfloat16(), r(B * T, H, D).bfloat16(),
-                 r(B * T, H, D).bfloat16(), r(B * T, H, bt), -r(NC, H, D).abs())
+                 r(B * T, H, D).bfloat16(), r(B * T, H, bt), -r(NC, H, D).abs(), None)  # PRE: no Tb
         base = dict(CFG)
         CFG.update({k: v for k, v in spec.items() if k != "BT"})
         try:

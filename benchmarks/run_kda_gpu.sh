@@ -45,8 +45,8 @@ STEPS=${STEPS:-'[{"BT": 16}, {"BT": 32}, {"BT": 32, "prefetch": false}, {"BT": 3
   mkdir -p /tmp/old && tar xf .old.tar -C /tmp/old
   (cd /tmp/old && PYTHONPATH=/tmp/old timeout 120 python3 benchmarks/kda_profile.py --impl ours \
      --variants '[{"fwd_chunk": 32}]' --out $OUTA/prof_old.json > $OUTA/prof_old.log 2>&1)
-  PYTHONPATH=$PWD timeout 200 python3 benchmarks/kda.py --shapes cd --fla none --split 4,8 --reps 10 \
-    --out $OUT/kda_split.json > $OUT/split.log 2>&1 ) &
+  PYTHONPATH=$PWD timeout 240 python3 benchmarks/kda.py --shapes bcd --fla none --split ${SPLITS:-0,4} --keep-states \
+    --reps 10 --out $OUT/kda_split.json > $OUT/split.log 2>&1 ) &
 wait
 elif [ "$PART" = tune ]; then
 ( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/kda.py --shapes abcd --fla all --fla-budget-s 530 \

@@ -47,7 +47,7 @@ def report(fn, types, consts, num_warps=4, **opts):
 
 def kernels():
     """(name, kernel, pointer/float argument types, constexprs, warps) at D = 128 with bf16 inputs."""
-    from k3.ops.kda.triton import decode, intra, intra32, recur
+    from k3.ops.kda.triton import decode, intra, recur
     from k3.ops.kda.triton.chunk import CFG
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     flags = dict(GATE=True, BETA_SIG=True, L2=True)
@@ -61,23 +61,24 @@ def kernels():
     t["s_ptr"] = f32
     t.update(scale="fp32", lower_bound="fp32")
     out = []
-    mods = (intra, intra32, recur, decode)
+    mods = (intra, recur, decode)
     for name in sorted({n for m in mods for n in dir(m) if n.endswith("_kernel")}):
         fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, SUMMARY=False, NV=1, VB=32, KB=32, BT=16,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, SUMMARY=False, NV=1, VB=32, KB=32, BT=16, PRE=False,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
         if "decode" in name:
             consts["BV"] = 32  # kda_decode_triton's default block
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
-                         "kda_intra_fwd32_kernel": "intra32_warps",
                          "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
         out.append((name, fn, t, consts, warps))
         if name == "kda_recur_fwd_kernel":  # the segment-summary specialisations (sequence splitting)
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, STORE_H=False, HAS_H0=False), warps))
-            out.append((name + "[BT=32]", fn, t, dict(consts, BT=32, STORE_H=False), warps))
+            out.append((name + "[PRE]", fn, t, dict(consts, PRE=True, STORE_H=False), warps))
+        if name == "kda_intra_fwd_kernel":
+            out.append((name + "[PRE]", fn, t, dict(consts, PRE=True), warps))
         if name == "kda_recur_bwd_kernel":
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, HAS_DHT=False, HAS_H0=True), warps))
     return out

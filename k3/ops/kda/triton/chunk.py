@@ -15,7 +15,6 @@ import torch
 import triton
 
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
-from .intra32 import kda_intra_fwd32_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
 # Launch parameters (env-overridable for tuning sweeps on the GPU); defaults are the fastest measured
@@ -28,8 +27,7 @@ CFG = {
     "bwd_bv": int(os.environ.get("K3_KDA_BWD_BV", "64")),
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
-    "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),
-    "intra32_warps": int(os.environ.get("K3_KDA_INTRA32_WARPS", "2")),  # column block of the forward intra kernel
+    "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
@@ -42,16 +40,15 @@ CFG = {
     # interpreter, whose bf16 tl.dot is wrong in Triton 3.9)
     "bf16_dots": os.environ.get("K3_KDA_BF16_DOTS", "1") == "1",
     # keep the forward's chunk tiles and per-chunk states for the backward instead of recomputing
-    # them (faster backward; costs ~(K*V/16 + 5*K) values per token and head of memory)
+    # them (faster backward; costs ~(K*V/16 + 3*K + V + 32) values per token and head of memory, like fla's
+    # disable_recompute=True)
     "save_states": os.environ.get("K3_KDA_SAVE_STATES", "0") == "1",
     # cut long sequences into up to this many segments that run in parallel (0/1: off) when the recurrence
     # has fewer than split_below_programs programs; segments have at least split_min_chunks chunks
-    "seq_split": int(os.environ.get("K3_KDA_SEQ_SPLIT", "0")),
-    "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "132")),
-    "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "32")),
-    # chunk size of forwards without autograd and without states_at: 16, or 32 (half the recurrence's
-    # sequential steps; `intra32.py`)
-    "fwd_chunk": int(os.environ.get("K3_KDA_FWD_CHUNK", "16")),
+    # (H200, docs/benchmarks.md: B2 T16384 H16 and H12 at 32K-128K gain 1.2-2.3x in the forward; 8K loses little)
+    "seq_split": int(os.environ.get("K3_KDA_SEQ_SPLIT", "8")),
+    "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "100")),
+    "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "256")),
 }
 
 
@@ -103,21 +100,20 @@ def _slots(states_at, cu_host, coff_host, NC, device):
     return slot.to(device), len(pos)
 
 
-def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, bt=C):
-    """The recurrence's per-chunk inputs for chunks of bt = 16 or 32 tokens:
-    (ke, v, qe, kg, Aqk, G_C, Tb) -- see `intra.py`; v is passed through."""
+def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=False):
+    """The recurrence's per-chunk inputs (ke, v, qe, kg, Aqk, G_C, Tb) -- see `intra.py`; v is passed through.
+    pre (forwards without autograd): Tb folded into Aqk and kg, and Tb None."""
     T, H, K = q.shape
     idt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     ke = torch.empty(T, H, K, device=q.device, dtype=idt)
     qe, kg = torch.empty_like(ke), torch.empty_like(ke)
-    aqk = torch.empty(T, H, bt, device=q.device, dtype=torch.float32)
-    tb = torch.empty_like(aqk)
+    aqk = torch.empty(T, H, C, device=q.device, dtype=torch.float32)
+    tb = None if pre else torch.empty_like(aqk)
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK = _blk(K)
-    kernel = kda_intra_fwd32_kernel if bt == 32 else kda_intra_fwd_kernel
-    kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, tb, gc, H, K, scale, lb,
-                    BK=BK, KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
-                    num_warps=CFG["intra32_warps" if bt == 32 else "intra_warps"], **flags)
+    kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
+                                  H, K, scale, lb, BK=BK, KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
+                                  PRE=pre, num_warps=CFG["intra_warps"], **flags)
     return ke, v, qe, kg, aqk, gc, tb
 
 
@@ -144,17 +140,17 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
     BV = min(CFG["fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        ke, v, qe, kg, aqk, tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
+        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
-        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1],
+        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1], PRE=tb is None,
         num_warps=CFG["store_warps" if store_h else "fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
 
 @functools.lru_cache(maxsize=64)
-def _split_plan(cu_host, coff_host, parts, min_chunks, device, bt=C):
-    """Cut every sequence (of bt-token chunks) of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
+def _split_plan(cu_host, coff_host, parts, min_chunks, device):
+    """Cut every sequence of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
 
     Returns None when nothing is cut, else a dict of device tensors: the segments as consecutive sequences
     (vcu, vcoff, Nv); the segments of cut sequences, which get summaries, as (start, end) pairs and first
@@ -170,7 +166,7 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device, bt=C):
         first.append(len(vcoff))
         for j, cj in enumerate(range(0, max(nch, 1), seg)):
             vcoff.append(c0 + cj)
-            vcu.append(min(bos + bt * (cj + seg), eos))
+            vcu.append(min(bos + C * (cj + seg), eos))
             if cut:
                 if j > 0:
                     while len(steps) < j:
@@ -192,11 +188,11 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device, bt=C):
                 bsteps=[(i64(v) - 1, i64(cur)) for v, _, cur in reversed(steps)])
 
 
-def _plan(cu_host, coff_host, N, H, V, device, bt=C):
+def _plan(cu_host, coff_host, N, H, V, device):
     """The sequence-splitting plan when CFG asks for it and the recurrences would have too few programs."""
     P = CFG["seq_split"]
     if P > 1 and N * H * triton.cdiv(V, min(CFG["fwd_bv"], _blk(V))) < CFG["split_below_programs"]:
-        return _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(device), bt)
+        return _split_plan(tuple(cu_host), tuple(coff_host), P, CFG["split_min_chunks"], str(device))
     return None
 
 
@@ -207,9 +203,10 @@ def _summaries(parts, pairs, scoff, n, H, K, V):
     BV = min(CFG["fwd_bv"], _blk(V))
     summ = torch.empty(n, H, K, V + K, device=ke.device, dtype=torch.float32)
     kda_recur_fwd_kernel[(n, H, triton.cdiv(V + K, BV))](
-        ke, v, qe, kg, aqk, tb, gc, None, None, summ, None, None, None, None, pairs, scoff, H, K, V, 2,
+        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, None, None, summ, None, None, None, None, pairs, scoff,
+        H, K, V, 2,
         BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(ke.dtype),
-        BF16=_bf16(ke), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=aqk.shape[-1], num_warps=CFG["fwd_warps"],
+        BF16=_bf16(ke), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=C, PRE=tb is None, num_warps=CFG["fwd_warps"],
         num_stages=CFG["stages"])
     return summ
 
@@ -223,7 +220,7 @@ def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dt
     S_in[j + 1] = M_j S_in[j] + S_loc[j]; then every segment runs as its own sequence from that state.
     Returns `_recur_fwd`'s outputs and the summaries (None when nothing is cut), which the backward reuses.
     """
-    plan = _plan(cu_host, coff_host, N, H, V, parts[0].device, parts[4].shape[-1])
+    plan = _plan(cu_host, coff_host, N, H, V, parts[0].device)
     if plan is None:
         return _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, **kw) + (None,)
     summ = _summaries(parts, plan["pairs"], plan["scoff"], plan["Ns"], H, K, V)
@@ -244,7 +241,7 @@ def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summa
     kda_recur_bwd_kernel[(n, H, triton.cdiv(V, BV))](
         ke, qe, kg, aqk, tb, gc, do, dht, dh0, du, dsall, cu, coff, H, K, V, cs,
         BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, DOT_PREC=_prec(ke.dtype),
-        BF16=_bf16(ke), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=aqk.shape[-1], num_warps=CFG["bwd_warps"],
+        BF16=_bf16(ke), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=C, num_warps=CFG["bwd_warps"],
         num_stages=CFG["stages"])
 
 
@@ -284,15 +281,9 @@ class _ChunkKDA(torch.autograd.Function):
         pk = lambda x: x.contiguous().reshape((B * T,) + tuple(x.shape[2:]))  # noqa: E731
         qp, kp, vp, gp, bp = (pk(x) for x in (q, k, v, g, beta))
         h0c = h0.contiguous() if h0 is not None else None
-        if not grad and states_at is None and CFG["fwd_chunk"] == 32:
-            cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device, 32)
-            parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags, 32)
-            o, ht = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, len(cu_host) - 1, H, K, V,
-                                     v.dtype)[:2]
-            return o.reshape(B, T, H, V), ht, None
         cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
         N = len(cu_host) - 1
-        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
+        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=not grad)
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
         save = CFG["save_states"] and grad
         o, ht, hall, vnew, hsel, summ = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, N, H, K, V,

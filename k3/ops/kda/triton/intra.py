@@ -160,13 +160,16 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_p
                          ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
                          H, K, scale, lower_bound,
                          BK: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
-                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr):
+                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, PRE: tl.constexpr):
     """Per (chunk, head): ke, qe, kg [T, H, K], Aqk and Tb = T diag(beta) [T, H, 16], G_C [NC, H, K].
 
     One pass in column blocks of KB (every factor is per column except the l2norms and the two score
     matrices, which are sums over columns), so only [16, KB] tiles are live: low register use, many
     programs per SM. w = Tb ke and u = Tb v are left to the recurrence (v_new = Tb (v - ke S)), so k, g are
     read and the gate evaluated once, and v not at all.
+    PRE (forwards without autograd): fold Tb into the outputs' factors instead, Aqk <- Aqk Tb and
+    kg <- Tb^T kg (re-read from the just-written kg), and do not store Tb: the recurrence then needs no
+    v_new (o = qe S + Aqk X, S' = e^{G_C} S + kg^T X with X = v - ke S), one matmul less on its chain.
     """
     ic = tl.program_id(0)
     h = tl.program_id(1)
@@ -198,9 +201,20 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_p
     M = tl.where(rows[:, None] > rows[None, :], M, 0.0)
     Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
     offa = (t0 + rows)[:, None] * (H * 16) + h * 16 + rows[None, :]
-    tl.store(aqk_ptr + offa, Aqk, mask=rm[:, None])
     Tb = _unit_lower_inverse(beta[:, None] * M) * beta[None, :]
-    tl.store(tb_ptr + offa, Tb, mask=rm[:, None])
+    if PRE:
+        tl.store(aqk_ptr + offa, tl.dot(Aqk, Tb, input_precision="ieee"), mask=rm[:, None])
+        tl.debug_barrier()  # this program's kg stores are visible to all its threads
+        TbT = tl.trans(Tb)
+        for kb in range(0, BK, KB):
+            cols = kb + tl.arange(0, KB)
+            mk = rm[:, None] & (cols < K)[None, :]
+            offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+            kg = tl.load(kg_ptr + offk, mask=mk, other=0.0).to(tl.float32)
+            tl.store(kg_ptr + offk, tl.dot(TbT, kg, input_precision=DOT_PREC).to(odt), mask=mk)
+    else:
+        tl.store(aqk_ptr + offa, Aqk, mask=rm[:, None])
+        tl.store(tb_ptr + offa, Tb, mask=rm[:, None])
 
 
 @triton.jit

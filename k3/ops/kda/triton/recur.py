@@ -1,8 +1,8 @@
 """Sequential KDA kernels: the chunk-to-chunk state recurrence, forward and backward.
 
-One program per (sequence, head, value block of BV columns); each step consumes one chunk of BT tokens
-prepared by `intra.kda_intra_fwd_kernel` (BT = 16) or `intra32.kda_intra_fwd32_kernel` (BT = 32: half the
-sequential steps, for forwards without autograd). Sequences are given by cu_seqlens (fixed-length batches
+One program per (sequence, head, value block of BV columns); each step consumes one chunk of BT = 16 tokens
+prepared by `intra.kda_intra_fwd_kernel` (BT is a parameter so that longer steps can be timed on their own:
+`benchmarks/kda_profile.py --recur-steps`). Sequences are given by cu_seqlens (fixed-length batches
 are passed as packed sequences) and chunk_off[n], the index of sequence n's first chunk in the global chunk
 list.
 
@@ -30,9 +30,10 @@ from .intra import _mm
 
 @triton.jit
 def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, t0, eos, ci, h, H, K, V, kc, vc,
-               BT: tl.constexpr, TRANS_X: tl.constexpr):
+               BT: tl.constexpr, TRANS_X: tl.constexpr, TB: tl.constexpr):
     """One chunk's tiles (storage dtype) for a recurrence step: ke, qe, kg [BT, BK]; x [BT, BV] (v forward,
-    do backward), or x^T [BV, BT] with TRANS_X; Aqk, Tb [BT, BT]; G_C [BK]. Zero outside the sequence."""
+    do backward), or x^T [BV, BT] with TRANS_X; Aqk, Tb [BT, BT] (Tb only with TB, else 0); G_C [BK].
+    Zero outside the sequence."""
     rows = tl.arange(0, BT)
     t = t0 + rows
     rm = t < eos
@@ -49,7 +50,10 @@ def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, t0, eos, 
                     other=0.0)
     offa = t[:, None] * (H * BT) + h * BT + rows[None, :]
     A = tl.load(aqk_ptr + offa, mask=rm[:, None], other=0.0)
-    Tb = tl.load(tb_ptr + offa, mask=rm[:, None], other=0.0)
+    if TB:
+        Tb = tl.load(tb_ptr + offa, mask=rm[:, None], other=0.0)
+    else:
+        Tb = tl.zeros([BT, BT], tl.float32)
     gC = tl.load(gc_ptr + (ci * H + h) * K + kc, mask=(kc < K) & (t0 + 0 * kc < eos), other=0.0)
     return ke, qe, kg, x, A, Tb, gC
 
@@ -60,9 +64,12 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
                          H, K, V, CS,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          STORE_H: tl.constexpr, STORE_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr, BT: tl.constexpr):
+                         BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr, BT: tl.constexpr,
+                         PRE: tl.constexpr):
     """v_new = Tb (v - ke S), o = qe S + Aqk v_new, S <- e^{G_C} S + kg^T v_new, chunk by chunk (computed
     transposed: v_new^T = (v^T - S^T ke^T) Tb^T, o^T = S^T qe^T + v_new^T Aqk^T, S^T <- S^T e^{G_C} + v_new^T kg).
+    PRE: Tb is already folded into Aqk and kg (`kda_intra_fwd_kernel`'s PRE), so X = v - ke S takes v_new's
+    place (no STORE_H).
 
     Program (n, h, iv) runs tokens cu[n*CS] .. cu[n*CS + 1] (CS = 1: consecutive sequences; CS = 2: a list of
     (start, end) pairs) whose first chunk is coff[n]. STORE_H: write the incoming state of every chunk to
@@ -95,16 +102,16 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
     nch = tl.cdiv(eos - bos, BT)
     if PREFETCH:
         ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr,
-                                                            bos, eos, c0, h, H, K, V, kc, vc, BT, True)
+                                                            bos, eos, c0, h, H, K, V, kc, vc, BT, True, not PRE)
     for i in range(0, nch):
         if PREFETCH:
             ke, qe, kg, vT, A, Tb, gC = ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n
             ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n = _load_step(
                 ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr, bos + (i + 1) * BT, eos,
-                c0 + tl.minimum(i + 1, nch - 1), h, H, K, V, kc, vc, BT, True)
+                c0 + tl.minimum(i + 1, nch - 1), h, H, K, V, kc, vc, BT, True, not PRE)
         else:
             ke, qe, kg, vT, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr,
-                                                   bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, True)
+                                                   bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, True, not PRE)
         t = bos + i * BT + rows
         mv = vm[:, None] & (t < eos)[None, :]
         offv = t[None, :] * (H * V) + h * V + vc[:, None]
@@ -112,7 +119,10 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
             tl.store(hall_ptr + ((c0 + i) * H + h).to(tl.int64) * K * V + soff,
                      S.to(hall_ptr.dtype.element_ty), mask=sm)
         X = vT.to(tl.float32) - _mm(S, tl.trans(ke), BF16, DOT_PREC)
-        vn = tl.dot(X, tl.trans(Tb), input_precision=DOT_PREC)
+        if PRE:
+            vn = X
+        else:
+            vn = tl.dot(X, tl.trans(Tb), input_precision=DOT_PREC)
         if not SUMMARY:
             o = _mm(S, tl.trans(qe), BF16, DOT_PREC) + _mm(vn, tl.trans(A), BF16, DOT_PREC)
             tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv)
@@ -163,7 +173,7 @@ def kda_recur_bwd_kernel(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr
         i0 = tl.maximum(nch - 1, 0)
         ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr,
                                                              bos + i0 * BT, eos, c0 + i0, h, H, K, V, kc, vc, BT,
-                                                             False)
+                                                             False, True)
     for j in range(0, nch):
         i = nch - 1 - j
         if PREFETCH:
@@ -171,10 +181,10 @@ def kda_recur_bwd_kernel(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr
             ip = tl.maximum(i - 1, 0)
             ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
                                                                  do_ptr, bos + ip * BT, eos, c0 + ip, h, H, K, V, kc,
-                                                                 vc, BT, False)
+                                                                 vc, BT, False, True)
         else:
             ke, qe, kg, do, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr,
-                                                   bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, False)
+                                                   bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, False, True)
         w = tl.dot(Tb, ke.to(tl.float32), input_precision=DOT_PREC)
         t = bos + i * BT + rows
         mv = (t < eos)[:, None] & vm[None, :]
