@@ -167,10 +167,10 @@ def decode_rows(args, timer, dev, dtype, fla_ok, log):
 
 # Launch-parameter candidates, tried in order at the first shape; each stage keeps its fastest setting.
 SWEEP_FWD = [{}, {"intra_kb": 16, "intra_warps": 2}, {"intra_kb": 32, "intra_warps": 4}, {"fwd_warps": 8}]
-SWEEP_BWD = [{}, {"save_states": True}, {"intra_bwd_vb": 64}, {"intra_bwd_warps": 8}, {"bwd_prefetch": False},
-             {"bwd_bv": 32}]
+SWEEP_BWD = [{}, {"intra_bwd_vb": 128}, {"intra_bwd_warps": 8}, {"intra_bwd_vb": 128, "intra_bwd_warps": 8},
+             {"intra_bwd_vb": 32}, {"bwd_prefetch": False}, {"bwd_bv": 32}]
 if os.environ.get("K3_KDA_SWEEP") == "short":  # the backward's settings only
-    SWEEP_FWD, SWEEP_BWD = [{}], SWEEP_BWD[:3]
+    SWEEP_FWD, SWEEP_BWD = [{}], SWEEP_BWD[:4]
 ENV = {"fwd_bv": "K3_KDA_FWD_BV", "fwd_warps": "K3_KDA_FWD_WARPS", "intra_warps": "K3_KDA_INTRA_WARPS",
        "intra_kb": "K3_KDA_INTRA_KB", "bwd_bv": "K3_KDA_BWD_BV", "bwd_warps": "K3_KDA_BWD_WARPS",
        "intra_bwd_warps": "K3_KDA_INTRA_BWD_WARPS", "intra_bwd_vb": "K3_KDA_INTRA_BWD_VB",

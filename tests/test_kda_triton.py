@@ -186,13 +186,13 @@ def test_sequence_split_equals_whole(cu):
     try:
         res = []
         for split in (0, 3):
-            CFG.update(seq_split=split, split_min_chunks=2, split_below_programs=10 ** 6)
+            CFG.update(seq_split=split, split_min_chunks=1, split_below_programs=10 ** 6)
             res.append(run_gated(triton_gated, x, gr, torch.float32, **kw))
         cu_h = tuple(cu or [0, T])
         coff = [0]
         for a, b in zip(cu_h, cu_h[1:]):
             coff.append(coff[-1] + (b - a + 15) // 16)
-        plan = _split_plan(cu_h, tuple(coff), 3, 2, DEV)
+        plan = _split_plan(cu_h, tuple(coff), 3, 1, DEV)
         assert plan is not None and sum(len(t) for t, _ in plan["fsteps"]) >= 2, "the test must exercise cut sequences"
         # states at chunk ends inside the cut sequence, from the split forward
         pos = torch.tensor([32, 48, 80] if cu is None else [5 + 32, 5 + 48, 60 + 32])
@@ -231,7 +231,7 @@ def test_forward_without_autograd(T, cu, gate, split):
     keys = ("seq_split", "split_min_chunks", "split_below_programs")
     old = {k: CFG[k] for k in keys}
     try:
-        CFG.update(seq_split=split, split_min_chunks=2, split_below_programs=10 ** 6)
+        CFG.update(seq_split=split, split_min_chunks=1, split_below_programs=10 ** 6)
         o_pre, h_pre = _forward_only(x, torch.float32, **kw)
         leaf = [t.to(DEV).requires_grad_() for t in _gated_args(x, "cpu")]
         o_ag, h_ag = triton_gated(*leaf, initial_state=x["h0"].to(DEV), output_final_state=True, **kw)

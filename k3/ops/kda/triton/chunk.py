@@ -30,7 +30,7 @@ CFG = {
     "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
-    "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "32")),
+    "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
@@ -43,9 +43,9 @@ CFG = {
     # them (faster backward; costs ~(K*V/16 + 3*K + V + 32) values per token and head of memory, like fla's
     # disable_recompute=True)
     "save_states": os.environ.get("K3_KDA_SAVE_STATES", "0") == "1",
-    # cut long sequences into up to this many segments that run in parallel (0/1: off) when the recurrence
-    # has fewer than split_below_programs programs; segments have at least split_min_chunks chunks
-    # (H200, docs/benchmarks.md: B2 T16384 H16 and H12 at 32K-128K gain 1.2-2.3x in the forward; 8K loses little)
+    # cut sequences of at least 4 * split_min_chunks chunks into up to seq_split segments (>= split_min_chunks
+    # chunks each) that run in parallel (0/1: off), when the recurrence has fewer than split_below_programs
+    # programs (H200, docs/benchmarks.md: H12 at 32K-128K forward 1.8-2.0x faster; 8K would lose, so is not cut)
     "seq_split": int(os.environ.get("K3_KDA_SEQ_SPLIT", "8")),
     "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "100")),
     "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "256")),
@@ -150,7 +150,8 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
 
 @functools.lru_cache(maxsize=64)
 def _split_plan(cu_host, coff_host, parts, min_chunks, device):
-    """Cut every sequence of at least 2 * min_chunks chunks into up to `parts` segments at chunk boundaries.
+    """Cut every sequence of at least 4 * min_chunks chunks into up to `parts` segments of at least min_chunks
+    chunks, at chunk boundaries (shorter sequences lose more to the summaries and combine than they gain).
 
     Returns None when nothing is cut, else a dict of device tensors: the segments as consecutive sequences
     (vcu, vcoff, Nv); the segments of cut sequences, which get summaries, as (start, end) pairs and first
@@ -161,7 +162,7 @@ def _split_plan(cu_host, coff_host, parts, min_chunks, device):
     vcu, vcoff, first, last, pairs, scoff, steps = [0], [], [], [], [], [], []
     for n in range(len(cu_host) - 1):
         bos, eos, c0, nch = cu_host[n], cu_host[n + 1], coff_host[n], coff_host[n + 1] - coff_host[n]
-        cut = nch >= 2 * min_chunks
+        cut = nch >= 4 * min_chunks
         seg = max(min_chunks, -(-nch // parts)) if cut else max(nch, 1)
         first.append(len(vcoff))
         for j, cj in enumerate(range(0, max(nch, 1), seg)):
