@@ -15,17 +15,19 @@ PART=${1:-profile}
 VARIANTS=${VARIANTS:-'[{"intra_warps": 8}, {"intra_warps": 2}, {"fwd_bv": 32}, {"save_states": true}]'}
 keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache.tgz" -T -); }
 if [ "$PART" = final ]; then
-# GPU0: a short sweep of the backward's launch settings at (a), then (a), (d), (b) against fla (and with states kept:
-# ours save_states vs fla disable_recompute); GPU1: the kernel tests, decode (e), then (c) against fla (H12 autotunes).
+# GPU0: (a), (d), (b) against fla, also with states kept (ours save_states vs fla disable_recompute), optionally after a
+# short sweep of the backward's launch settings at (a) (SWEEP=1); GPU1: the kernel tests, decode (e) unless NODECODE=1,
+# then (c) against fla (fla autotunes H12 unless cached). fla's autotune results come back in tcache_{0,1}.tgz.
 keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache_$1.tgz" -T -); }
 ( export CUDA_VISIBLE_DEVICES=0
-  K3_KDA_SWEEP=short timeout 540 python3 benchmarks/kda.py --sweep --shapes adb --fla all --keep-states \
+  K3_KDA_SWEEP=short timeout 540 python3 benchmarks/kda.py ${SWEEP:+--sweep} --shapes adb --fla all --keep-states \
     --fla-budget-s 420 --deadline-s 500 --warmup 3 --reps 20 --out $OUT/kda.json > $OUT/bench.log 2>&1; keep_tune 0
-  timeout 40 python3 benchmarks/kda_profile.py --impl ours --fwd-only --cpu --out $OUT/prof_ours.json > $OUT/prof.log 2>&1 ) &
+  timeout 40 python3 benchmarks/kda_profile.py --impl ours --cpu --out $OUT/prof_ours.json > $OUT/prof.log 2>&1 ) &
 ( export CUDA_VISIBLE_DEVICES=1
   PYTHONPATH=$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 110 tests/test_kda_triton.py \
       > $OUT/tests.log 2>&1 || echo "exit $?" >> $OUT/tests.log
-  timeout 80 python3 benchmarks/kda.py --shapes e --fla decode --reps 20 --out $OUT/kda_decode.json > $OUT/decode.log 2>&1
+  [ -n "${NODECODE:-}" ] || timeout 80 python3 benchmarks/kda.py --shapes e --fla decode --reps 20 \
+      --out $OUT/kda_decode.json > $OUT/decode.log 2>&1
   timeout 330 python3 benchmarks/kda.py --shapes c --fla all --keep-states --split 0 --fla-budget-s 280 \
     --deadline-s 320 --reps 20 --out $OUT/kda_c.json > $OUT/c.log 2>&1; keep_tune 1 ) &
 wait

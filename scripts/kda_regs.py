@@ -65,7 +65,7 @@ def kernels():
     for name in sorted({n for m in mods for n in dir(m) if n.endswith("_kernel")}):
         fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, SUMMARY=False, NV=1, VB=32, KB=32, BT=16, PRE=False,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, SUMMARY=False, NV=1, VB=CFG["intra_bwd_vb"], KB=32, BT=16, PRE=False, STORE_O=False,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
@@ -76,7 +76,7 @@ def kernels():
         out.append((name, fn, t, consts, warps))
         if name == "kda_recur_fwd_kernel":  # the segment-summary specialisations (sequence splitting)
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, STORE_H=False, HAS_H0=False), warps))
-            out.append((name + "[PRE]", fn, t, dict(consts, PRE=True, STORE_H=False), warps))
+            out.append((name + "[PRE]", fn, t, dict(consts, PRE=True, STORE_H=False, STORE_O=True), warps))
         if name == "kda_intra_fwd_kernel":
             out.append((name + "[PRE]", fn, t, dict(consts, PRE=True), warps))
         if name == "kda_recur_bwd_kernel":

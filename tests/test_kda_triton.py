@@ -154,22 +154,32 @@ def test_no_initial_state_no_dht():
 
 
 def test_saved_states_backward_equals_recompute(monkeypatch):
-    """CFG["save_states"] (keep the forward's tiles and states) gives the same gradients as recomputing,
-    and really skips the backward's recompute (one intra-chunk forward pass instead of two)."""
+    """What the forward keeps for the backward -- nothing (recompute all), the intra-chunk tiles (CFG save_parts,
+    the default) or tiles and states (CFG save_states) -- gives the same gradients, and each really skips its
+    recompute: (intra-chunk passes, recurrence passes) = (2, 2), (1, 2), (1, 1)."""
     from k3.ops.kda.triton import chunk as ch
     x, gr = make(1, 35, 2, 32, 16, seed=18)
-    calls = []
-    orig = ch._intra_fwd
-    monkeypatch.setattr(ch, "_intra_fwd", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    calls = {"intra": 0, "recur": 0}
+    intra, recur = ch._intra_fwd, ch._recur_fwd
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(ch, "_intra_fwd", count("intra", intra))
+    monkeypatch.setattr(ch, "_recur_fwd", count("recur", recur))
     res, counts = [], []
-    for save in (False, True):
-        monkeypatch.setitem(ch.CFG, "save_states", save)
-        calls.clear()
+    for parts, states in ((False, False), (True, False), (False, True)):
+        monkeypatch.setitem(ch.CFG, "save_parts", parts)
+        monkeypatch.setitem(ch.CFG, "save_states", states)
+        calls.update(intra=0, recur=0)
         res.append(run_gated(triton_gated, x, gr, torch.float32))
-        counts.append(len(calls))
-    assert counts == [2, 1], counts
-    for name in res[0]:
-        assert torch.equal(res[0][name], res[1][name]), name
+        counts.append((calls["intra"], calls["recur"]))
+    assert counts == [(2, 2), (1, 2), (1, 1)], counts
+    for r in res[1:]:
+        for name in res[0]:
+            assert torch.equal(res[0][name], r[name]), name
 
 
 @pytest.mark.parametrize("cu", [None, [0, 5, 60, 60, 110]], ids=["one-sequence", "varlen"])

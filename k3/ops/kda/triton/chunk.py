@@ -1,8 +1,9 @@
 """Chunked KDA on Triton: autograd Function over the intra-chunk and recurrence kernels.
 
 Forward: `kda_intra_fwd_kernel` (token-parallel, one program per 16-token chunk and head) then
-`kda_recur_fwd_kernel` (one program per sequence, head and value block). Backward recomputes both
-(keeping every chunk's incoming state in the input dtype; or reuses them with CFG["save_states"]), runs `kda_recur_bwd_kernel` in reverse
+`kda_recur_fwd_kernel` (one program per sequence, head and value block). The backward keeps the intra kernel's
+tiles (CFG["save_parts"]; or recomputes them) and recomputes the states (keeping every chunk's incoming state in
+the input dtype; or reuses the forward's with CFG["save_states"]), runs `kda_recur_bwd_kernel` in reverse
 and `kda_intra_bwd_kernel` per chunk. The gate (lower-bound form), beta sigmoid and q/k l2norm can
 all be fused: their gradients come out for the raw inputs.
 """
@@ -43,6 +44,10 @@ CFG = {
     # them (faster backward; costs ~(K*V/16 + 3*K + V + 32) values per token and head of memory, like fla's
     # disable_recompute=True)
     "save_states": os.environ.get("K3_KDA_SAVE_STATES", "0") == "1",
+    # otherwise keep only the intra-chunk tiles (ke, qe, kg bf16; Aqk, Tb fp32; G_C): the backward recomputes
+    # the states but not the tiles. ~0.9 KB per token and head at K = 128, about what fla's default keeps
+    # (fp32 cumulative gate, Aqk and Akk: ~1 KB); 0 recomputes everything from the inputs
+    "save_parts": os.environ.get("K3_KDA_SAVE_PARTS", "1") == "1",
     # cut sequences of at least 4 * split_min_chunks chunks into up to seq_split segments (>= split_min_chunks
     # chunks each) that run in parallel (0/1: off), when the recurrence has fewer than split_below_programs
     # programs (H200, docs/benchmarks.md: H12 at 32K-128K forward 1.8-2.0x faster; 8K would lose, so is not cut)
@@ -129,11 +134,11 @@ def _prec(dtype):
     return CFG["dot_prec"] or ("ieee" if dtype == torch.float32 else "tf32")
 
 
-def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0):
+def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0, out=True):
     ke, v, qe, kg, aqk, gc, tb = parts
     T = ke.shape[0]
     NC = gc.shape[0]
-    o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype)
+    o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype) if out else None
     ht = torch.empty(N, H, K, V, device=ke.device, dtype=torch.float32)
     hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
     vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
@@ -143,7 +148,7 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
         ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
-        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1], PRE=tb is None,
+        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out,
         num_warps=CFG["store_warps" if store_h else "fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
@@ -207,7 +212,7 @@ def _summaries(parts, pairs, scoff, n, H, K, V):
         ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, None, None, summ, None, None, None, None, pairs, scoff,
         H, K, V, 2,
         BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(ke.dtype),
-        BF16=_bf16(ke), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=C, PRE=tb is None, num_warps=CFG["fwd_warps"],
+        BF16=_bf16(ke), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=C, PRE=tb is None, STORE_O=False, num_warps=CFG["fwd_warps"],
         num_stages=CFG["stages"])
     return summ
 
@@ -287,9 +292,10 @@ class _ChunkKDA(torch.autograd.Function):
         parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=not grad)
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
         save = CFG["save_states"] and grad
+        keep_parts = CFG["save_parts"] and grad and not save
         o, ht, hall, vnew, hsel, summ = _recur_fwd_split(parts, h0c, cu, coff, cu_host, coff_host, N, H, K, V,
                                                          v.dtype, store_h=save, slot=slot, nsel=nsel)
-        ctx.saved_parts = (parts, hall, vnew, summ) if save else None
+        ctx.saved_parts = (parts, hall, vnew, summ) if save else (parts, None, None, summ) if keep_parts else None
         ctx.save_for_backward(qp, kp, vp, gp, bp, A_log, dt_bias, h0c)
         ctx.meta = (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, g.dtype, beta.dtype,
                     None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape)
@@ -303,13 +309,13 @@ class _ChunkKDA(torch.autograd.Function):
         B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, gdt, bdt, ashape, dshape = ctx.meta
         Tt = B * T
         dev = qp.device
-        if ctx.saved_parts is not None:
-            parts, hall, vnew, summ = ctx.saved_parts
-            ctx.saved_parts = None
-        else:
+        parts, hall, vnew, summ = ctx.saved_parts or (None,) * 4
+        ctx.saved_parts = None
+        if parts is None:
             parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags)
+        if hall is None:
             _, _, hall, vnew, _, summ = _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V,
-                                                         vp.dtype, store_h=True)
+                                                         vp.dtype, store_h=True, out=False)
         ke, _, qe, kg, aqk, gc, tb = parts
         f32 = dict(device=dev, dtype=torch.float32)
         du = torch.empty(Tt, H, V, **f32)

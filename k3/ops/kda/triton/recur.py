@@ -65,11 +65,11 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          STORE_H: tl.constexpr, STORE_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
                          BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr, BT: tl.constexpr,
-                         PRE: tl.constexpr):
+                         PRE: tl.constexpr, STORE_O: tl.constexpr):
     """v_new = Tb (v - ke S), o = qe S + Aqk v_new, S <- e^{G_C} S + kg^T v_new, chunk by chunk (computed
     transposed: v_new^T = (v^T - S^T ke^T) Tb^T, o^T = S^T qe^T + v_new^T Aqk^T, S^T <- S^T e^{G_C} + v_new^T kg).
     PRE: Tb is already folded into Aqk and kg (`kda_intra_fwd_kernel`'s PRE), so X = v - ke S takes v_new's
-    place (no STORE_H).
+    place (no STORE_H). STORE_O: write o (off in the backward's recompute, which wants only the states).
 
     Program (n, h, iv) runs tokens cu[n*CS] .. cu[n*CS + 1] (CS = 1: consecutive sequences; CS = 2: a list of
     (start, end) pairs) whose first chunk is coff[n]. STORE_H: write the incoming state of every chunk to
@@ -123,7 +123,7 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
             vn = X
         else:
             vn = tl.dot(X, tl.trans(Tb), input_precision=DOT_PREC)
-        if not SUMMARY:
+        if STORE_O:
             o = _mm(S, tl.trans(qe), BF16, DOT_PREC) + _mm(vn, tl.trans(A), BF16, DOT_PREC)
             tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv)
         if STORE_H:
