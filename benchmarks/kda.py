@@ -146,6 +146,10 @@ def decode_rows(args, timer, dev, dtype, fla_ok, log):
                                                    use_qk_l2norm_in_kernel=True, A_log=x["A_log"],
                                                    dt_bias=x["dt_bias"], beta_logits=True))
             row = {"shape": f"(e) decode N{N} H{H}", "ours_ms": ours}
+            for var in json.loads(os.environ.get("K3_KDA_DECODE_TUNE", "[]")):  # launch settings to compare
+                row[f"ours_{var}"] = timer(lambda: kda_decode_triton(
+                    *flat, pool, state_indices=idx, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, A_log=x["A_log"],
+                    dt_bias=x["dt_bias"], beta_logits=True, **var))
             if fla_ok:
                 try:
                     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd

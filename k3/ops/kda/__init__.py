@@ -3,11 +3,9 @@
 Backends: "triton" (k3's own Triton kernels, `k3.ops.kda.triton`: 16-token tiles that need K3's
 lower-bounded gate, g >= -5), "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), "torch"
 (chunk_kda_torch, chunked PyTorch with autograd, any device), "reference" (recurrent_kda, token
-loop). "auto" on CUDA picks, for whole sequences: triton for forwards without autograd over at least 64 sequence x
-head pairs (1.30x fla's forward at H64 and H96 on the H200; equal at 2 x H16), fla for training when it is
-importable (its 64-token chunked backward is faster than ours today), else triton (head dims <= 128 and, for
-an activated g, g >= -5), else torch; for decode, triton (faster than fla's fused recurrent kernel at every
-measured batch). Figures: docs/benchmarks.md.
+loop). "auto" on CUDA picks triton wherever it fits (head dims <= 128 and g >= -5), for training and inference:
+on the H200 it is faster than fla's chunk_kda at every measured shape (forward 1.15-1.9x, forward+backward
+1.07-1.27x); else fla when importable, else torch. For decode, triton. Figures: docs/benchmarks.md.
 `states_at` (prefix-cache states) needs triton. On CPU "auto" is torch. All share the fla contract:
 q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (K-first).
 """
@@ -64,17 +62,16 @@ def _fla_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, c
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, **gate_kw)
 
 
-TRITON_FWD_MIN_PAIRS = 64  # sequence x head pairs from which our forward beat fla's (measured: 96, 128, 384)
-
-
-def _prefer_triton_forward(q, v, cu_seqlens, grad_inputs) -> bool:
-    """auto's choice of our kernels over fla: a forward without autograd with enough parallel recurrences."""
-    if not _triton_fits(q, v):
-        return False
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in grad_inputs):
-        return False
-    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    return n_seq * q.shape[2] >= TRITON_FWD_MIN_PAIRS
+def _auto_backend(q, v, in_range) -> str:
+    """auto's choice, from the measurements (docs/benchmarks.md: H200, fla 0.6.0 in the same run): our Triton
+    kernels wherever they fit -- faster than fla's chunk_kda at every measured shape, forward 1.15-1.9x and
+    forward+backward 1.07-1.27x -- else fla on CUDA, else torch. in_range(): the gate-range check (g >= -5),
+    called only when the kernels could run (it may read min(g) back from the device)."""
+    if _triton_fits(q, v) and in_range():
+        return "triton"
+    if q.is_cuda and fla_available():
+        return "fla"
+    return "torch"
 
 
 def _check_backend(fn, backend, q):
@@ -116,18 +113,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     check_inputs("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
-        if states_at is not None and _triton_fits(q, v):
-            backend = "triton"
-        elif (q.is_cuda and fla_available()
-              and _prefer_triton_forward(q, v, cu_seqlens, (q, k, v, g, beta, initial_state))
-              and _g_min(g, g_lower_bound) >= TRITON_G_MIN):
-            backend = "triton"
-        elif q.is_cuda and fla_available():
-            backend = "fla"
-        elif _triton_fits(q, v) and _g_min(g, g_lower_bound) >= TRITON_G_MIN:
-            backend = "triton"
-        else:
-            backend = "torch"
+        backend = _auto_backend(q, v, lambda: _g_min(g, g_lower_bound) >= TRITON_G_MIN)
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda: states_at is supported by backend 'triton' only, not {backend!r}")
     args = (q, k, v, g, beta)
@@ -161,12 +147,7 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
     check_inputs("chunk_kda_gated", q, k, v, f, beta_logit, initial_state, cu_seqlens,
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
-        ours = TRITON_G_MIN <= lower_bound < 0 and _prefer_triton_forward(
-            q, v, cu_seqlens, (q, k, v, f, beta_logit, A_log, dt_bias, initial_state))
-        if states_at is None and q.is_cuda and fla_available() and not ours:
-            backend = "fla"
-        else:
-            backend = "triton" if _triton_fits(q, v) else "torch"
+        backend = _auto_backend(q, v, lambda: TRITON_G_MIN <= lower_bound < 0)
     if states_at is not None and backend != "triton":
         raise ValueError(f"chunk_kda_gated: states_at is supported by backend 'triton' only, not {backend!r}")
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,

@@ -57,7 +57,7 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
 
 def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None, scale=None,
                       use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
-                      beta_logits=False, block_v=None):
+                      beta_logits=False, block_v=None, num_warps=4):
     """Advance sequences by their new tokens, updating `state` IN PLACE.
 
     q, k, g: [Ttot, H, K] packed new tokens; v: [Ttot, H, V]; beta: [Ttot, H]. cu_seqlens: int [N+1]
@@ -65,6 +65,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     int [N] distinct slots (default: slot n for sequence n). With A_log given, g is the raw gate
     pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
     beta is passed through a sigmoid. Slots not indexed are not read or written. Returns o [Ttot, H, V].
+    block_v / num_warps: launch settings (columns of the state per program, warps per program).
     """
     T, H, K, V = check_token_shapes("kda_decode_triton", q, k, v, g, beta, rows="T")
     if state_indices is not None and (state_indices.dim() != 1 or state_indices.is_floating_point()):
@@ -95,5 +96,5 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
         o, state, state_indices.to(torch.int32).contiguous() if state_indices is not None else None,
         cu_seqlens.to(device=q.device, dtype=torch.int32), H, K, V, scale, float(lower_bound),
         BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
-        HAS_IDX=state_indices is not None, num_warps=4)
+        HAS_IDX=state_indices is not None, num_warps=num_warps)
     return o
