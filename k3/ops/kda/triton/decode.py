@@ -55,6 +55,15 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     tl.store(sp, S.to(s_ptr.dtype.element_ty), mask=sm)
 
 
+def _index(x, device):
+    """An int32 / int64 index tensor as the kernel reads it (either width; no conversion kernel per call)."""
+    if x is None:
+        return None
+    if x.dtype not in (torch.int32, torch.int64):
+        x = x.to(torch.int64)
+    return x.to(device).contiguous()
+
+
 def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None, scale=None,
                       use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
                       beta_logits=False, block_v=None, num_warps=4):
@@ -93,8 +102,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     kda_decode_kernel[grid](
         q, k, v, g, beta, A_log.contiguous() if gate else None,
         dt_bias.contiguous() if (gate and dt_bias is not None) else (torch.zeros(H * K, device=q.device) if gate else None),
-        o, state, state_indices.to(torch.int32).contiguous() if state_indices is not None else None,
-        cu_seqlens.to(device=q.device, dtype=torch.int32), H, K, V, scale, float(lower_bound),
+        o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, scale, float(lower_bound),
         BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
         HAS_IDX=state_indices is not None, num_warps=num_warps)
     return o
