@@ -1,4 +1,5 @@
-"""KDA context parallelism on 2 and 4 gloo processes (CPU, torch backend) against one process.
+"""KDA context parallelism on 2 and 4 gloo processes (CPU, torch backend; and 2 over the Triton kernels through
+Triton's interpreter) against one process.
 
 Op level: outputs, final states and dq, dk, dv, dg, dβ, dh0 against the fp64 token-recurrent oracle
 (`recurrent_kda`) on the whole stream. Layer level: `kda_layer_forward_cp` against the single-process
@@ -184,6 +185,45 @@ def test_kda_cp_matches_single_process(world, op_refs, tmp_path):
     bad = {k: e for k, e in errs.items()
            if e > (LAYER_TOL if k[0].startswith("layer") else TOL)[k[1]]}
     assert not bad, f"world={world}: errors above tolerance: {bad}"
+
+
+TRITON_CASES = {"cut_across_ranks": "separate", "spans_several_ranks": "concat", "extreme_gates_batch2": "separate"}
+
+
+def _triton_worker(rank, world, outdir):
+    """The op cases above through k3's Triton kernels (CPU: Triton's interpreter), fp32."""
+    Tl = T // world
+    sl = slice(rank * Tl, (rank + 1) * Tl)
+    res = {}
+    for i, (name, *_rest) in enumerate(OP_CASES):
+        if name not in TRITON_CASES:
+            continue
+        x = op_inputs(i)
+        leaves = {n: x[n][:, sl].detach().float().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+        h0 = x["h0"].detach().float().requires_grad_()
+        o, ht = chunk_kda_cp(**leaves, initial_state=h0, output_final_state=True, cu_seqlens=x["cu"],
+                             use_qk_l2norm_in_kernel=x["l2"], backend="triton", transition=TRITON_CASES[name])
+        ((o * x["do"][:, sl].float()).sum() + (ht * x["dht"].float()).sum()).backward()
+        res[name] = dict(o=o.detach(), ht=ht.detach(), h0=h0.grad, **{n: t.grad for n, t in leaves.items()})
+    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_kda_cp_triton_kernels_two_ranks(op_refs, tmp_path):
+    """Context parallelism over k3's Triton kernels (the GPU path; here through Triton's CPU interpreter) on 2 gloo
+    processes: a sequence cut across ranks (separate transition pass), one spanning ranks (concat), and a batch
+    with extreme gates, against the fp64 oracle on the whole stream: outputs, final states, all gradients."""
+    pytest.importorskip("triton")
+    spawn_gloo(_triton_worker, 2, str(tmp_path))
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for i, (name, *_rest) in enumerate(OP_CASES):
+        if name not in TRITON_CASES:
+            continue
+        for key, ref in op_refs[i].items():
+            got = _combine([p[name] for p in parts], key)
+            assert torch.isfinite(got).all(), (name, key)
+            err = rel_rmse(ref, got)
+            assert err <= (1e-4 if not torch.cuda.is_available() else 8e-3), (name, key, err)
 
 
 def test_plan_cut_aligned_spanning_and_empty():
