@@ -15,7 +15,7 @@ shared-memory operands, instead of M = BT = 16 MMAs whose operands every warp ho
 (measured: 0.73 -> 0.58 ms at B1 T8192 H96). The backward's state-gradient update already has M = K, and
 keeps dS [BK, BV]. All states in memory use the public [K, V] layout.
 
-The step is latency-bound (a chain of two small matmuls per chunk), so with PREFETCH the next
+The step is latency-bound (a chain of two or three small matmuls per chunk), so with PREFETCH the next
 chunk's tiles are loaded before the current step's matmuls (register double buffering). With BF16
 (bf16/fp16 inputs) the matmul operands are bf16 (the state is rounded to bf16 as a product operand
 only; it is carried and accumulated in fp32), otherwise fp32 with DOT_PREC.
