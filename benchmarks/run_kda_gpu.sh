@@ -2,8 +2,8 @@
 # KDA kernel measurements on the lent H200s (device kind nvidia-h200-x2): GPU1 times fla 0.6.0 (autotuning
 # once; its autotune results are kept in $OUT/tcache and reused from .tcache_fla/ when carried back) and GPU0
 # profiles ours (per-kernel breakdown, launch variants, Nsight Compute sections of each kernel).
-#   bash benchmarks/run_kda_gpu.sh final|tune|profile|bench|ab   (final: the record run; tune / profile: launch variants,
-#   ncu; ab: this tree against .old.tar)
+#   bash benchmarks/run_kda_gpu.sh final|cp|tune|profile|bench|ab   (final: the record run; cp: the 2-GPU CP test;
+#   tune / profile: launch variants, ncu; ab: this tree against .old.tar)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUTA=$(cd "$OUT" && pwd)
@@ -31,6 +31,10 @@ keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcac
   timeout 330 python3 benchmarks/kda.py --shapes c --fla all --keep-states --split 0 --fla-budget-s 280 \
     --deadline-s 320 --reps 20 --out $OUT/kda_c.json > $OUT/c.log 2>&1; keep_tune 1 ) &
 wait
+elif [ "$PART" = cp ]; then
+# the 2-GPU NCCL context-parallel test (op and layer against one GPU)
+PYTHONPATH=$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -s --timeout 280 tests/test_kda_cp.py \
+  > $OUT/tests_cp.log 2>&1 || echo "cp tests exit $?" >> $OUT/tests_cp.log
 elif [ "$PART" = ab ]; then
 # this tree against the tree in .old.tar (git archive of an earlier commit, carried): per-kernel profiles at (a)
 # on GPU1 and GPU0, launch variants, the recurrence alone at 16/32/64-token steps, and (c), (d) with splitting.
