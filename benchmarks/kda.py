@@ -185,23 +185,21 @@ ENV = {"fwd_bv": "K3_KDA_FWD_BV", "fwd_warps": "K3_KDA_FWD_WARPS", "intra_warps"
 def sweep(timer, shape, D, dev, dtype, log, out_path):
     """Time our kernels under the SWEEP_* launch settings at one shape (forward settings by forward time,
     backward settings by forward+backward time), keep the fastest in CFG and write them as an env file."""
-    from k3.ops.kda.triton.chunk import CFG
+    from k3.ops.kda.triton.chunk import CFG, cfg_override
     name, B, T, H, cu_list = shape
     x = make_inputs(B, T, H, D, dev, dtype, seed=1)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=dev)
     res = []
     for stage, mode in ((SWEEP_FWD, "fwd"), (SWEEP_BWD, "fwd+bwd")):
-        base, best = dict(CFG), None
+        best = None
         for var in stage:
-            CFG.clear()
-            CFG.update(base, **var)
-            ms = time_modes(timer, ours_fn, x, cu, (mode,))[mode]
+            with cfg_override(**var):
+                ms = time_modes(timer, ours_fn, x, cu, (mode,))[mode]
             res.append({"variant": var, f"{mode}_ms": ms})
             log(res[-1])
             if best is None or ms < best[0]:
                 best = (ms, var)
-        CFG.clear()
-        CFG.update(base, **best[1])
+        CFG.update(best[1])
     log({"chosen": dict(CFG)})
     lines = [f"export {v}={int(CFG[k]) if isinstance(CFG[k], bool) else CFG[k]}" for k, v in ENV.items()]
     with open(os.path.join(os.path.dirname(os.path.abspath(out_path)), "kda_cfg.env"), "w") as fh:
@@ -277,19 +275,14 @@ def main():
         row = {"shape": name}
         for mode, ms in time_modes(timer, ours_fn, x, cu, ("fwd", "fwd+bwd")).items():
             row[f"ours_{mode}_ms"] = ms
-        if a.split:
-            from k3.ops.kda.triton.chunk import CFG
-            old = CFG["seq_split"]
-            for P in (int(p) for p in a.split.split(",")):
-                CFG["seq_split"] = P
+        from k3.ops.kda.triton.chunk import cfg_override
+        for P in (int(p) for p in a.split.split(",") if p):
+            with cfg_override(seq_split=P):
                 for mode, ms in time_modes(timer, ours_fn, x, cu, ("fwd", "fwd+bwd")).items():
                     row[f"ours_split{P}_{mode}_ms"] = ms
-            CFG["seq_split"] = old
         if a.keep_states:
-            from k3.ops.kda.triton.chunk import CFG
-            CFG["save_states"] = True
-            row["ours_keep_fwd+bwd_ms"] = time_modes(timer, ours_fn, x, cu, ("fwd+bwd",))["fwd+bwd"]
-            CFG["save_states"] = False
+            with cfg_override(save_states=True):
+                row["ours_keep_fwd+bwd_ms"] = time_modes(timer, ours_fn, x, cu, ("fwd+bwd",))["fwd+bwd"]
         log(row)
         if fla_ok and a.fla == "all" and fla_spent < a.fla_budget_s:
             t0 = time.time()

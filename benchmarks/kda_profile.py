@@ -38,7 +38,7 @@ def recur_steps(shape, specs, reps):
     """Time the forward recurrence kernel alone at chunk sizes BT (sequential steps of BT tokens) on random
     per-chunk inputs of the right shapes: what longer chunks would buy the recurrence, before building the
     intra-chunk kernels they need. specs: list of dicts with BT, fwd_bv, fwd_warps, prefetch, stages."""
-    from k3.ops.kda.triton.chunk import CFG, _layout, _recur_fwd
+    from k3.ops.kda.triton.chunk import _layout, _recur_fwd, cfg_override
     B, T, H = shape
     D = 128
     timer = Timer(True, 3, reps)
@@ -49,14 +49,11 @@ def recur_steps(shape, specs, reps):
         r = lambda *s: 0.05 * torch.randn(*s, device="cuda")  # noqa: E731
         parts = (r(B * T, H, D).bfloat16(), r(B * T, H, D).bfloat16(), r(B * T, H, D).bfloat16(),
                  r(B * T, H, D).bfloat16(), r(B * T, H, bt), -r(NC, H, D).abs(), None)  # PRE: no Tb
-        base = dict(CFG)
-        CFG.update({k: v for k, v in spec.items() if k != "BT"})
-        try:
-            ms = timer(lambda: _recur_fwd(parts, None, cu, coff, len(cu_host) - 1, H, D, D, torch.bfloat16))
-        except Exception as e:  # e.g. out of shared memory / registers at this setting
-            ms = repr(e)[:200]
-        CFG.clear()
-        CFG.update(base)
+        with cfg_override(**{k: v for k, v in spec.items() if k != "BT"}):
+            try:
+                ms = timer(lambda: _recur_fwd(parts, None, cu, coff, len(cu_host) - 1, H, D, D, torch.bfloat16))
+            except Exception as e:  # e.g. out of shared memory / registers at this setting
+                ms = repr(e)[:200]
         rows.append(dict(spec, ms=ms))
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -113,24 +110,22 @@ def main():
         impls += [("ours", ours_fn, v) for v in json.loads(a.variants)]
     if "fla" in a.impl:
         impls.append(("fla", fla_fn, {}))
-    from k3.ops.kda.triton.chunk import CFG
-    base = dict(CFG)
+    from k3.ops.kda.triton.chunk import cfg_override
     for name, make, var in impls:
-        CFG.clear()
-        CFG.update(base, **var)
         run = {"impl": name, "cfg": var}
-        fwd, _ = make(x, None, False)
-        with torch.no_grad():
-            run["fwd_ms"] = timer(fwd)
-            run["fwd_kernels_us"] = breakdown(fwd, 3)
-            if a.cpu and not var:
-                run["fwd_host"] = cpu_profile(fwd)
-                print(run["fwd_host"]["cprofile"], flush=True)
-        if not a.fwd_only:
-            f2, bwd = make(x, None, True)
-            step = lambda: bwd(f2())  # noqa: E731
-            run["fwd+bwd_ms"] = timer(step)
-            run["fwd+bwd_kernels_us"] = breakdown(step, 3)
+        with cfg_override(**var):
+            fwd, _ = make(x, None, False)
+            with torch.no_grad():
+                run["fwd_ms"] = timer(fwd)
+                run["fwd_kernels_us"] = breakdown(fwd, 3)
+                if a.cpu and not var:
+                    run["fwd_host"] = cpu_profile(fwd)
+                    print(run["fwd_host"]["cprofile"], flush=True)
+            if not a.fwd_only:
+                f2, bwd = make(x, None, True)
+                step = lambda: bwd(f2())  # noqa: E731
+                run["fwd+bwd_ms"] = timer(step)
+                run["fwd+bwd_kernels_us"] = breakdown(step, 3)
         out["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
         with open(a.out, "w") as fh:

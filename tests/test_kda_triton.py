@@ -187,31 +187,21 @@ def test_sequence_split_equals_whole(cu):
     """CFG["seq_split"]: long sequences cut into segments that run in parallel (summaries, fp32 combine,
     then each segment from its incoming state) give the whole-sequence result, values and gradients,
     including the backward's recompute, states_at offsets and a zero-length sequence next to cut ones."""
-    from k3.ops.kda.triton.chunk import CFG, _split_plan
+    from k3.ops.kda.triton.chunk import _layout, _split_plan, cfg_override
     T = 100 if cu is None else cu[-1]
     x, gr = make(1, T, 1, 16, 16, seed=23, N=1 if cu is None else len(cu) - 1, f_scale=2.0)
     kw = {} if cu is None else dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
-    keys = ("seq_split", "split_min_chunks", "split_below_programs")
-    old = {k: CFG[k] for k in keys}
-    try:
-        res = []
-        for split in (0, 3):
-            CFG.update(seq_split=split, split_min_chunks=1, split_below_programs=10 ** 6)
+    _, _, _, cu_h, coff, _ = _layout(kw.get("cu_seqlens"), 1, T, DEV)
+    plan = _split_plan(tuple(cu_h), tuple(coff), 3, 1, DEV)
+    assert plan is not None and sum(len(t) for t, _ in plan["fsteps"]) >= 2, "the test must exercise cut sequences"
+    pos = torch.tensor([32, 48, 80] if cu is None else [5 + 32, 5 + 48, 60 + 32])  # chunk ends in cut sequences
+    leaf = [t.to(DEV) for t in _gated_args(x)]
+    res, sel = [], []
+    for split in (0, 3):
+        with cfg_override(seq_split=split, split_min_chunks=1, split_below_programs=10 ** 6):
             res.append(run_gated(triton_gated, x, gr, torch.float32, **kw))
-        cu_h = tuple(cu or [0, T])
-        coff = [0]
-        for a, b in zip(cu_h, cu_h[1:]):
-            coff.append(coff[-1] + (b - a + 15) // 16)
-        plan = _split_plan(cu_h, tuple(coff), 3, 1, DEV)
-        assert plan is not None and sum(len(t) for t, _ in plan["fsteps"]) >= 2, "the test must exercise cut sequences"
-        # states at chunk ends inside the cut sequence, from the split forward
-        pos = torch.tensor([32, 48, 80] if cu is None else [5 + 32, 5 + 48, 60 + 32])
-        leaf = [t.to(DEV) for t in _gated_args(x)]
-        _, _, sel_split = triton_gated(*leaf, initial_state=x["h0"].to(DEV), states_at=pos, **kw)
-        CFG.update(seq_split=0)
-        _, _, sel_whole = triton_gated(*leaf, initial_state=x["h0"].to(DEV), states_at=pos, **kw)
-    finally:
-        CFG.update(old)
+            sel.append(triton_gated(*leaf, initial_state=x["h0"].to(DEV), states_at=pos, **kw)[2])
+    sel_whole, sel_split = sel
     for name in res[0]:
         assert rmse(res[0][name], res[1][name]) <= (1e-5 if not CUDA else 5e-3), name
     assert rmse(sel_whole, sel_split) <= (1e-5 if not CUDA else 5e-3)
@@ -235,18 +225,13 @@ def test_forward_without_autograd(T, cu, gate, split):
     """Without autograd the intra kernel folds T diag(beta) into Aqk and kg (PRE) and the recurrence runs without
     v_new: o and the final state against the fp64 oracle and against the autograd forward, with extreme gates,
     T not a multiple of 16, a sequence shorter than a chunk, varlen with an empty sequence, and splitting."""
-    from k3.ops.kda.triton.chunk import CFG
+    from k3.ops.kda.triton.chunk import cfg_override
     x, _ = make(1, T, 2, 32, 16, seed=30 + T, f_shift=gate[0], f_scale=gate[1], N=1 if cu is None else len(cu) - 1)
     kw = {} if cu is None else dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
-    keys = ("seq_split", "split_min_chunks", "split_below_programs")
-    old = {k: CFG[k] for k in keys}
-    try:
-        CFG.update(seq_split=split, split_min_chunks=1, split_below_programs=10 ** 6)
+    with cfg_override(seq_split=split, split_min_chunks=1, split_below_programs=10 ** 6):
         o_pre, h_pre = _forward_only(x, torch.float32, **kw)
         leaf = [t.to(DEV).requires_grad_() for t in _gated_args(x, "cpu")]
         o_ag, h_ag = triton_gated(*leaf, initial_state=x["h0"].to(DEV), output_final_state=True, **kw)
-    finally:
-        CFG.update(old)
     ref_o, ref_h = reference_gated(*[t.double() for t in _gated_args(x, "cpu")], initial_state=x["h0"].double(),
                                    output_final_state=True, **{k: v.cpu() for k, v in kw.items()})
     bar = 5e-3 if CUDA else STRICT

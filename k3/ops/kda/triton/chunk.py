@@ -9,6 +9,7 @@ all be fused: their gradients come out for the raw inputs.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -55,6 +56,20 @@ CFG = {
     "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "100")),
     "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "256")),
 }
+
+
+@contextlib.contextmanager
+def cfg_override(**settings):
+    """Temporarily replace CFG entries (launch-setting sweeps, tests); restored on exit."""
+    unknown = set(settings) - set(CFG)
+    if unknown:
+        raise KeyError(f"cfg_override: unknown settings {sorted(unknown)}; known: {sorted(CFG)}")
+    old = {k: CFG[k] for k in settings}
+    CFG.update(settings)
+    try:
+        yield CFG
+    finally:
+        CFG.update(old)
 
 
 def _layout(cu_seqlens, B, T, device, bt=C):
@@ -134,21 +149,27 @@ def _prec(dtype):
     return CFG["dot_prec"] or ("ieee" if dtype == torch.float32 else "tf32")
 
 
-def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0, out=True):
+def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0, out=True,
+               cs=1, summary=False):
+    """One launch of `kda_recur_fwd_kernel` over N sequences (cs = 1: cu_seqlens; cs = 2: (start, end) pairs).
+    Returns (o or None, final states ht [N, H, K, V], hall, vnew, hsel); with `summary`, only ht, which is then
+    the segment summaries [N, H, K, V + K] (own contribution | K x K transition)."""
     ke, v, qe, kg, aqk, gc, tb = parts
     T = ke.shape[0]
     NC = gc.shape[0]
+    VS = V + K if summary else V
+    out = out and not summary
     o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype) if out else None
-    ht = torch.empty(N, H, K, V, device=ke.device, dtype=torch.float32)
+    ht = torch.empty(N, H, K, VS, device=ke.device, dtype=torch.float32)
     hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
     vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
     hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
     BV = min(CFG["fwd_bv"], _blk(V))
-    kda_recur_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, 1,
+    kda_recur_fwd_kernel[(N, H, triton.cdiv(VS, BV))](
+        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, cs,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
-        PREFETCH=CFG["prefetch"], SUMMARY=False, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out,
+        PREFETCH=CFG["prefetch"], SUMMARY=summary, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out,
         num_warps=CFG["store_warps" if store_h else "fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
@@ -205,16 +226,7 @@ def _plan(cu_host, coff_host, N, H, V, device):
 def _summaries(parts, pairs, scoff, n, H, K, V):
     """Forward summaries [n, H, K, V + K] of the segments (start, end) = pairs: each one's contribution from
     a zero state (first V columns) and its K x K transition (last K columns)."""
-    ke, v, qe, kg, aqk, gc, tb = parts
-    BV = min(CFG["fwd_bv"], _blk(V))
-    summ = torch.empty(n, H, K, V + K, device=ke.device, dtype=torch.float32)
-    kda_recur_fwd_kernel[(n, H, triton.cdiv(V + K, BV))](
-        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, None, None, summ, None, None, None, None, pairs, scoff,
-        H, K, V, 2,
-        BK=_blk(K), BV=BV, HAS_H0=False, STORE_HT=True, STORE_H=False, STORE_SEL=False, DOT_PREC=_prec(ke.dtype),
-        BF16=_bf16(ke), PREFETCH=CFG["prefetch"], SUMMARY=True, BT=C, PRE=tb is None, STORE_O=False, num_warps=CFG["fwd_warps"],
-        num_stages=CFG["stages"])
-    return summ
+    return _recur_fwd(parts, None, pairs, scoff, n, H, K, V, None, cs=2, summary=True)[1]
 
 
 def _recur_fwd_split(parts, h0, cu, coff, cu_host, coff_host, N, H, K, V, out_dtype, **kw):
@@ -247,7 +259,7 @@ def _recur_bwd(parts, do, dht, dh0, du, dsall, cu, coff, n, H, K, V, cs=1, summa
     kda_recur_bwd_kernel[(n, H, triton.cdiv(V, BV))](
         ke, qe, kg, aqk, tb, gc, do, dht, dh0, du, dsall, cu, coff, H, K, V, cs,
         BK=_blk(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, DOT_PREC=_prec(ke.dtype),
-        BF16=_bf16(ke), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=C, num_warps=CFG["bwd_warps"],
+        BF16=_bf16(ke), PREFETCH=CFG["bwd_prefetch"], SUMMARY=summary, BT=aqk.shape[-1], num_warps=CFG["bwd_warps"],
         num_stages=CFG["stages"])
 
 
