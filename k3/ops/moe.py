@@ -44,7 +44,9 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // K
-    if grouped if grouped is not None else grouped_mm_available(x):  # three grouped GEMMs, no host sync
+    if grouped is None:
+        grouped = grouped_mm_available(x)
+    if grouped:  # three grouped GEMMs, no host sync
         dt = x.dtype
         ends = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0)
         ys = grouped_situ_ffn(x[token], ends, w1.to(dt), w2.to(dt), w3.to(dt), beta, linear_beta,
