@@ -237,7 +237,7 @@ def test_submit_and_abort_from_another_thread_while_stepping(model):
     try:
         ps = prompts(5, 9)
         rids = [eng.submit(p, GREEDY) for p in ps]
-        long = eng.submit(ps[0], SamplingParams(max_tokens=60, temperature=0))
+        long = eng.submit(ps[0], SamplingParams(max_tokens=400, temperature=0))  # still running at the abort
         time.sleep(0.05)
         assert eng.abort(long).finish_reason == "abort"
         deadline = time.monotonic() + 60
