@@ -1,22 +1,17 @@
 """k3's Triton KDA kernels against the fp64 token-recurrent oracle.
 
-Without CUDA the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set
-before the kernel modules are imported), at small sizes; with CUDA the same checks run on the GPU
+Without CUDA the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py before anything imports triton), at small sizes; with CUDA the same checks run on the GPU
 plus bf16 / head-dim-128 cases. Metric: relative RMS error ||ref - x|| / ||ref|| with the issue's
 bars: o, final state 5e-3; dq, dk, dv, dh0 8e-3; df (dg), dbeta, dA_log, ddt_bias 2e-2.
 """
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+import k3.ops.kda.triton as KT  # noqa: E402
 from conftest import rel_rmse as rmse  # noqa: E402
 from k3.ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step,  # noqa: E402
                         kda_gate)
@@ -27,19 +22,7 @@ TOL = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3,
 # fp32 through the interpreter is near-exact (measured <= 1e-6): a tighter bar there also catches
 # small systematic errors. On the GPU, fp32 inputs use exact-fp32 dots too.
 STRICT = 1e-4
-
-
-def _kernels():
-    """The Triton submodules, (re)imported so that they honour TRITON_INTERPRET on CPU-only hosts."""
-    names = ["k3.ops.kda.triton.intra", "k3.ops.kda.triton.recur", "k3.ops.kda.triton.decode",
-             "k3.ops.kda.triton.chunk", "k3.ops.kda.triton"]
-    mods = [importlib.import_module(n) for n in names]
-    if not CUDA and "Interpreted" not in type(mods[0].kda_intra_fwd_kernel).__name__:
-        mods = [importlib.reload(sys.modules[n]) for n in names]  # imported before the env var was set
-    return mods[-1]
-
-
-KT = _kernels()
+assert CUDA or KT.interpreted(), "conftest.py selects Triton's interpreter on CPU-only hosts"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
