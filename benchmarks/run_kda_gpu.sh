@@ -13,12 +13,11 @@ export TRITON_CACHE_DIR=/tmp/tc
 mkdir -p /tmp/tc && if [ -f .tcache_fla/tcache.tgz ]; then tar xzf .tcache_fla/tcache.tgz -C /tmp/tc; fi
 PART=${1:-profile}
 VARIANTS=${VARIANTS:-'[{"intra_warps": 8}, {"intra_warps": 2}, {"fwd_bv": 32}, {"save_states": true}]'}
-keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache.tgz" -T -); }
+keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache${1:+_$1}.tgz" -T -); }  # [suffix]
 if [ "$PART" = final ]; then
 # GPU0: (a), (d), (b) against fla, also with states kept (ours save_states vs fla disable_recompute), optionally after a
 # short sweep of the backward's launch settings at (a) (SWEEP=1); GPU1: the kernel tests, decode (e) unless NODECODE=1,
 # then (c) against fla (fla autotunes H12 unless cached). fla's autotune results come back in tcache_{0,1}.tgz.
-keep_tune() { (cd /tmp/tc && find . -name '*.autotune.json' | tar czf "$OUT/tcache_$1.tgz" -T -); }
 ( export CUDA_VISIBLE_DEVICES=0
   K3_KDA_SWEEP=short timeout 540 python3 benchmarks/kda.py ${SWEEP:+--sweep} --shapes adb --fla all --keep-states \
     --fla-budget-s 420 --deadline-s 500 --warmup 3 --reps 20 --out $OUT/kda.json > $OUT/bench.log 2>&1; keep_tune 0
