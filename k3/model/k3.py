@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import K3Config, K3TextConfig
 from ..io.checkpoint import FP32_SUFFIXES
+from ..ops.linear_ce import autocast_cast, linear_cross_entropy
 from ..ops.varlen import check_cu_seqlens, doc_ids
 from .cache import K3Cache
 from .decoder import KimiLinearModel
@@ -25,6 +26,8 @@ from .moe import MoEGate, StackedExperts
 
 @dataclass
 class K3Output:
+    """`logits` / `mtp_logits` are None when the loss came from the fused head (training mode with labels and
+    `loss_impl == "fused"`): no [B, T, V] logits are formed then."""
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
@@ -45,12 +48,31 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int = 1, ignore_i
     return F.cross_entropy(lg, target.reshape(-1), ignore_index=ignore_index)
 
 
+def shifted_targets(labels: torch.Tensor, shift: int = 1, ignore_index: int = -100,
+                    docs: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] targets aligned with the positions: target[t] = labels[t + shift], `ignore_index` for the last
+    `shift` positions of each row and (with `docs`) for a target in another document than t. The same terms
+    as `lm_loss`, laid out so the hidden states can be used whole."""
+    tgt = labels.new_full(labels.shape, ignore_index)
+    nxt = labels[:, shift:]
+    if docs is not None:
+        nxt = nxt.masked_fill(docs[:, shift:] != docs[:, :-shift], ignore_index)
+    tgt[:, :labels.shape[1] - shift] = nxt
+    return tgt
+
+
+LOSS_IMPLS = ("fused", "plain")
+
+
 class KimiLinearForCausalLM(nn.Module):
     def __init__(self, cfg: K3TextConfig):
         super().__init__()
         self.config = cfg
         self.model = KimiLinearModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # "fused": in training mode with labels, the LM and MTP losses come from `linear_cross_entropy` (no
+        # full-vocabulary logits; out.logits / out.mtp_logits are None). "plain": logits, then `lm_loss`.
+        self.loss_impl = "fused"
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -60,8 +82,13 @@ class KimiLinearForCausalLM(nn.Module):
 
         With MTP layers and labels, also returns `mtp_loss` (layer k predicts token t + 1 + k at position t).
         `cu_seqlens` (int32 [N+1] over the flattened B·T tokens) packs documents: no attention, state or
-        loss term crosses a document boundary.
+        loss term crosses a document boundary. In training mode with labels and `self.loss_impl == "fused"`
+        (the default), the losses come from the fused, chunked linear + cross-entropy (same value and
+        gradients, no [B, T, V] logits) and `logits` / `mtp_logits` are None; eval mode or
+        `loss_impl = "plain"` returns the logits (the last `logits_to_keep` positions when > 0).
         """
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -82,24 +109,41 @@ class KimiLinearForCausalLM(nn.Module):
         h, hn, taps = self.model(inputs_embeds, attention_mask, cache, output_block_states, cu_seqlens)
         if cache is not None:
             cache.seen_tokens += T
-        logits = self.lm_head(hn[:, -logits_to_keep:] if logits_to_keep else hn)
-        out = K3Output(logits=logits, past_key_values=cache, hidden_states=h,
-                       block_states=taps if output_block_states else None)
+        out = K3Output(past_key_values=cache, hidden_states=h, block_states=taps if output_block_states else None)
+        # fused: the head weight, cast once for every head call (as autocast's weight cache would)
+        head_w = autocast_cast(self.lm_head.weight) if self.training and labels is not None \
+            and self.loss_impl == "fused" else None
+        if head_w is None:
+            out.logits = self.lm_head(hn[:, -logits_to_keep:] if logits_to_keep else hn)
         if labels is not None:
-            out.loss = lm_loss(logits, labels, docs=docs)
+            out.loss = (lm_loss(out.logits, labels, docs=docs) if head_w is None
+                        else self._fused_loss(hn, head_w, labels, 1, docs))
             if self.model.mtp_layers and T > 2:
-                out.mtp_logits, out.mtp_loss = self._mtp(inputs_embeds, h, attention_mask, labels, cu_seqlens, docs)
+                out.mtp_logits, out.mtp_loss = self._mtp(inputs_embeds, h, attention_mask, labels, cu_seqlens, docs,
+                                                         head_w)
         return out
 
-    def _mtp(self, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None):
-        """Chain the MTP layers: layer k sees h_{k-1} and the embedding of token t + k (zero past the end)."""
+    @staticmethod
+    def _fused_loss(hn, weight, labels, shift, docs):
+        """lm_loss(lm_head(hn), labels, shift, docs) through the fused linear + cross-entropy: targets laid
+        out per position (`shifted_targets`) so hn [B, T, D] is used whole, as a [B·T, D] view."""
+        return linear_cross_entropy(hn.reshape(-1, hn.shape[-1]), weight,
+                                    shifted_targets(labels, shift, docs=docs).reshape(-1))
+
+    def _mtp(self, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None, head_w=None):
+        """Chain the MTP layers: layer k sees h_{k-1} and the embedding of token t + k (zero past the end).
+        With `head_w` (the fused path) each layer's loss uses it through `_fused_loss` and no logits are
+        returned; autograd sums the head-weight gradients of all heads."""
         losses, logits_k = [], None
         mask = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]
         for k, layer in enumerate(self.model.mtp_layers, start=1):
             nxt = torch.cat([embeds[:, k:], embeds.new_zeros(embeds.shape[0], k, embeds.shape[2])], dim=1)
             h = layer.forward_mtp(nxt, h, mask, None, cu_seqlens)
-            logits_k = self.lm_head(h)
-            losses.append(lm_loss(logits_k, labels, shift=1 + k, docs=docs))
+            if head_w is None:
+                logits_k = self.lm_head(h)
+                losses.append(lm_loss(logits_k, labels, shift=1 + k, docs=docs))
+            else:
+                losses.append(self._fused_loss(h, head_w, labels, 1 + k, docs))
         return logits_k, torch.stack(losses).mean()
 
 
