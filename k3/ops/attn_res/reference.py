@@ -4,6 +4,9 @@
 
 As in the release, the RMSNorm weight is folded into the pseudo-query (score = Σ_d n(v_i)_d·norm_d·w_d
 with n the weightless RMSNorm), statistics and softmax in fp32.
+
+The oracle: stacks the candidates and keeps fp32 [N, ..., D] intermediates for autograd; the fused op
+(`k3.ops.attn_res`, backends "torch" / "triton") is checked against it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 import torch
 
 
-def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-             eps: float) -> torch.Tensor:
+def attn_res_reference(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
     """Mix `sources` (each [..., D], same shape) with the pseudo-query `query` [D] (or [1, D]).
 
     Returns a tensor like `sources[0]`: Σ_i softmax_i(score_i)·v_i with the weights in fp32.

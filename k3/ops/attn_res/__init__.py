@@ -1,0 +1,94 @@
+"""Block Attention Residuals (K3_SPEC §4), with `attn_res` as the dispatch point.
+
+    α_i = softmax_i( w · RMSNorm(v_i) ),   h = Σ_i α_i v_i,   w = query ⊙ norm_weight (the release's folding)
+
+Backends: "triton" (`triton.py`: a forward and a backward kernel reading the candidates through a table of
+data pointers; CUDA, or Triton's interpreter on CPU), "torch" (`fused.py`: the same autograd Function with
+the math in PyTorch over chunks of rows, any device), "reference" (`reference.py`: stacks the candidates,
+fp32 [N, ..., D] intermediates; the oracle). "torch" and "triton" keep for backward only the sources
+themselves (no stack, no copy, no cast) plus α and rstd [N, rows] fp32. "auto": triton on CUDA when the
+kernels take the sources (one dtype of bf16 / fp16 / fp32, one shape, contiguous), else torch.
+Mixed-dtype sources give an output in the promoted dtype (as the reference); statistics, softmax and
+accumulation in fp32 (fp64 for fp64 inputs), also under autocast.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .fused import AttnResFunction
+from .reference import attn_res_reference
+
+__all__ = ["attn_res", "attn_res_reference", "triton_available", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "triton", "reference")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the Triton AttnRes kernels import (tried once, on first use, not at k3 import time)."""
+    try:
+        from . import triton as _  # noqa: F401
+    except Exception:  # ImportError, or a broken triton/CUDA install
+        return False
+    return True
+
+
+def _interpreted() -> bool:
+    from .triton import attn_res_fwd_kernel
+    return type(attn_res_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _check(sources, query, norm_weight) -> None:
+    if not sources:
+        raise ValueError("attn_res needs at least one source")
+    shape = sources[0].shape
+    if len(shape) < 1:
+        raise ValueError("attn_res: sources must be [..., D] tensors, got a 0-d sources[0]")
+    for i, t in enumerate(sources):
+        if t.shape != shape:
+            raise ValueError(f"attn_res: sources[{i}] has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                             f"(every source has sources[0]'s shape)")
+        if not t.is_floating_point():
+            raise ValueError(f"attn_res: sources[{i}] has dtype {t.dtype}, expected a floating dtype")
+    D = shape[-1]
+    if query.numel() != D:
+        raise ValueError(f"attn_res: query has shape {tuple(query.shape)}, expected [{D}] or [1, {D}]")
+    if norm_weight.numel() != D:
+        raise ValueError(f"attn_res: norm_weight has shape {tuple(norm_weight.shape)}, expected [{D}]")
+
+
+def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+             backend: str = "auto", **opts) -> torch.Tensor:
+    """Mix `sources` (each [..., D], same shape) with the pseudo-query `query` [D] (or [1, D]).
+
+    Returns Σ_i softmax_i(score_i)·v_i shaped like `sources[0]`, in the sources' (promoted) dtype, with
+    gradients for every source, query and norm_weight that require one. `backend`: see `BACKENDS` and the
+    module docstring. opts (tuning/tests): chunk_rows (torch: rows per chunk), fwd / bwd (triton: dicts of
+    block_d, programs, num_warps; see `triton.launch_config`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attn_res: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return attn_res_reference(sources, query, norm_weight, eps)
+    sources = list(sources)
+    _check(sources, query, norm_weight)
+    if backend == "auto":
+        backend = "torch"
+        if sources[0].is_cuda and triton_available():
+            from .triton import kernel_fits
+            if kernel_fits(sources) is None and query.device == sources[0].device \
+                    and norm_weight.device == sources[0].device:
+                backend = "triton"
+    elif backend == "triton":
+        if not triton_available():
+            raise ValueError("attn_res: backend 'triton' requested but triton is not importable")
+        from .triton import kernel_fits
+        if not sources[0].is_cuda and not _interpreted():
+            raise ValueError(f"attn_res: backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
+                             f"got {sources[0].device}")
+        why = kernel_fits(sources)
+        if why is not None:
+            raise ValueError(f"attn_res: backend 'triton' cannot take these sources: {why}; use 'torch'")
+    return AttnResFunction.apply(backend, opts, query, norm_weight, float(eps), *sources)

@@ -1,0 +1,291 @@
+"""The fused Block AttnRes op (`k3.ops.attn_res`, backends "torch" and "triton") against the stacking reference.
+
+Metric: relative RMS error ||ref - x|| / ||ref|| (conftest.rel_rmse) of the output and of the gradient of every
+source, query and norm_weight, each against autograd through `attn_res_reference` on the same values.
+Bars: torch backend in fp64 on CPU 1e-10 (the math is exact up to rounding, ~1e-15 measured); Triton through the
+interpreter in fp32 against the fp64 reference 1e-5 (measured ~1e-6); mixed fp32 / bf16 sources 1e-5 on fp32
+results, 1e-2 on bf16 gradients (one bf16 rounding); CUDA bf16 sources against the fp32 reference on the upcast
+inputs 1e-2. The memory test counts the bytes autograd saves (saved_tensors_hooks).
+"""
+import time
+
+import pytest
+import torch
+
+from conftest import rel_rmse
+from k3.ops.attn_res import BACKENDS, attn_res, attn_res_reference
+
+CUDA = torch.cuda.is_available()
+EPS = 1e-5
+
+
+def make(N, shape, seed, dtypes=None, grads=None, scale_query=1.0):
+    """N sources of `shape` with distinct scales, query [1, D], norm_weight [D], upstream gradient; fp64 values
+    (converted per source to dtypes[i]); grads[i] says whether source i requires grad."""
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    src = [torch.randn(*shape, generator=g, dtype=torch.float64) * (0.5 + i) + 0.1 * i for i in range(N)]
+    query = torch.randn(1, D, generator=g, dtype=torch.float64) * scale_query
+    norm_w = 1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64)
+    dh = torch.randn(*shape, generator=g, dtype=torch.float64)
+    dtypes = dtypes or [torch.float64] * N
+    grads = grads if grads is not None else [True] * N
+    return [s.to(dt) for s, dt in zip(src, dtypes)], query, norm_w, dh, grads
+
+
+def run(fn, src, query, norm_w, dh, grads, dtype=None, param_grad=True, device="cpu", **kw):
+    """fn(sources, query, norm_weight, eps, **kw) on fresh leaves (sources in their own dtype unless `dtype`);
+    returns (output, [grad of each source or None], grad query, grad norm_weight)."""
+    leaves = [s.detach().to(device, dtype or s.dtype).requires_grad_(r) for s, r in zip(src, grads)]
+    q = query.detach().to(device, dtype or query.dtype).requires_grad_(param_grad)
+    n = norm_w.detach().to(device, dtype or norm_w.dtype).requires_grad_(param_grad)
+    h = fn(leaves, q, n, EPS, **kw)
+    if any(grads) or param_grad:
+        (h.double() * dh.to(device)).sum().backward()
+    return h.detach(), [t.grad for t in leaves], q.grad, n.grad
+
+
+def check(ref, out, tol, grad_tol=None):
+    """Compare run() results; returns the errors by name."""
+    errs = {"h": rel_rmse(ref[0], out[0])}
+    for i, (r, o) in enumerate(zip(ref[1], out[1])):
+        assert (r is None) == (o is None), f"source {i}: gradient presence differs ({r is None} vs {o is None})"
+        if r is not None:
+            errs[f"dv{i}"] = rel_rmse(r, o)
+    for name, r, o in (("dquery", ref[2], out[2]), ("dnorm", ref[3], out[3])):
+        assert (r is None) == (o is None), f"{name}: gradient presence differs"
+        if r is not None:
+            errs[name] = rel_rmse(r, o)
+    print({k: f"{v:.1e}" for k, v in errs.items()})  # shown with pytest -s
+    bad = {k: v for k, v in errs.items() if v > (tol if k == "h" or grad_tol is None else grad_tol)}
+    assert not bad, f"over tolerance: {bad}"
+    return errs
+
+
+def reference(sources, query, norm_w, eps):
+    return attn_res(sources, query, norm_w, eps, backend="reference")
+
+
+# ---------------------------------------------------------------- torch backend, fp64, CPU
+@pytest.mark.parametrize("N", [1, 2, 5])
+@pytest.mark.parametrize("shape", [(2, 7, 24), (13, 24)])
+@pytest.mark.parametrize("chunk_rows", [None, 4])
+def test_torch_backend_matches_reference_fp64(N, shape, chunk_rows):
+    """Values and all gradients; chunk_rows=4 splits the rows into several chunks (with a ragged last one);
+    for N = 5 sources 1 and 3 need no gradient (they must get None)."""
+    grads = [i % 2 == 0 for i in range(N)] if N == 5 else None
+    x = make(N, shape, seed=N * 10 + len(shape), grads=grads)
+    ref = run(reference, *x)
+    out = run(attn_res, *x, backend="torch", chunk_rows=chunk_rows)
+    assert out[0].dtype == torch.float64 and out[0].shape == shape
+    check(ref, out, 1e-10)
+
+
+def test_torch_backend_only_parameter_or_only_source_grads():
+    """needs_input_grad: sources frozen (only query / norm_weight grads), then parameters frozen."""
+    x = make(3, (9, 16), seed=5, grads=[False, False, False])
+    check(run(reference, *x), run(attn_res, *x, backend="torch", chunk_rows=4), 1e-10)
+    x = make(3, (9, 16), seed=6)
+    check(run(reference, *x, param_grad=False), run(attn_res, *x, param_grad=False, backend="torch"), 1e-10)
+
+
+def test_torch_backend_large_scores():
+    """Softmax stability: a large query makes the scores span hundreds (near one-hot α). The parameter gradients
+    then come from ds = α(dα − Σαdα), a difference of nearly equal terms that both sides round differently
+    (measured ~2e-9 in fp64): gradients to 1e-6, values to 1e-10."""
+    x = make(4, (11, 32), seed=7, scale_query=40.0)
+    out = run(attn_res, *x, backend="torch")
+    assert all(torch.isfinite(t).all() for t in [out[0], *out[1], out[2], out[3]])
+    check(run(reference, *x), out, 1e-10, grad_tol=1e-6)
+
+
+def test_mixed_dtype_sources_keep_reference_semantics():
+    """An fp32 embedding with bf16 block outputs: output in the promoted dtype (fp32), each gradient in its
+    source's dtype, values as the reference computes them on the same inputs."""
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16]
+    x = make(3, (3, 5, 32), seed=11, dtypes=dtypes)
+    ref = run(reference, *x)
+    out = run(attn_res, *x)  # auto: torch on CPU (the kernels need one dtype)
+    assert out[0].dtype == torch.float32
+    assert [g.dtype for g in out[1]] == dtypes
+    assert out[2].dtype == out[3].dtype == torch.float64
+    errs = check(ref, out, 1e-5, grad_tol=1e-2)
+    assert errs["dv0"] < 1e-5  # the fp32 source's gradient has no bf16 rounding
+
+
+def test_autocast_does_not_lower_the_statistics():
+    """Under CPU bf16 autocast the op still computes in fp32 (autocast is off inside): same result as without."""
+    x = make(3, (6, 32), seed=12, dtypes=[torch.float32] * 3)
+    ref = run(reference, *x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(attn_res, *x, backend="torch")
+    assert out[0].dtype == torch.float32
+    check(ref, out, 1e-6)
+
+
+def test_saved_tensors_are_the_sources_plus_per_row_stats():
+    """What autograd keeps for backward: the sources themselves (no copies), query and norm_weight, and
+    O(N * rows) statistics -- against the reference, which keeps several [N, rows, D] tensors."""
+    N, R, D = 5, 64, 48
+    src, query, norm_w, _, _ = make(N, (R, D), seed=13)
+    src = [s.requires_grad_() for s in src]
+    query, norm_w = query.requires_grad_(), norm_w.requires_grad_()
+    ptrs = {s.data_ptr() for s in src}
+
+    def saved_bytes(backend):
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attn_res(src, query, norm_w, EPS, backend=backend)
+        own = {t.data_ptr() for t in saved if t.data_ptr() in ptrs}
+        extra = sum(t.numel() * t.element_size() for t in saved
+                    if t.data_ptr() not in ptrs and t.data_ptr() not in (query.data_ptr(), norm_w.data_ptr()))
+        return own, extra
+
+    own, extra = saved_bytes("torch")
+    assert own == ptrs, "every source is saved by reference"
+    assert extra <= 2 * N * R * 8, f"saved {extra} bytes beyond the sources; expected <= 2*N*rows fp64"
+    _, extra_ref = saved_bytes("reference")
+    assert extra_ref >= 2 * N * R * D * 8  # the oracle's fp64 stacks: the measurement sees them
+
+
+def test_dispatch_and_errors():
+    x = make(2, (4, 8), seed=14)[:3]
+    src, query, norm_w = x
+    assert torch.equal(attn_res(src, query, norm_w, EPS, backend="reference"),
+                       attn_res_reference(src, query, norm_w, EPS))
+    assert "auto" in BACKENDS
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        attn_res(src, query, norm_w, EPS, backend="cuda")
+    with pytest.raises(ValueError, match=r"sources\[1\] has shape \(4, 9\), expected \(4, 8\)"):
+        attn_res([src[0], torch.randn(4, 9, dtype=torch.float64)], query, norm_w, EPS)
+    with pytest.raises(ValueError, match=r"query has shape \(1, 7\), expected \[8\] or \[1, 8\]"):
+        attn_res(src, query[:, :7], norm_w, EPS)
+    with pytest.raises(ValueError, match="at least one source"):
+        attn_res([], query, norm_w, EPS)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU dispatch")
+def test_auto_is_torch_on_cpu(monkeypatch):
+    import k3.ops.attn_res.fused as F
+    calls = []
+    fwd = F.forward_torch
+    monkeypatch.setattr(F, "forward_torch", lambda *a, **k: calls.append(1) or fwd(*a, **k))
+    src, query, norm_w = make(2, (4, 8), seed=15)[:3]
+    attn_res([s.float() for s in src], query.float(), norm_w.float(), EPS)
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------- Triton: interpreter on CPU, GPU with CUDA
+triton = pytest.importorskip("triton")
+import k3.ops.attn_res.triton as AT  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+SMALL = dict(fwd=dict(block_d=16, programs=5), bwd=dict(block_d=16, programs=5))  # D tiles and rows per program
+
+
+@pytest.mark.parametrize("launch", [SMALL, {}], ids=["tiled", "default"])
+def test_triton_matches_reference_fp32(launch, one_thread):
+    """D = 48 in tiles of 16 (3 tiles), N = 3, 37 rows over 5 programs (8 rows each, the last one ragged);
+    and the default launch (one D tile)."""
+    x = make(3, (37, 48), seed=21)
+    ref = run(reference, *x)
+    out = run(attn_res, *x, dtype=torch.float32, device=DEV, backend="triton", **launch)
+    check(ref, out, 1e-5)
+
+
+def test_triton_partial_gradients(one_thread):
+    """A source without gradient (table entry 0: no dv written) and frozen query / norm_weight (no dw)."""
+    x = make(3, (19, 48), seed=22, grads=[True, False, True])
+    for param_grad in (False, True):
+        ref = run(reference, *x, param_grad=param_grad)
+        out = run(attn_res, *x, dtype=torch.float32, device=DEV, param_grad=param_grad, backend="triton", **SMALL)
+        check(ref, out, 1e-5)
+
+
+def test_triton_backend_rejects_what_the_kernels_cannot_take():
+    q, n = torch.randn(16, device=DEV), torch.ones(16, device=DEV)
+    src = [torch.randn(4, 16, device=DEV), torch.randn(4, 16, device=DEV, dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"sources\[1\] has dtype torch.float64"):
+        attn_res(src, q, n, EPS, backend="triton")
+    with pytest.raises(ValueError, match=r"sources\[0\] is not contiguous"):
+        attn_res([torch.randn(16, 4, device=DEV).t(), torch.randn(4, 16, device=DEV)], q, n, EPS, backend="triton")
+    with pytest.raises(ValueError, match=r"sources\[1\] is not 16-byte aligned"):
+        attn_res([src[0], torch.randn(65, device=DEV)[1:].view(4, 16)], q, n, EPS, backend="triton")
+
+
+# ---------------------------------------------------------------- CUDA: bf16 at the model's sizes
+cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _ms(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("D", [1536, 7168])
+def test_cuda_bf16_matches_fp32_reference(D):
+    """bf16 sources (N = 6, 8192 rows) through auto (= triton) against the fp32 reference on the upcast
+    inputs; fp32 query / norm_weight as under autocast. Prints a timing (not asserted)."""
+    N, R = 6, 8192
+    g = torch.Generator(device="cuda").manual_seed(D)
+    src = [(torch.randn(R, D, device="cuda", generator=g) * (0.5 + i)).bfloat16() for i in range(N)]
+    query = torch.randn(1, D, device="cuda", generator=g)
+    norm_w = 1 + 0.3 * torch.randn(D, device="cuda", generator=g)
+    dh = torch.randn(R, D, device="cuda", generator=g).bfloat16()
+
+    def go(fn, upcast, **kw):
+        leaves = [(s.float() if upcast else s.detach()).requires_grad_() for s in src]
+        q, n = query.clone().requires_grad_(), norm_w.clone().requires_grad_()
+        h = fn(leaves, q, n, EPS, **kw)
+        h.backward(dh.to(h.dtype))
+        return [h] + [t.grad for t in leaves] + [q.grad, n.grad]
+
+    ref = go(attn_res_reference, True)
+    out = go(attn_res, False)
+    assert out[0].dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in out[1:N + 1])
+    names = ["h"] + [f"dv{i}" for i in range(N)] + ["dquery", "dnorm"]
+    errs = {n: rel_rmse(r, o) for n, r, o in zip(names, ref, out)}
+    print({k: f"{v:.1e}" for k, v in errs.items()})
+    assert all(torch.isfinite(o).all() for o in out)
+    assert max(errs.values()) <= 1e-2, errs
+    again = go(attn_res, False)
+    assert all(torch.equal(a, b) for a, b in zip(out, again)), "the backward is deterministic"
+
+    leaves = [s.requires_grad_() for s in src]
+    q, n = query.clone().requires_grad_(), norm_w.clone().requires_grad_()
+    for name, fn in (("reference", attn_res_reference), ("fused", attn_res)):
+        fwd = _ms(lambda: fn(leaves, q, n, EPS))
+        both = _ms(lambda: fn(leaves, q, n, EPS).backward(dh))
+        print(f"D={D} N={N} rows={R} {name}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_autocast_dispatches_to_triton_and_matches_torch(monkeypatch):
+    """Under bf16 autocast with bf16 sources and fp32 parameters: auto picks the kernels; output bf16,
+    parameter gradients fp32, and the torch backend agrees."""
+    N, R, D = 4, 1000, 1536
+    x = make(N, (R, D), seed=31, dtypes=[torch.bfloat16] * N)
+    src, query, norm_w, dh, grads = x
+    calls = []
+    fwd = AT.attn_res_fwd_triton
+    monkeypatch.setattr(AT, "attn_res_fwd_triton", lambda *a, **k: calls.append(1) or fwd(*a, **k))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tri = run(attn_res, src, query.float(), norm_w.float(), dh, grads, device="cuda")
+        assert calls == [1], "auto ran the Triton forward"
+        tor = run(attn_res, src, query.float(), norm_w.float(), dh, grads, device="cuda", backend="torch")
+    assert calls == [1]
+    assert tri[0].dtype == torch.bfloat16 and tri[2].dtype == torch.float32
+    check(tor, tri, 1e-2)
