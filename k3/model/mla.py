@@ -7,6 +7,11 @@ output = o_proj(attn · σ(g_proj(x))).
 Two attention paths that give the same result: `naive` expands the latent into per-head keys and values
 (training, prefill); `absorbed` folds kv_b into the query and the output (decode), so the cache holds only
 the latent c and k_pe per token.
+
+Without a cache or an attention_mask (training, packed prefill) the naive path runs through
+`k3.ops.attention.doc_causal_attention` (no [T, T] mask; `attn_backend` picks its backend, "reference"
+restores the dense masked path), which also returns the QK-clip max logit. Paths with a cache or an
+attention_mask (generate) build the dense mask.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
+from ..ops.attention import doc_causal_attention
 from ..ops.varlen import doc_ids
 from .layers import RMSNorm
 
@@ -40,6 +46,9 @@ class MLAttention(nn.Module):
         self.g_proj = nn.Linear(D, H * self.vdim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
         self.attn_impl = "auto"  # "naive" | "absorbed" | "auto" (absorbed when decoding from a cache)
+        # no cache, no attention_mask: doc_causal_attention's backend ("auto" | "flex" | "sdpa"), or "reference"
+        # for the dense [B, 1, T, T] mask path (the baseline for before/after benchmarks)
+        self.attn_backend = "auto"
         self.record_max_logit = False  # QK-clip: keep each head's max pre-softmax logit of the last training forward
         self.max_logit: torch.Tensor | None = None  # fp32 [H], detached
 
@@ -57,12 +66,16 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.vdim, self.kv_lora_rank)
         return w[:, :self.nope], w[:, self.nope:]  # W_uk [H, nope, C], W_uv [H, v, C]
 
-    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """Expanded per-head keys/values. q [B,T,H,Dq], c [B,S,C], k_pe [B,S,R], allowed [B,1,T,S] → [B,T,H,V]."""
+    def expand_kv(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c [B, S, C], k_pe [B, S, R] → per-head k [B, S, H, nope + rope] (k_pe shared), v [B, S, H, V]."""
         B, S, _ = c.shape
         kv = self.kv_b_proj(c).view(B, S, self.num_heads, self.nope + self.vdim)
         k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        return torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1), v
+
+    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Expanded per-head keys/values. q [B,T,H,Dq], c [B,S,C], k_pe [B,S,R], allowed [B,1,T,S] → [B,T,H,V]."""
+        k, v = self.expand_kv(c, k_pe)
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=bias, scale=self.scale)
@@ -104,6 +117,9 @@ class MLAttention(nn.Module):
         B, T, _ = x.shape
         q = self.project_q(x)
         c, k_pe = self.project_latent(x)
+        if cache is None and attention_mask is None and self.attn_impl in ("auto", "naive") \
+                and self.attn_backend != "reference":
+            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens))
         past = 0
         if cache is not None:
             if "c" in cache:
@@ -122,8 +138,25 @@ class MLAttention(nn.Module):
         impl = self.attn_impl
         if impl == "auto":
             impl = "absorbed" if past > 0 else "naive"
-        o = (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, allowed)
-        o = o.reshape(B, T, self.num_heads * self.vdim)
+        return self._finish(x, (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, allowed))
+
+    def _attend_docs(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention inside each document with no dense mask; records the QK-clip max logit from the
+        same call in training forwards when asked."""
+        k, v = self.expand_kv(c, k_pe)
+        record = self.record_max_logit and self.training
+        out = doc_causal_attention(q, k, v, self.scale, cu_seqlens, return_max_logit=record,
+                                   backend=self.attn_backend)
+        if not record:
+            return out
+        o, max_logit = out
+        self.max_logit = max_logit.float()
+        return o
+
+    def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, V] → output gate and o_proj → [B, T, D]."""
+        o = o.reshape(*x.shape[:2], self.num_heads * self.vdim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
