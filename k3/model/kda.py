@@ -2,6 +2,9 @@
 
 Names and shapes follow the release (`self_attn.{q,k,v}_proj`, `{q,k,v}_conv1d`, `f_a_proj`, `f_b_proj`,
 `dt_bias`, `A_log` [padded to 128], `b_proj`, `g_proj`, `o_norm`, `o_proj`).
+
+Training / prefill without cache or mask takes the fused path (`fast`, see `_forward_fast`); the masked and
+cached (decode) paths, and `fast = False`, run the step-by-step code (the fused path's test oracle).
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.conv import short_conv
-from ..ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from ..ops.conv import short_conv, short_conv_split
+from ..ops.kda import chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_gate
+from ..ops.norm import rms_norm, rms_norm_gated
 from .layers import RMSNorm
 
 A_LOG_PAD = 128  # the release stores A_log padded to a multiple of 128 entries (only the first H are used)
@@ -26,7 +31,10 @@ class KimiDeltaAttention(nn.Module):
         D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
         self.lower_bound = la.gate_lower_bound
-        self.backend = "auto"
+        self.backend = "auto"  # KDA kernels (`chunk_kda` backends)
+        self.fast = True  # fused path without cache / mask; False: the step-by-step path (benchmarks, tests)
+        # short conv and output RMSNorm of both paths: "auto" | "reference" (today's PyTorch ops) | "triton"
+        self.elementwise_backend = "auto"
         W = la.short_conv_kernel_size
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
@@ -58,6 +66,8 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         if cu_seqlens is not None and (cache is not None or attention_mask is not None):
             raise ValueError("KimiDeltaAttention: cu_seqlens cannot be combined with a cache or an attention_mask")
+        if self.fast and cache is None and attention_mask is None:
+            return self._forward_fast(x, cu_seqlens)
         H, K = self.num_heads, self.head_dim
         m = None if attention_mask is None else attention_mask[:, -T:].to(x.dtype).unsqueeze(-1)  # [B, T, 1]
 
@@ -67,7 +77,7 @@ class KimiDeltaAttention(nn.Module):
                 y = y * m
             state = None if cache is None else cache.get(name)
             y, new_state = short_conv(y, conv.weight, state, output_final_state=cache is not None,
-                                      cu_seqlens=cu_seqlens)
+                                      cu_seqlens=cu_seqlens, backend=self.elementwise_backend)
             if cache is not None:
                 cache[name] = new_state
             return y.view(B, T, H, -1)
@@ -94,5 +104,29 @@ class KimiDeltaAttention(nn.Module):
             o, new_state = chunk_kda(q, k, v, g, beta, backend=self.backend, g_lower_bound=self.lower_bound, **kw)
         if cache is not None:
             cache["state"] = new_state
-        o = self.o_norm(o.float()) * torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
+        o = rms_norm(o.float(), self.o_norm.weight, self.o_norm.eps, backend=self.elementwise_backend)  # = o_norm
+        o = o * torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+    def _forward_fast(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """The same function as the step-by-step path without cache / mask, in fewer passes over memory: one GEMM
+        for q, k, v (their weights concatenated at run time; the checkpoint keeps the three), one short conv
+        (+ SiLU) over the 3·H·K channels writing q, k, v as separate contiguous tensors, `chunk_kda_gated` on the
+        raw gate pre-activation and β logits (the Triton backend fuses gate, β sigmoid and q/k l2norm; the
+        others apply them in PyTorch), and the output gate as one `rms_norm_gated` (fp32 math, one rounding)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        HK = H * K
+        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        q, k, v = short_conv_split(F.linear(x, w_qkv), w_conv, (HK, HK, HK), cu_seqlens=cu_seqlens,
+                                   backend=self.elementwise_backend)
+        f = self.f_b_proj(self.f_a_proj(x))
+        b = self.b_proj(x)
+        rows = (1, B * T) if cu_seqlens is not None else (B, T)  # packed documents: one row (fla's convention)
+        o, _ = chunk_kda_gated(q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, H, K), f.view(*rows, H, K),
+                               b.view(*rows, H), self.A_log[:H], self.dt_bias, cu_seqlens=cu_seqlens,
+                               use_qk_l2norm_in_kernel=True, lower_bound=self.lower_bound, backend=self.backend)
+        o = rms_norm_gated(o.reshape(B, T, H, K), self.o_norm.weight, self.g_proj(x).view(B, T, H, K),
+                           self.o_norm.eps, backend=self.elementwise_backend)
+        return self.o_proj(o.reshape(B, T, HK))

@@ -1,17 +1,17 @@
-"""Depthwise causal short convolution + SiLU (fla `ShortConvolution` semantics) with a decode cache."""
+"""Depthwise causal short convolution + SiLU in plain PyTorch: the oracle, and the decode / conv-state path."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .varlen import positions_in_doc
+from ..varlen import positions_in_doc
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
-               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal depthwise conv over time, then SiLU.
+def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                         output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv over time, then SiLU; computed in x's dtype (the weight is cast to it).
 
     x [B, T, C]; weight [C, 1, W]; state [B, C, W-1]: the W-1 inputs preceding x (zeros = sequence start).
     Returns (y [B, T, C], new_state [B, C, W-1] or None): new_state is the last W-1 inputs seen.

@@ -1,0 +1,107 @@
+"""Depthwise causal short convolution + SiLU (fla `ShortConvolution` semantics), with `short_conv` /
+`short_conv_split` as the dispatch points.
+
+Backends: "reference" (`reference.py`, plain PyTorch in x's dtype: every case, including the decode conv
+state) and "triton" (`triton.py`: the training case -- no conv state, kernel width <= 4, fp32/bf16/fp16 --
+fused SiLU, fp32 arithmetic, one pass over x forward and backward). "auto" picks triton for CUDA inputs
+the kernels handle, else reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .reference import short_conv_reference
+
+__all__ = ["short_conv", "short_conv_split", "short_conv_reference", "triton_available", "BACKENDS"]
+
+BACKENDS = ("auto", "reference", "triton")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the Triton short-conv kernels import (tried once, on first use)."""
+    try:
+        from . import triton as _  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _triton_reason(x, weight, stateful) -> str | None:
+    """Why the Triton kernels cannot run this call (None: they can)."""
+    if stateful:
+        return "a conv state (decode / prefill with cache) is handled by the reference path only"
+    if weight.shape[-1] > 4:
+        return f"the kernels handle widths up to 4, got {weight.shape[-1]}"
+    if x.dtype not in _TRITON_DTYPES:
+        return f"x must be float32, bfloat16 or float16, got {x.dtype}"
+    if not triton_available():
+        return "triton is not importable"
+    if not x.is_cuda:
+        from .triton import interpreted
+        if not interpreted():
+            return f"needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {x.device}"
+    return None
+
+
+def _pick(fn, backend, x, weight, stateful) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if x.is_cuda and _triton_reason(x, weight, stateful) is None else "reference"
+    if backend == "triton":
+        why = _triton_reason(x, weight, stateful)
+        if why is not None:
+            raise ValueError(f"{fn}: backend 'triton' cannot run this call: {why}")
+    return backend
+
+
+def _check(fn, x, weight):
+    if x.dim() != 3:
+        raise ValueError(f"{fn}: x must be [B, T, C], got shape {tuple(x.shape)}")
+    C = x.shape[-1]
+    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[-1] < 1:
+        raise ValueError(f"{fn}: weight must be [{C}, 1, W] with W >= 1, got {tuple(weight.shape)}")
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv over time, then SiLU.
+
+    x [B, T, C]; weight [C, 1, W]; state [B, C, W-1]: the W-1 inputs preceding x (zeros = sequence start).
+    Returns (y [B, T, C] in x's dtype, new_state [B, C, W-1] or None): new_state is the last W-1 inputs seen.
+    With `cu_seqlens` (packed documents over the flattened B·T tokens) the window never reaches into the
+    previous document; states are not supported then. The triton backend computes in fp32 (the reference in
+    x's dtype, with the weight cast to it): equal in fp32, bf16-level differences for bf16 inputs.
+    """
+    _check("short_conv", x, weight)
+    stateful = state is not None or output_final_state
+    if cu_seqlens is not None and stateful:
+        raise ValueError("short_conv: cu_seqlens cannot be combined with a conv state")
+    if _pick("short_conv", backend, x, weight, stateful) == "reference":
+        return short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
+    from .triton import short_conv_triton
+    return short_conv_triton(x, weight, cu_seqlens)[0], None
+
+
+def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...] | list[int],
+                     cu_seqlens: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, ...]:
+    """`short_conv(x, weight, cu_seqlens=cu_seqlens)[0].split(sizes, -1)` with each piece contiguous.
+
+    For a layer that convolves several projections at once (q, k, v from one GEMM): the triton backend
+    writes each channel segment to its own contiguous tensor, so neither the pieces nor their gradients
+    need a copy. No conv state (training / prefill without cache).
+    """
+    _check("short_conv_split", x, weight)
+    sizes = tuple(int(s) for s in sizes)
+    if sum(sizes) != x.shape[-1] or any(s < 0 for s in sizes):
+        raise ValueError(f"short_conv_split: sizes must be non-negative and sum to C={x.shape[-1]}, got {sizes}")
+    if _pick("short_conv_split", backend, x, weight, False) == "reference":
+        y, _ = short_conv_reference(x, weight, cu_seqlens=cu_seqlens)
+        return tuple(p.contiguous() for p in y.split(sizes, -1))
+    from .triton import short_conv_triton
+    return short_conv_triton(x, weight, cu_seqlens, sizes)

@@ -1,0 +1,96 @@
+"""RMSNorm, with `rms_norm` / `rms_norm_gated` as the dispatch points.
+
+Backends: "reference" (`reference.py`, plain PyTorch: the release's rounding, any dtype and width) and
+"triton" (`triton.py`: rows up to 8192 wide, fp32/bf16/fp16, one pass over the rows forward and backward,
+no fp32 temporaries in memory). "auto" picks triton for CUDA inputs the kernels handle, else reference.
+
+The triton path normalises in fp32, multiplies by the weight in fp32 and rounds once to x's dtype; the
+reference rounds the normalised x to x's dtype before multiplying by the weight (cast to x's dtype), as the
+release does. Identical in fp32 (up to the order of fp32 operations); for bf16 inputs a bf16-level difference.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .reference import rms_norm_gated_reference, rms_norm_reference
+
+__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_reference", "rms_norm_gated_reference", "triton_available",
+           "BACKENDS"]
+
+BACKENDS = ("auto", "reference", "triton")
+MAX_D = 8192  # widest row of the Triton kernels (one row per program tile)
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the Triton RMSNorm kernels import (tried once, on first use)."""
+    try:
+        from . import triton as _  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _triton_reason(x, weight, gate) -> str | None:
+    """Why the Triton kernels cannot run this call (None: they can)."""
+    D = x.shape[-1] if x.dim() else 0
+    if not 1 <= D <= MAX_D:
+        return f"rows must be 1..{MAX_D} wide, got {D}"
+    for name, t in (("x", x), ("gate", gate)):
+        if t is not None and t.dtype not in _TRITON_DTYPES:
+            return f"{name} must be float32, bfloat16 or float16, got {t.dtype}"
+    if weight is not None and not weight.dtype.is_floating_point:
+        return f"weight must be a float tensor, got {weight.dtype}"
+    if not triton_available():
+        return "triton is not importable"
+    if not x.is_cuda:
+        from .triton import interpreted
+        if not interpreted():
+            return f"needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {x.device}"
+    return None
+
+
+def _pick(fn, backend, x, weight, gate) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if x.is_cuda and _triton_reason(x, weight, gate) is None else "reference"
+    if backend == "triton":
+        why = _triton_reason(x, weight, gate)
+        if why is not None:
+            raise ValueError(f"{fn}: backend 'triton' cannot run this call: {why}")
+    return backend
+
+
+def _check(fn, x, weight, gate=None):
+    if x.dim() < 1:
+        raise ValueError(f"{fn}: x must have at least one dimension, got a scalar")
+    D = x.shape[-1]
+    if weight is not None and tuple(weight.shape) != (D,):
+        raise ValueError(f"{fn}: weight must be [{D}] (x's last dim), got {tuple(weight.shape)}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"{fn}: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, backend: str = "auto") -> torch.Tensor:
+    """`x / sqrt(mean(x²) + eps) * weight` over the last dim; fp32 statistics, output in x's dtype.
+    (See the module docstring for where the backends round.)"""
+    _check("rms_norm", x, weight)
+    if _pick("rms_norm", backend, x, weight, None) == "reference":
+        return rms_norm_reference(x, weight, eps)
+    from .triton import rms_norm_triton
+    return rms_norm_triton(x, weight, eps)
+
+
+def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor | None, gate: torch.Tensor, eps: float,
+                   backend: str = "auto") -> torch.Tensor:
+    """rms_norm(x in fp32) * weight * sigmoid(gate in fp32), in fp32 (fp64 for fp64 inputs on the reference
+    path), output in x's dtype. gate has x's shape. The KDA layer's output: o_norm(o) * sigmoid(g_proj(x))."""
+    _check("rms_norm_gated", x, weight, gate)
+    if _pick("rms_norm_gated", backend, x, weight, gate) == "reference":
+        return rms_norm_gated_reference(x, weight, gate, eps)
+    from .triton import rms_norm_triton
+    return rms_norm_triton(x, weight, eps, gate)
