@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.norm import rms_norm
-from ..ops.situ import situ_glu
+from ..ops.situ import gate_up_weight, situ_glu_fused
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -40,7 +41,11 @@ class RMSNorm(nn.Module):
 
 
 class SituMLP(nn.Module):
-    """`gate_proj` / `up_proj` / `down_proj` with SiTU-GLU: the dense layer-0 MLP and the shared experts."""
+    """`gate_proj` / `up_proj` / `down_proj` with SiTU-GLU: the dense layer-0 MLP and the shared experts.
+
+    gate_proj and up_proj run as one GEMM (their weights concatenated at run time, in the autocast dtype when
+    autocast is on; the parameters and checkpoint names stay separate) whose [.., 2I] output the fused
+    SiTU-GLU reads in place."""
 
     def __init__(self, hidden: int, intermediate: int, beta: float = 4.0, linear_beta: float = 25.0):
         super().__init__()
@@ -50,4 +55,8 @@ class SituMLP(nn.Module):
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        dev = x.device.type
+        dt = (torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
+              else self.gate_proj.weight.dtype)
+        gu = F.linear(x, gate_up_weight(self.gate_proj.weight, self.up_proj.weight, dt))
+        return self.down_proj(situ_glu_fused(gu, self.beta, self.linear_beta))

@@ -5,6 +5,9 @@
 
 Routed experts are stacked [E, out, in] inside the module (`experts.w1/w2/w3`) for batched training;
 the checkpoint I/O layer maps them to the release's per-expert `experts.{e}.w{1,2,3}` tensors.
+On CUDA with bf16 activations (training under autocast) the router stays fp32 without an fp32 copy of the
+input, and the experts run as grouped GEMMs with w1 ‖ w3 fused, Triton SiTU-GLU and a Triton combine, no host
+sync (`k3.ops.moe`); elsewhere a per-expert loop.
 
 Expert parallel: `LatentMoE(cfg, expert_parallel=group)` (a process group, or a
 `k3.dist.moonep.ExpertParallel`) keeps only the rank's home experts E/R in `experts.w1/w2/w3` and runs

@@ -1,0 +1,111 @@
+"""Triton kernels of the MoE token permutation: the expand (dispatch) and weighted-reduce (combine) steps
+between token order [N, …] and expert-sorted entry order [N·K, …], addressed by pos [N, K] (entry k of
+token n sits at row pos[n, k] of the sorted layout; pos is a permutation of 0..N·K−1).
+
+    gather_sum:  out[n] = Σ_k w[n,k]·src[pos[n,k]]        (combine forward; dispatch backward with w = 1)
+    scatter:     dst[pos[n,k]] = w[n,k]·src[n]           (dispatch forward with w = 1; combine backward)
+                 dw[n,k] = Σ_l src[n,l]·other[pos[n,k],l]  (combine backward: the routing-weight gradient)
+
+One program per token, fp32 accumulation, stores in the destination's dtype; every row is written exactly
+once (no atomics: deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_gather_sum_kernel(src_ptr, pos_ptr, w_ptr, out_ptr, L, K, s_src, s_out,
+                          BK: tl.constexpr, BL: tl.constexpr, HAS_W: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BK)
+    km = ks < K
+    p = tl.load(pos_ptr + n * K + ks, mask=km, other=0).to(tl.int64)
+    if HAS_W:
+        w = tl.load(w_ptr + n * K + ks, mask=km, other=0.0).to(tl.float32)
+    for l0 in range(0, L, BL):
+        cols = l0 + tl.arange(0, BL)
+        cm = cols < L
+        x = tl.load(src_ptr + p[:, None] * s_src + cols[None, :], mask=km[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_W:
+            x = x * w[:, None]
+        tl.store(out_ptr + n * s_out + cols, tl.sum(x, 0).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def moe_scatter_kernel(src_ptr, pos_ptr, w_ptr, dst_ptr, other_ptr, dw_ptr, L, K, s_src, s_dst, s_other,
+                       BK: tl.constexpr, BL: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BK)
+    km = ks < K
+    p = tl.load(pos_ptr + n * K + ks, mask=km, other=0).to(tl.int64)
+    if HAS_W:
+        w = tl.load(w_ptr + n * K + ks, mask=km, other=0.0).to(tl.float32)
+    acc = tl.zeros([BK], dtype=tl.float32)
+    for l0 in range(0, L, BL):
+        cols = l0 + tl.arange(0, BL)
+        cm = cols < L
+        m = km[:, None] & cm[None, :]
+        x = tl.load(src_ptr + n * s_src + cols, mask=cm, other=0.0).to(tl.float32)
+        if HAS_W:
+            y = w[:, None] * x[None, :]
+        else:
+            y = tl.broadcast_to(x[None, :], (BK, BL))
+        tl.store(dst_ptr + p[:, None] * s_dst + cols[None, :], y.to(dst_ptr.dtype.element_ty), mask=m)
+        if HAS_DW:
+            o = tl.load(other_ptr + p[:, None] * s_other + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += tl.sum(o * x[None, :], 1)
+    if HAS_DW:
+        tl.store(dw_ptr + n * K + ks, acc.to(dw_ptr.dtype.element_ty), mask=km)
+
+
+def _blocks(K: int, L: int) -> tuple[int, int]:
+    bk = triton.next_power_of_2(max(K, 1))
+    return bk, max(16, min(triton.next_power_of_2(max(L, 1)), 4096 // bk))
+
+
+def _unit_cols(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """src [M, L], pos [N, K], w [N, K] or None → out [N, L] in src's dtype, out[n] = Σ_k w[n,k]·src[pos[n,k]]."""
+    N, K = pos.shape
+    L = src.shape[1]
+    src = _unit_cols(src)
+    out = torch.empty(N, L, dtype=src.dtype, device=src.device)
+    if N and L:
+        BK, BL = _blocks(K, L)
+        moe_gather_sum_kernel[(N,)](src, pos.contiguous(), src if w is None else w.contiguous(), out, L, K,
+                                    src.stride(0), out.stride(0), BK=BK, BL=BL, HAS_W=w is not None, num_warps=4)
+    return out
+
+
+def scatter(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, other: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """src [N, L] → (dst [N·K, L] in src's dtype with dst[pos[n,k]] = w[n,k]·src[n], and with `other`
+    [N·K, L] dw [N, K] in w's dtype, dw[n,k] = Σ_l src[n,l]·other[pos[n,k],l]; else None)."""
+    N, K = pos.shape
+    L = src.shape[1]
+    src = _unit_cols(src)
+    dst = torch.empty(N * K, L, dtype=src.dtype, device=src.device)
+    dw = None
+    if other is not None:
+        other = _unit_cols(other)
+        dw = torch.zeros(N, K, dtype=w.dtype, device=src.device)
+    if N and L:
+        BK, BL = _blocks(K, L)
+        moe_scatter_kernel[(N,)](src, pos.contiguous(), src if w is None else w.contiguous(), dst,
+                                 src if other is None else other, src if dw is None else dw, L, K,
+                                 src.stride(0), dst.stride(0), 0 if other is None else other.stride(0),
+                                 BK=BK, BL=BL, HAS_W=w is not None, HAS_DW=other is not None, num_warps=4)
+    return dst, dw
+
+
+def interpreted() -> bool:
+    """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(moe_gather_sum_kernel).__name__ == "InterpretedFunction"

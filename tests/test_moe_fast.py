@@ -1,0 +1,398 @@
+"""The fast MoE / MLP path against the slow, obviously-correct one.
+
+- SiTU-GLU: the Triton kernels (CPU: Triton's interpreter, fp32) and the torch Function against the fp64
+  reference formula, values and both input gradients, with |g|, |u| far into the caps: rel RMS <= 1e-5.
+- The router's bf16-split GEMM, the token permutation (sort / dispatch / combine) and the gate ‖ up weight.
+- SituMLP and LatentMoE (loop and sorted-rows paths) in fp64 on CPU against today's code, copied below
+  (separate gate/up GEMMs, the reference SiTU, index_add combine): outputs and every gradient, rel RMS <= 1e-10.
+- CUDA: bf16 LatentMoE at k3-small sizes under autocast against the fp32 expert loop, rel RMS <= 2e-2 on the
+  output and every gradient, with the sync debug mode set to "error" (no host sync).
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny, rel_rmse
+from k3.config import K3Config
+from k3.model import moe as model_moe
+from k3.model.layers import SituMLP
+from k3.model.moe import LatentMoE
+from k3.ops import moe as moe_ops
+from k3.ops.situ import gate_up_weight, situ_glu, situ_glu_fused
+from k3.ops.situ.reference import situ_glu_reference
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rng(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- SiTU-GLU ---------------------------------------------------------------------------------------------
+def situ_inputs(M, I, seed):
+    """g, u, dout [M, I] fp64: column bands at scales 0.01 (tanh's series range), 1, 8 and 60 (gate) / 300 (up)
+    so both caps saturate; plus exact zeros and ±200 entries."""
+    gen = rng(seed)
+    sg = torch.tensor([0.01, 1.0, 8.0, 60.0]).repeat_interleave((I + 3) // 4)[:I]
+    su = torch.tensor([0.01, 1.0, 25.0, 300.0]).repeat_interleave((I + 3) // 4)[:I]
+    g = torch.randn(M, I, generator=gen, dtype=torch.float64) * sg
+    u = torch.randn(M, I, generator=gen, dtype=torch.float64) * su
+    g[0, :3], u[1, :3] = torch.tensor([0.0, 200.0, -200.0]), torch.tensor([0.0, 200.0, -200.0])
+    return g, u, torch.randn(M, I, generator=gen, dtype=torch.float64)
+
+
+def situ_run(fused, backend, g, u, do, dtype, device=DEV):
+    """act and (dg, du) through situ_glu / situ_glu_fused on leaf copies in dtype."""
+    if fused:
+        gu = torch.cat([g, u], -1).to(device, dtype).requires_grad_()
+        o = situ_glu_fused(gu, backend=backend)
+        (d,) = torch.autograd.grad(o, gu, do.to(device, dtype))
+        return o, *d.chunk(2, -1)
+    gg, uu = g.to(device, dtype).requires_grad_(), u.to(device, dtype).requires_grad_()
+    o = situ_glu(gg, uu, backend=backend)
+    return o, *torch.autograd.grad(o, (gg, uu), do.to(device, dtype))
+
+
+def situ_oracle(g, u, do):
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    o = situ_glu_reference(g, u)
+    return o, *torch.autograd.grad(o, (g, u), do)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fused", [False, True], ids=["gate,up", "gate_up"])
+@pytest.mark.parametrize("M,I", [(37, 45), (5, 300)])
+def test_situ_fp32_matches_fp64_reference(backend, fused, M, I):
+    """fp32 (Triton through the interpreter on CPU) vs the fp64 formula: out, d gate, d up rel RMS <= 1e-5."""
+    g, u, do = situ_inputs(M, I, seed=M * I)
+    ref = situ_oracle(g, u, do)
+    got = situ_run(fused, backend, g, u, do, torch.float32)
+    for name, r, t in zip(("out", "dg", "du"), ref, got):
+        assert t.dtype == torch.float32 and torch.isfinite(t).all(), name
+        assert rel_rmse(r, t.cpu()) <= 1e-5, (name, rel_rmse(r, t.cpu()))
+    assert got[0].abs().max() <= 100.0  # |act| < β₁·β₂
+
+
+def test_situ_torch_backend_is_exact_in_fp64():
+    """The torch Function's hand-written backward equals autograd on the formula (fp64: 1e-12)."""
+    g, u, do = situ_inputs(23, 40, seed=3)
+    ref = situ_oracle(g, u, do)
+    for fused in (False, True):
+        got = situ_run(fused, "torch", g, u, do, torch.float64, device="cpu")
+        for name, r, t in zip(("out", "dg", "du"), ref, got):
+            assert t.dtype == torch.float64 and rel_rmse(r, t) <= 1e-12, (fused, name, rel_rmse(r, t))
+
+
+def test_situ_triton_strided_3d_and_empty():
+    """[B, T, 2I] input with a row stride (a slice of a wider tensor) and empty inputs."""
+    g, u, do = situ_inputs(12, 16, seed=5)
+    wide = torch.cat([g, u, torch.randn(12, 8, dtype=torch.float64)], -1).float().view(3, 4, 40)
+    gu = wide[..., :32].to(DEV)
+    assert not gu.is_contiguous()
+    out = situ_glu_fused(gu, backend="triton")
+    assert out.shape == (3, 4, 16)
+    assert rel_rmse(situ_glu_reference(g, u), out.reshape(12, 16).cpu()) <= 1e-5
+    e = torch.zeros(0, 6, device=DEV)
+    assert situ_glu(e, e, backend="triton").shape == (0, 6)
+    assert situ_glu_fused(torch.zeros(0, 6, device=DEV), backend="triton").shape == (0, 3)
+
+
+def test_situ_dispatch_errors():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        situ_glu(x, x, backend="fast")
+    with pytest.raises(ValueError, match="same shape"):
+        situ_glu(x, x[:, :5])
+    with pytest.raises(ValueError, match="even last dim"):
+        situ_glu_fused(x[:, :5])
+    assert situ_glu(x, x, backend="auto").dtype == torch.float32
+
+
+def test_gate_up_weight_converts_in_one_pass_with_gradients():
+    gen = rng(7)
+    a = torch.randn(3, 5, 4, generator=gen, requires_grad=True)
+    b = torch.randn(3, 5, 4, generator=gen, requires_grad=True)
+    w = gate_up_weight(a, b, torch.bfloat16)
+    assert w.shape == (3, 10, 4) and w.dtype == torch.bfloat16
+    assert torch.equal(w, torch.cat([a, b], 1).bfloat16())
+    gw = torch.randn(3, 10, 4, generator=gen)
+    (w.float() * gw).sum().backward()
+    assert torch.equal(a.grad, gw[:, :5].bfloat16().float()) and torch.equal(b.grad, gw[:, 5:].bfloat16().float())
+    assert torch.equal(gate_up_weight(a, b), torch.cat([a, b], 1))
+
+
+# ---- router -------------------------------------------------------------------------------------------------
+def test_router_bf16_split_matches_fp32_gemm():
+    """RouterLogitsBf16 (bf16 x, fp32 weight): logits and dweight within fp32 rounding of the fp64 product
+    (rel RMS <= 1e-6), dx within bf16 rounding (<= 4e-3). On CPU the GEMMs go through fp32 (same numbers)."""
+    gen = rng(11)
+    N, D, E = 300, 256, 16
+    x = torch.randn(N, D, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(E, D, generator=gen) * D ** -0.5).requires_grad_()
+    dz = torch.randn(N, E, generator=gen)
+    z = moe_ops.RouterLogitsBf16.apply(x.to(DEV) if CUDA else x, w.to(DEV) if CUDA else w)
+    assert z.dtype == torch.float32
+    dx, dw = torch.autograd.grad(z, (x, w), dz.to(z.device))
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    z64 = x64 @ w64.T
+    dx64, dw64 = torch.autograd.grad(z64, (x64, w64), dz.double())
+    assert rel_rmse(z64, z.cpu()) <= 1e-6
+    assert rel_rmse(dw64, dw.cpu()) <= 1e-6
+    assert dx.dtype == torch.bfloat16 and rel_rmse(dx64, dx.cpu()) <= 4e-3
+    # the plain bf16 GEMM (what autocast would run) is far off: the split is what makes it fp32
+    assert rel_rmse(z64, (x.detach() @ w.detach().bfloat16().T).float()) > 1e-4
+
+
+# ---- token permutation ----------------------------------------------------------------------------------------
+def routing(N, K, E, seed, device="cpu"):
+    gen = rng(seed)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)])
+    idx[: N // 4] = 1  # a hot expert, duplicated within a token; some experts stay empty
+    idx[N // 4: N // 2, 0] = E - 1
+    return idx.to(device)
+
+
+def test_sort_by_expert_layout():
+    N, K, E = 50, 3, 9
+    idx = routing(N, K, E, seed=1)
+    pos, ends = moe_ops.sort_by_expert(idx, E)
+    flat = pos.reshape(-1)
+    assert torch.equal(flat.sort().values, torch.arange(N * K))  # a permutation
+    sorted_e = torch.empty(N * K, dtype=torch.long)
+    sorted_e[flat] = idx.reshape(-1)
+    assert torch.equal(sorted_e, idx.reshape(-1).sort(stable=True).values)  # grouped by expert
+    assert torch.equal(ends, torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
+    for e in range(E):  # stable: token order inside each expert's rows
+        entries = (idx.reshape(-1) == e).nonzero().squeeze(1)
+        assert torch.equal(flat[entries], flat[entries].sort().values)
+
+
+def perm_run(backend, x, ys, w, pos, dtype, device):
+    leaves = [t.detach().to(device, dtype).requires_grad_() for t in (x, ys, w)]
+    p = pos.to(device)
+    xs = moe_ops.dispatch_rows(leaves[0], p, backend=backend)
+    out = moe_ops.combine_rows(leaves[1], p, leaves[2], backend=backend)
+    gen = rng(3)
+    dxs = torch.randn(xs.shape, generator=gen, dtype=torch.float64)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    ((xs.double() * dxs.to(device)).sum() + (out.double() * dout.to(device)).sum()).backward()
+    return [xs, out] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dispatch_and_combine_match_loops(backend):
+    """dispatch_rows / combine_rows and their gradients against per-entry loops in fp64 (torch backend: fp64,
+    1e-12; Triton: fp32 through the interpreter on CPU, 1e-6)."""
+    N, K, E, L = 40, 4, 6, 70
+    idx = routing(N, K, E, seed=2)
+    pos, _ = moe_ops.sort_by_expert(idx, E)
+    gen = rng(4)
+    x = torch.randn(N, L, generator=gen, dtype=torch.float64)
+    ys = torch.randn(N * K, L, generator=gen, dtype=torch.float64)
+    w = torch.rand(N, K, generator=gen, dtype=torch.float64)
+    dtype, tol = (torch.float64, 1e-12) if backend == "torch" else (torch.float32, 1e-6)
+    got = perm_run(backend, x, ys, w, pos, dtype, "cpu" if backend == "torch" else DEV)
+    ref = perm_run("torch", x, ys, w, pos, torch.float64, "cpu")
+    xs_loop = torch.empty(N * K, L, dtype=torch.float64)
+    out_loop = torch.zeros(N, L, dtype=torch.float64)
+    for n in range(N):
+        for k in range(K):
+            xs_loop[pos[n, k]] = x[n]
+            out_loop[n] += w[n, k] * ys[pos[n, k]]
+    assert torch.equal(ref[0], xs_loop) and rel_rmse(out_loop, ref[1]) <= 1e-14
+    for name, r, t in zip(("xs", "out", "dx", "dys", "dw"), ref, got):
+        assert t.dtype == dtype and rel_rmse(r, t.cpu()) <= tol, (name, rel_rmse(r, t.cpu()))
+
+
+def test_permutation_backend_errors():
+    x = torch.randn(4, 3)
+    pos = torch.arange(8).view(4, 2)
+    with pytest.raises(ValueError, match="unknown permutation backend 'gpu'"):
+        moe_ops.dispatch_rows(x, pos, backend="gpu")
+    with pytest.raises(ValueError, match=r"weight \(4, 3\) must match pos \(4, 2\)"):
+        moe_ops.combine_rows(torch.randn(8, 3), pos, torch.rand(4, 3))
+
+
+# ---- SituMLP and LatentMoE against today's code (fp64, CPU) ------------------------------------------------------
+def old_situ_mlp(mlp: SituMLP, x):
+    """SituMLP.forward before the fused gate/up GEMM."""
+    return mlp.down_proj(situ_glu_reference(mlp.gate_proj(x), mlp.up_proj(x), mlp.beta, mlp.linear_beta))
+
+
+def old_moe_forward(moe: LatentMoE, x):
+    """LatentMoE.forward before this change: fp32 router on x.float(), per-expert loop with separate w1 / w3
+    GEMMs and the reference SiTU, fp32 (fp64) index_add combine."""
+    cfg = moe.cfg
+    xf = x.reshape(-1, x.shape[-1])
+    scores = torch.sigmoid(F.linear(xf.float(), moe.gate.weight.float()))
+    idx = torch.topk(scores + moe.gate.e_score_correction_bias.float(), moe.top_k, dim=-1, sorted=True).indices
+    w = scores.gather(-1, idx)
+    if cfg.moe_renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * cfg.routed_scaling_factor
+    lat = moe.routed_expert_down_proj(xf)
+    acc = torch.promote_types(lat.dtype, torch.float32)
+    y = torch.zeros(lat.shape, dtype=acc, device=x.device)
+    ex = moe.experts
+    for e in range(ex.w1.shape[0]):
+        tok, k = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            xe = lat[tok]
+            h = situ_glu_reference(F.linear(xe, ex.w1[e]), F.linear(xe, ex.w3[e]), cfg.activation_situ_beta,
+                                   cfg.activation_situ_linear_beta)
+            y = y.index_add(0, tok, F.linear(h, ex.w2[e]).to(acc) * w[tok, k].unsqueeze(-1))
+    y = y.to(lat.dtype)
+    if moe.routed_expert_norm is not None:
+        y = moe.routed_expert_norm(y)
+    out = moe.routed_expert_up_proj(y)
+    if moe.shared_experts is not None:
+        out = out + old_situ_mlp(moe.shared_experts, xf)
+    return out.reshape(x.shape)
+
+
+def grads_of(module, fn, x, dout):
+    """Output, input gradient and every parameter gradient of fn(module, x) against dout."""
+    module.zero_grad(set_to_none=True)
+    xl = x.detach().clone().requires_grad_()
+    out = fn(module, xl)
+    (out.double() * dout).sum().backward()
+    return {"out": out.detach(), "dx": xl.grad} | {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def compare_grads(ref, got, tol):
+    assert ref.keys() == got.keys()
+    errs = {n: rel_rmse(ref[n], got[n]) for n in ref}
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"over {tol}: {bad}"
+
+
+def test_situ_mlp_fused_gemm_matches_old_fp64():
+    torch.manual_seed(0)
+    mlp = SituMLP(48, 80).double()
+    x = torch.randn(3, 7, 48, dtype=torch.float64) * 3
+    dout = torch.randn(3, 7, 48, dtype=torch.float64)
+    ref = grads_of(mlp, old_situ_mlp, x, dout)
+    got = grads_of(mlp, SituMLP.forward, x, dout)
+    assert set(got) == {"out", "dx", "gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    compare_grads(ref, got, 1e-12)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "sorted-rows"])
+def test_latent_moe_matches_old_fp64(grouped, monkeypatch):
+    """The module (loop path, and the sorted-rows pipeline forced: torch permutation ops, per-expert GEMMs in
+    fp64) against today's forward: output, dx and every parameter gradient, rel RMS <= 1e-10."""
+    model = make_tiny(seed=1).double().train()
+    moe: LatentMoE = model.language_model.model.layers[1].block_sparse_moe
+    monkeypatch.setattr(model_moe, "experts_forward", functools.partial(moe_ops.experts_forward, grouped=grouped))
+    gen = rng(5)
+    x = torch.randn(4, 9, moe.cfg.hidden_size, generator=gen, dtype=torch.float64)
+    dout = torch.randn(4, 9, moe.cfg.hidden_size, generator=gen, dtype=torch.float64)
+    ref = grads_of(moe, old_moe_forward, x, dout)
+    got = grads_of(moe, LatentMoE.forward, x, dout)
+    assert {"gate.weight", "experts.w1", "experts.w2", "experts.w3", "shared_experts.gate_proj.weight"} <= set(got)
+    compare_grads(ref, got, 1e-10)
+
+
+def test_experts_forward_grouped_matches_loop_fp32_cpu():
+    """The sorted-rows pipeline in fp32 on CPU (torch._grouped_mm where torch has it on CPU) vs the loop."""
+    N, K, E, L, I = 64, 3, 5, 16, 24
+    idx = routing(N, K, E, seed=9)
+    gen = rng(9)
+    x = torch.randn(N, L, generator=gen)
+    w = torch.rand(N, K, generator=gen)
+    ws = [torch.randn(E, I, L, generator=gen) * L ** -0.5, torch.randn(E, L, I, generator=gen) * I ** -0.5,
+          torch.randn(E, I, L, generator=gen) * L ** -0.5]
+    a = moe_ops.experts_forward(x, idx, w, *ws, grouped=False)
+    try:
+        b = moe_ops.experts_forward(x, idx, w, *ws, grouped=True)
+    except (RuntimeError, NotImplementedError) as e:  # torch builds without the CPU grouped GEMM
+        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    assert rel_rmse(a.double(), b) <= 1e-6
+
+
+# ---- CUDA: k3-small sizes, bf16 under autocast, no host sync -------------------------------------------------------
+def small_moe(seed=0):
+    cfg = K3Config.preset("k3-small").text_config
+    torch.manual_seed(seed)
+    moe = LatentMoE(cfg).cuda()
+    D, L, I = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, D ** -0.5)
+        moe.gate.e_score_correction_bias.normal_(0, 0.05)
+        moe.experts.w1.normal_(0, L ** -0.5)
+        moe.experts.w3.normal_(0, L ** -0.5)
+        moe.experts.w2.normal_(0, I ** -0.5)
+        if moe.routed_expert_norm is not None:
+            moe.routed_expert_norm.weight.normal_(1, 0.1)
+    return moe
+
+
+@cuda
+@needs_cuda
+def test_latent_moe_bf16_k3_small_matches_fp32_loop_without_sync():
+    """D 1536, latent 768, I 512, E 32, top-4, N 8192: the module under bf16 autocast (fp32 master weights)
+    vs today's forward in fp32 (TF32 off) on the same bf16-rounded input; output and all gradients
+    rel RMS <= 2e-2; the fast forward + backward runs with torch.cuda.set_sync_debug_mode("error")."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not available")
+    moe = small_moe().train()
+    cfg = moe.cfg
+    assert (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+            cfg.num_experts_per_token) == (1536, 768, 512, 32, 4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+    dout = torch.randn(8192, cfg.hidden_size, device="cuda", generator=g)
+
+    def fast(m, xl):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = LatentMoE.forward(m, xl)
+        assert out.dtype == torch.bfloat16
+        return out
+
+    grads_of(moe, fast, x, dout)  # warm-up: Triton compilation, cuBLAS handles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grads_of(moe, fast, x, dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = grads_of(moe, old_moe_forward, x.float(), dout)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    compare_grads(ref, got, 2e-2)
+
+
+@cuda
+@needs_cuda
+def test_situ_triton_bf16_cuda():
+    """bf16 in and out (fp32 inside): within bf16 rounding of the fp64 formula."""
+    g, u, do = situ_inputs(4096, 512, seed=1)
+    ref = situ_oracle(g.bfloat16().double(), u.bfloat16().double(), do.bfloat16().double())
+    for fused in (False, True):
+        got = situ_run(fused, "triton", g, u, do, torch.bfloat16)
+        for name, r, t in zip(("out", "dg", "du"), ref, got):
+            assert t.dtype == torch.bfloat16 and rel_rmse(r, t.cpu()) <= 8e-3, (fused, name, rel_rmse(r, t.cpu()))
+
+
+@cuda
+@needs_cuda
+def test_router_logits_is_fp32_under_autocast():
+    """route() under bf16 autocast: fp32 logits from bf16 x equal the fp32 GEMM of x.float() to fp32 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(4096, 1536, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(32, 1536, device="cuda", generator=gen) * 1536 ** -0.5
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        z = moe_ops.router_logits(x, w)
+    assert z.dtype == torch.float32
+    assert rel_rmse(x.double() @ w.double().T, z) <= 1e-6
