@@ -329,3 +329,315 @@ def test_qkclip_ignores_eval_and_k3_tiny_layers_found():
 def test_clip_heads_rejects_bad_gamma():
     with pytest.raises(ValueError, match="gamma"):
         clip_heads(make_mla(), torch.ones(3))
+
+
+# ---- implementations: "foreach" and "fused" against the per-parameter "loop" reference -----------------------
+# Same state, same arithmetic: after a few steps parameters and state agree to fp32 rounding (relative RMS error
+# <= 1e-6 in fp32, <= 1e-12 in fp64; the Muon difference is Newton–Schulz's fused baddbmm products, measured
+# ~1e-6 on an NS output, far less on the parameters). On CPU "foreach" runs the loop's per-tensor ops, so AdamW
+# parameters come out bitwise equal. "fused" runs the Triton kernels (the interpreter on CPU, fp32).
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def exact_fp32_matmul():
+    """fp32 products in fp32, not TF32, on CUDA: the fp32 comparisons below need it."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _max_err(a: dict, b: dict) -> float:
+    return max(rel_rmse(a[k], b[k]) for k in a)
+
+
+def _run_impl(model, impl, steps=2, seed=1, grads_skip=(), **cfg):
+    """Train a copy of `model` for `steps` steps of fresh random gradients; returns (params, flattened state)."""
+    m = copy.deepcopy(model)
+    dtype = next(m.parameters()).dtype
+    opt = build_optimizer(m, OptimConfig(impl=impl, **cfg))
+    g = torch.Generator().manual_seed(seed)
+    names = dict(m.named_parameters())
+    for s in range(steps):
+        for n, p in names.items():
+            grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype)
+            p.grad = None if (s, n) in grads_skip else grad.to(p.device)
+        opt.step()
+    state = {}
+    for n, p in names.items():
+        for k, v in opt.state[p].items():
+            state[f"{n}.{k}"] = v
+    return {n: p.detach() for n, p in names.items()}, state, opt
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("dtype, nesterov", [(torch.float64, True), (torch.float32, True), (torch.float32, False)])
+def test_foreach_matches_loop_on_k3_tiny(dtype, nesterov):
+    """Every parameter group of k3-tiny (per-head KDA / MLA blocks, matrices, stacked experts, AdamW with and
+    without decay), a Muon and an AdamW parameter without gradient in the first step."""
+    model = make_tiny().train().to(dtype)
+    ns = "float64" if dtype == torch.float64 else "float32"
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    skip = {(0, "language_model.model.norm.weight"), (0, "language_model.model.layers.0.self_attn.q_proj.weight")}
+    p_ref, s_ref, _ = _run_impl(model, "loop", grads_skip=skip, nesterov=nesterov, ns_dtype=ns)
+    p_new, s_new, _ = _run_impl(model, "foreach", grads_skip=skip, nesterov=nesterov, ns_dtype=ns)
+    assert s_ref.keys() == s_new.keys()
+    assert _max_err(p_ref, p_new) <= tol and _max_err(s_ref, s_new) <= tol
+    for k in s_ref:  # per-parameter step counts (one parameter skipped a step) and AdamW: bitwise
+        if k.endswith(".step"):
+            assert torch.equal(s_ref[k], s_new[k]), k
+    adam = {n for n, (kind, _) in classify_parameters(model).items() if kind != "muon"}
+    for n in adam:
+        assert torch.equal(p_ref[n], p_new[n]), n
+    assert s_ref["language_model.model.norm.weight.step"].item() == 1.0  # 2 steps, skipped once
+
+
+def toy_model(dtype=torch.float32) -> nn.Module:
+    """Every kind of parameter the optimizer sees, small, some with unaligned sizes (odd numel)."""
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.q = nn.Parameter(torch.randn(4 * 8, 20))  # per-head (head_rows = 8): 4 blocks [8, 20]
+    m.wide = nn.Parameter(torch.randn(12, 40))
+    m.tall = nn.Parameter(torch.randn(40, 12))
+    m.odd = nn.Parameter(torch.randn(9, 7))  # 63 elements: unaligned chunk
+    m.experts = nn.Parameter(torch.randn(3, 16, 10))  # stacked [E, out, in]: tall blocks
+    m.unused = nn.Parameter(torch.randn(8, 8))  # never has a gradient
+    m.emb = nn.Parameter(torch.randn(50, 16))
+    m.vec = nn.Parameter(torch.randn(13))
+    m.query = nn.Parameter(torch.randn(1, 24))
+    return m.to(dtype)
+
+
+def toy_groups(m: nn.Module) -> list[dict]:
+    return [dict(params=[m.q], kind="muon", head_rows=8),
+            dict(params=[m.wide, m.tall, m.odd, m.experts, m.unused], kind="muon", head_rows=0),
+            dict(params=[m.emb], kind="adamw"),
+            dict(params=[m.vec, m.query], kind="adamw", weight_decay=0.0)]
+
+
+def run_toy(impl, steps=3, nesterov=True, ns_dtype="float32", device="cpu", dtype=torch.float32, start=None):
+    m = toy_model(dtype).to(device)
+    opt = MuonAdamW(toy_groups(m), OptimConfig(impl=impl, nesterov=nesterov, ns_dtype=ns_dtype, lr=0.02))
+    if start is not None:
+        opt.load_state_dict(start)
+    g = torch.Generator().manual_seed(2)
+    for s in range(steps):
+        for n, p in m.named_parameters():
+            grad = torch.randn(p.shape, generator=g).to(device, dtype)
+            p.grad = None if n == "unused" or (n == "vec" and s == 0) else grad  # vec: a step behind
+        opt.step()
+    state = {f"{n}.{k}": v for n, p in m.named_parameters() for k, v in opt.state[p].items()}
+    return {n: p.detach().clone() for n, p in m.named_parameters()}, state, opt
+
+
+@pytest.mark.usefixtures("exact_fp32_matmul")
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_impls_match_loop_on_every_parameter_kind(impl, nesterov):
+    """Per-head / wide / tall / stacked Muon blocks, unaligned sizes, a parameter without gradient (untouched),
+    AdamW with and without decay and with step counts that differ between parameters."""
+    dev = "cuda" if CUDA else "cpu"
+    p_ref, s_ref, _ = run_toy("loop", nesterov=nesterov, device=dev)
+    p_new, s_new, _ = run_toy(impl, nesterov=nesterov, device=dev)
+    assert s_ref.keys() == s_new.keys() and "unused.momentum_buffer" not in s_new
+    assert torch.equal(p_new["unused"], toy_model()._parameters["unused"].to(dev))
+    assert s_new["vec.step"].item() == 2.0 and s_new["emb.step"].item() == 3.0
+    assert s_new["vec.step"].device.type == "cpu" and s_new["vec.step"].dtype == torch.float32  # checkpoint format
+    assert _max_err(p_ref, p_new) <= 1e-6, {n: rel_rmse(p_ref[n], p_new[n]) for n in p_ref}
+    assert _max_err(s_ref, s_new) <= 1e-6, {n: rel_rmse(s_ref[n], s_new[n]) for n in s_ref}
+
+
+@pytest.mark.usefixtures("exact_fp32_matmul")
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_state_dict_moves_between_impls(impl):
+    """A checkpoint written by the loop resumes under another implementation (and back): same state format."""
+    dev = "cuda" if CUDA else "cpu"
+    _, _, o_loop = run_toy("loop", steps=2, device=dev)
+    saved = copy.deepcopy(o_loop.state_dict())
+    p_ref, s_ref, _ = run_toy("loop", steps=2, device=dev, start=copy.deepcopy(saved))
+    p_new, s_new, o_new = run_toy(impl, steps=2, device=dev, start=copy.deepcopy(saved))
+    assert _max_err(p_ref, p_new) <= 1e-6 and _max_err(s_ref, s_new) <= 1e-6
+    p_back, _, _ = run_toy("loop", steps=1, device=dev, start=copy.deepcopy(o_new.state_dict()))
+    assert all(torch.isfinite(v).all() for v in p_back.values())
+
+
+def test_newton_schulz_fused_products_match_plain_iteration():
+    """The baddbmm form (tall matrices iterated as transposed views, the last product written back tall)
+    against the plain one, wide / tall / square, 2-D to 4-D, every output dtype."""
+    from k3.train.optim import _newton_schulz_reference
+    g = torch.Generator().manual_seed(5)
+    for shape in [(16, 48), (48, 16), (32, 32), (3, 20, 12), (2, 3, 12, 40)]:
+        m = torch.randn(shape, generator=g)
+        assert rel_rmse(_newton_schulz_reference(m.double(), 5, dtype=torch.float64),
+                        newton_schulz(m.double(), 5, dtype=torch.float64)) < 1e-12
+        x = newton_schulz(m, 5)
+        assert x.shape == m.shape and x.dtype == m.dtype and x.is_contiguous()
+        assert rel_rmse(_newton_schulz_reference(m, 5), x) < 1e-5  # measured <= 1.2e-6
+        assert rel_rmse(_newton_schulz_reference(m.double(), 5, dtype=torch.float64),
+                        newton_schulz(m, 5, dtype=torch.bfloat16)) < 6e-2  # bf16 Newton–Schulz noise (3.6e-2)
+        assert newton_schulz(m, 5, dtype=torch.bfloat16, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    m = torch.randn(2, 30, 10, generator=g, dtype=torch.float64)
+    assert rel_rmse(torch.stack([polar(m[0]), polar(m[1])]), newton_schulz(m, 40, CUBIC, dtype=torch.float64)) < 1e-6
+
+
+def test_bad_impl_raises():
+    with pytest.raises(ValueError, match="impl='sgd'"):
+        OptimConfig(impl="sgd").validate()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.usefixtures("exact_fp32_matmul")
+def test_fused_step_on_k3_tiny_cuda_matches_loop_without_host_sync():
+    """k3-tiny on the GPU: the fused step (bf16 Newton–Schulz, the default) against the loop with the same
+    Newton–Schulz dtype, and no host sync anywhere in the fused step (sync debug mode "error")."""
+    model = make_tiny().train().cuda()
+    p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    p_ref, s_ref, _ = _run_impl(model, "loop", ns_dtype="float32")
+    p_new, s_new, _ = _run_impl(model, "fused", ns_dtype="float32")
+    assert _max_err(p_ref, p_new) <= 1e-6 and _max_err(s_ref, s_new) <= 1e-6
+    p_ref, _, _ = _run_impl(model, "loop")  # default: bf16 Newton–Schulz, two different bf16 roundings of it
+    p_new, _, opt = _run_impl(model, "fused")
+    for n in p0:  # the updates agree to bf16 Newton–Schulz noise (as bf16 vs fp32 above: <= 6e-2)
+        assert rel_rmse(p_ref[n] - p0[n], p_new[n] - p0[n]) < 6e-2, n
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ---- QK-clip and balancing: the device-side steps against their first-written (host-read) references ----------
+
+def _planted_clip(model, tau, seed):
+    """QKClip on `model` with planted per-head maxima (about half the heads above τ, one layer left out)."""
+    clip = QKClip(model, tau=tau)
+    g = torch.Generator().manual_seed(seed)
+    names = list(clip.layers)
+    clip.running = {n: tau * (0.5 + torch.rand(clip.layers[n].num_heads, generator=g)) for n in names[1:]}
+    return clip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkclip_step_matches_reference_bitwise(dtype):
+    model = make_tiny(seed=4).train().to(dtype)
+    twin = copy.deepcopy(model)
+    new, ref = _planted_clip(model, 5.0, 0), _planted_clip(twin, 5.0, 0)
+    assert len(new.layers) >= 2
+    want = ref._step_reference()
+    got = new.step()
+    assert got == want and 0 < got["clipped_heads"] < sum(a.num_heads for a in new.layers.values())
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n  # clipped heads, untouched rows, and the layer with no maxima
+    assert new.running == {}
+    new = _planted_clip(model, 5.0, 1)  # sync=False: the same numbers as 0-dim tensors
+    ref = _planted_clip(twin, 5.0, 1)
+    lazy, want = new.step(sync=False), ref._step_reference()
+    assert isinstance(lazy["max_logit"], torch.Tensor) and lazy["max_logit"].item() == want["max_logit"]
+    assert lazy["clipped_heads"].item() == want["clipped_heads"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert QKClip(model, tau=5.0).step() == {"max_logit": None, "clipped_heads": 0}
+
+
+def _fed_controllers(method, exact=False, ema=0.0, seed=0, scale=1.0):
+    """Two BalanceControllers on twin k3-tiny models fed the same routing of two micro-batches."""
+    from k3.train.balance import BalanceController
+    model = make_tiny(seed=seed).train()
+    twin = copy.deepcopy(model)
+    a = BalanceController(model, method=method, exact=exact, ema=ema, gamma=0.01, bins=64)
+    b = BalanceController(twin, method=method, exact=exact, ema=ema, gamma=0.01, bins=64)
+    g = torch.Generator().manual_seed(seed + 10)
+    for _ in range(2):
+        for name, mod in a.layers.items():
+            n = mod.gate.e_score_correction_bias.numel()
+            scores = torch.sigmoid(torch.randn(40, n, generator=g) + torch.linspace(1.5, -1.5, n)) * scale
+            idx = torch.topk(scores + mod.gate.e_score_correction_bias, mod.top_k, dim=-1).indices
+            a.observe(name, idx, scores)
+            b.observe(name, idx, scores)
+    return a, b
+
+
+@pytest.mark.parametrize("method, exact, ema", [("qb", False, 0.0), ("qb", False, 0.3), ("qb", True, 0.25),
+                                                ("sign", False, 0.0)])
+def test_balance_step_matches_reference_bitwise(method, exact, ema):
+    """Batched device-side step (one host read) == the per-layer step with a host read per layer: the same
+    maxvio floats and bit-identical biases, on CPU."""
+    a, b = _fed_controllers(method, exact, ema)
+    before = {n: m.gate.e_score_correction_bias.clone() for n, m in a.layers.items()}
+    got, want = a.step(), b._step_reference()
+    assert got == want and list(got) == list(want)
+    for n, mod in a.layers.items():
+        assert torch.equal(mod.gate.e_score_correction_bias, b.layers[n].gate.e_score_correction_bias), n
+        assert not torch.equal(mod.gate.e_score_correction_bias, before[n]), n
+    a, b = _fed_controllers(method, exact, ema, seed=1)
+    lazy, want = a.step(sync=False), b._step_reference()
+    assert {n: v.item() for n, v in lazy.items()} == want
+
+
+def test_balance_range_check_moved_to_step_raises_before_writing():
+    """Scores outside [0, 1] (margins outside the histogram range): the controller's observe no longer checks
+    (no host read per call); step() raises, naming the layer, before any bias changes — also with sync=False
+    on CPU. A standalone MarginHistogram still checks in add()."""
+    from k3.train.balance import MarginHistogram, expert_loads
+    for sync in (True, False):
+        a, _ = _fed_controllers("qb", scale=3.0)
+        before = {n: m.gate.e_score_correction_bias.clone() for n, m in a.layers.items()}
+        with pytest.raises(ValueError, match=r"score_range.*" + next(iter(a.layers)).replace(".", r"\.")):
+            a.step(sync=sync)
+        assert all(torch.equal(before[n], m.gate.e_score_correction_bias) for n, m in a.layers.items())
+    with pytest.raises(ValueError, match="score_range"):
+        MarginHistogram(torch.zeros(4), 1).add(torch.rand(10, 4) * 3)
+    idx = torch.randint(0, 12, (50, 3), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_loads(idx, 12), torch.bincount(idx.reshape(-1), minlength=12))
+
+
+def test_balance_histogram_state_keeps_the_range_seen():
+    a, b = _fed_controllers("qb", scale=3.0)
+    sd = copy.deepcopy(a.state_dict())
+    assert all(h["seen"] is not None for h in sd["hists"].values())
+    b.load_state_dict(sd)
+    with pytest.raises(ValueError, match="score_range"):
+        b.step()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_controllers_on_cuda_without_host_sync():
+    """QK-clip step(sync=False), balance observe + step(sync=False): no host sync (sync debug mode "error");
+    with sync=True the same numbers as the references."""
+    model = make_tiny(seed=4).train().cuda()
+    twin = copy.deepcopy(model)
+    from k3.train.balance import BalanceController
+    ctl, ref_ctl = BalanceController(model, bins=64), BalanceController(twin, bins=64)
+    clip, ref_clip = _planted_clip(model, 5.0, 0), _planted_clip(twin, 5.0, 0)
+    clip.running = {n: v.cuda() for n, v in clip.running.items()}
+    ref_clip.running = {n: v.cuda() for n, v in ref_clip.running.items()}
+    g = torch.Generator().manual_seed(3)
+    routing = {}
+    for name, mod in ctl.layers.items():
+        n = mod.gate.e_score_correction_bias.numel()
+        s = torch.sigmoid(torch.randn(64, n, generator=g)).cuda()
+        routing[name] = (torch.topk(s + mod.gate.e_score_correction_bias, mod.top_k, dim=-1).indices, s)
+    for name, r in routing.items():
+        ref_ctl.observe(name, *r)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for name, r in routing.items():
+            ctl.observe(name, *r)
+        lazy = ctl.step(sync=False)
+        cl = clip.step(sync=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = ref_ctl._step_reference()
+    assert {n: v.item() for n, v in lazy.items()} == pytest.approx(want, rel=1e-12)
+    for n, mod in ctl.layers.items():
+        assert torch.allclose(mod.gate.e_score_correction_bias, ref_ctl.layers[n].gate.e_score_correction_bias,
+                              atol=1e-6), n
+    ref = ref_clip._step_reference()
+    assert cl["clipped_heads"].item() == ref["clipped_heads"] and cl["max_logit"].item() == ref["max_logit"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert ctl.step() == {}  # reads the deferred range check: nothing pending

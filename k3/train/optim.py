@@ -13,17 +13,38 @@ separate matrices.
 AdamW: embeddings, lm_head, norms, biases, `A_log`, `dt_bias`, AttnRes pseudo-queries ([1, D]), depthwise
 and patch convolution kernels, position embeddings — everything that is not a plain matrix. The router's
 selection bias is a buffer updated by `k3.train.balance`, not by the optimizer.
+
+Implementations (`OptimConfig.impl`), all the same arithmetic and the same state:
+- "loop": one chain of small kernels per parameter (`_muon_loop`, `_adamw_loop`, `_newton_schulz_reference`):
+  the slow, obviously-correct reference.
+- "foreach": torch's multi-tensor (`torch._foreach_*`) ops over a whole group; on CPU they run the loop's
+  per-tensor ops, so results are bitwise those of "loop" except for Newton–Schulz (fused baddbmm products:
+  equal to rounding).
+- "fused" (default on CUDA): three Triton kernels that each touch every element once — Muon momentum +
+  Nesterov blend written straight into the bf16 Newton–Schulz input, Muon decay + update read from the bf16
+  Newton–Schulz output, and the whole AdamW update — one launch per block shape / group, the tensors
+  addressed through a table of data pointers. Same arithmetic as "loop" in fp32 (to rounding).
+No path reads a value back to the host: AdamW's step count stays a 0-dim fp32 CPU tensor per parameter (the
+checkpointed state), so its bias corrections are host floats without a device sync.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+try:  # the fused kernels; everything else works without triton
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton missing or broken
+    triton = None
+
 NS_QUINTIC = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic coefficients (singular values → ≈[0.7, 1.2])
+IMPLS = ("auto", "fused", "foreach", "loop")
 
 
 @dataclass
@@ -41,6 +62,7 @@ class OptimConfig:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
     decay_vectors: bool = False  # weight decay on 1-D tensors (norm gains, biases, A_log, dt_bias)
+    impl: str = "auto"  # "auto" (fused on CUDA, foreach elsewhere) | "fused" | "foreach" | "loop" (reference)
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -57,14 +79,45 @@ class OptimConfig:
             raise ValueError(f"adam_betas={self.adam_betas}: expected each in [0, 1)")
         if self.ns_dtype not in (None, "float32", "bfloat16", "float64"):
             raise ValueError(f"ns_dtype={self.ns_dtype!r}: expected None, 'float32', 'bfloat16' or 'float64'")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r}: expected one of {IMPLS}")
+        if self.impl == "fused" and triton is None:
+            raise ValueError("impl='fused' needs triton, which does not import here: use 'foreach' or 'auto'")
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_QUINTIC,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximate orthogonal polar factor U Vᵀ of each matrix in g [..., A, B] (batched over leading dims).
 
     Each matrix is divided by its Frobenius norm (singular values ≤ 1), then iterated
-    X ← a·X + (b·XXᵀ + c·(XXᵀ)²)·X on the wide orientation. Returns g's dtype."""
+    X ← a·X + (b·S + c·S²)·X with S = XXᵀ on the wide orientation, in `dtype`. Each iteration is three batched
+    products, two of them with the sums fused in (baddbmm: one rounding, no elementwise kernels); a tall matrix
+    is iterated on its transpose (strided views, no copies) and the last product is written back in g's
+    orientation. Returns out_dtype (default g's dtype)."""
+    a, b, c = coefficients
+    *_, A, B = g.shape
+    x = g.to(dtype).reshape(-1, A, B)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    tall = A > B
+    if tall:
+        x = x.mT
+    for i in range(steps):
+        s = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(s, s, s, beta=b, alpha=c)  # b·S + c·S²
+        if tall and i == steps - 1:  # (a·X + P·X)ᵀ = a·Xᵀ + Xᵀ·Pᵀ: the result lands in the tall layout
+            x = torch.baddbmm(x.mT, x.mT, poly.mT, beta=a)
+        else:
+            x = torch.baddbmm(x, poly, x, beta=a)
+    if tall and steps == 0:
+        x = x.mT
+    return x.reshape(g.shape).to(out_dtype or g.dtype)
+
+
+def _newton_schulz_reference(g: torch.Tensor, steps: int = 5,
+                             coefficients: tuple[float, float, float] = NS_QUINTIC, eps: float = 1e-7,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`newton_schulz` written plainly (one kernel per product and per term): the "loop" implementation's."""
     a, b, c = coefficients
     x = g.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
@@ -79,10 +132,116 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
     return x.to(g.dtype)
 
 
+# ---- fused kernels (Triton): every tensor of a launch is addressed through a table of data pointers --------
+# tab [rows, T] int64: one row per operand (data pointers) and a last row of element counts; chunks [2, C] int64:
+# (tensor index, first element) of each program's CHUNK = BLOCK·ITERS elements. ALIGNED (every pointer 16-byte
+# aligned, every count and chunk start a multiple of 8) lets the compiler use 16-byte vector loads and stores.
+
+if triton is not None:
+    @triton.jit
+    def _table_ptr(tab, row, n_tab, t, like, ALIGNED: tl.constexpr):
+        ptr = tl.load(tab + row * n_tab + t).to(tl.pointer_type(like.dtype.element_ty))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+        return ptr
+
+    @triton.jit
+    def _chunk_of(tab, row, n_tab, chunks, n_chunks, ALIGNED: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.load(chunks + pid)
+        start = tl.load(chunks + n_chunks + pid)
+        numel = tl.load(tab + row * n_tab + t)
+        if ALIGNED:
+            start = tl.multiple_of(start, 8)
+            numel = tl.multiple_of(numel, 8)
+        return t, start, numel
+
+    @triton.jit
+    def _muon_momentum_kernel(tab, n_tab, chunks, n_chunks, mu, g_like, buf_like, u_like, NESTEROV: tl.constexpr,
+                              ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf, stored in u's dtype (the Newton–Schulz input)."""
+        t, start, numel = _chunk_of(tab, 3, n_tab, chunks, n_chunks, ALIGNED)
+        g_ptr = _table_ptr(tab, 0, n_tab, t, g_like, ALIGNED)
+        b_ptr = _table_ptr(tab, 1, n_tab, t, buf_like, ALIGNED)
+        u_ptr = _table_ptr(tab, 2, n_tab, t, u_like, ALIGNED)
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            m = offs < numel
+            g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            b = b * mu
+            b = b + g
+            tl.store(b_ptr + offs, b.to(buf_like.dtype.element_ty), mask=m)
+            if NESTEROV:
+                u = g + mu * b
+            else:
+                u = b
+            tl.store(u_ptr + offs, u.to(u_like.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _muon_update_kernel(tab, n_tab, chunks, n_chunks, decay, alpha, p_like, o_like,
+                            ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """p ← p·decay, then p ← p + alpha·o (o: the Newton–Schulz output, any float dtype)."""
+        t, start, numel = _chunk_of(tab, 2, n_tab, chunks, n_chunks, ALIGNED)
+        p_ptr = _table_ptr(tab, 0, n_tab, t, p_like, ALIGNED)
+        o_ptr = _table_ptr(tab, 1, n_tab, t, o_like, ALIGNED)
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            m = offs < numel
+            p = tl.load(p_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            p = p * decay
+            p = p + alpha * o
+            tl.store(p_ptr + offs, p.to(p_like.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _adamw_kernel(tab, n_tab, chunks, n_chunks, w1, b2, w2, bc2, eps, decay, step_size, p_like, g_like,
+                      ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """The "loop" AdamW, op for op: m.lerp_(g, w1); v·b2 + (w2·g)·g; d = √(v / bc2) + eps; p·decay;
+        p + (step_size·m) / d. Moments in the parameter's dtype."""
+        t, start, numel = _chunk_of(tab, 4, n_tab, chunks, n_chunks, ALIGNED)
+        p_ptr = _table_ptr(tab, 0, n_tab, t, p_like, ALIGNED)
+        g_ptr = _table_ptr(tab, 1, n_tab, t, g_like, ALIGNED)
+        m_ptr = _table_ptr(tab, 2, n_tab, t, p_like, ALIGNED)
+        v_ptr = _table_ptr(tab, 3, n_tab, t, p_like, ALIGNED)
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            msk = offs < numel
+            g = tl.load(g_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            p = tl.load(p_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            d = g - m  # torch.lerp: small weights step from the start, large ones back from the end
+            m = tl.where(w1 < 0.5, m + w1 * d, g - d * (1.0 - w1))
+            v = v * b2
+            v = v + w2 * g * g
+            den = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
+            p = p * decay
+            p = p + tl.div_rn(step_size * m, den)
+            tl.store(m_ptr + offs, m.to(p_like.dtype.element_ty), mask=msk)
+            tl.store(v_ptr + offs, v.to(p_like.dtype.element_ty), mask=msk)
+            tl.store(p_ptr + offs, p.to(p_like.dtype.element_ty), mask=msk)
+
+
+def _interpreted() -> bool:
+    """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return triton is not None and type(_adamw_kernel).__name__ == "InterpretedFunction"
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host table on `device` without a host sync (pinned staging, asynchronous copy)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer for the whole model. Each param group has `kind` = "muon" or "adamw"; Muon groups carry
     `head_rows` (rows per orthogonalised block, 0 = the whole matrix). State (momentum, Adam moments, step)
-    lives in `state_dict()` for exact resume."""
+    lives in `state_dict()` for exact resume; the state is the same for every `impl`."""
 
     def __init__(self, groups: list[dict], cfg: OptimConfig):
         cfg.validate()
@@ -91,12 +250,22 @@ class MuonAdamW(torch.optim.Optimizer):
                         ns_coefficients=tuple(cfg.ns_coefficients), ns_dtype=cfg.ns_dtype,
                         rms_scale=cfg.rms_scale, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
         super().__init__(groups, defaults)
+        self.impl = cfg.impl  # not a group key: a checkpoint's param groups must not carry it across runs
+        self._chunks: dict = {}
         for g in self.param_groups:
             if g["kind"] not in ("muon", "adamw"):
                 raise ValueError(f"param group kind={g['kind']!r}: expected 'muon' or 'adamw'")
             if g["kind"] == "muon":
                 for p in g["params"]:
                     muon_blocks(p.shape, g["head_rows"])  # validates shapes
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "impl": self.impl}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("impl", "auto")
+        self.__dict__.setdefault("_chunks", {})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,12 +274,89 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for g in self.param_groups:
-            (self._muon if g["kind"] == "muon" else self._adamw)(g)
+            if self.impl == "loop":
+                (self._muon_loop if g["kind"] == "muon" else self._adamw_loop)(g)
+            else:
+                (self._muon if g["kind"] == "muon" else self._adamw)(g)
         return loss
 
+    # ---- which path --------------------------------------------------------------------------------------
+    def _fused_ok(self, device: torch.device, tensors: list[torch.Tensor], n_written: int | None = None) -> bool:
+        """Fused kernels for these tensors (parameters and state first, gradients last)? "auto": on CUDA with
+        triton; "fused": also on CPU under the interpreter. Fp32 / bf16 / fp16; parameters and state contiguous
+        (written in place: a strided one sends the group to the foreach path), gradients are made contiguous."""
+        if self.impl == "foreach" or triton is None:
+            return False
+        if device.type != "cuda":
+            if self.impl == "auto":
+                return False
+            if not (device.type == "cpu" and _interpreted()):
+                raise ValueError(f"impl='fused' on {device}: expected CUDA tensors (or TRITON_INTERPRET=1 at import "
+                                 f"on CPU)")
+        n_written = len(tensors) if n_written is None else n_written
+        return all(t.dtype in _FUSED_DTYPES for t in tensors) and all(t.is_contiguous() for t in tensors[:n_written])
+
+    @staticmethod
+    def _ns_dtype(g: dict, device: torch.device) -> torch.dtype:
+        if g["ns_dtype"]:
+            return getattr(torch, g["ns_dtype"])
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    @staticmethod
+    def _by_device_dtype(params: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+        out: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            out.setdefault((p.device, p.dtype), []).append(p)
+        return out
+
+    # ---- Muon -----------------------------------------------------------------------------------------------
     def _muon(self, g: dict) -> None:
-        """Momentum, then one batched Newton–Schulz per block shape (all heads / experts / matrices of the
-        group with equal [A, B] blocks together: few large launches instead of one chain per tensor)."""
+        """Momentum for the whole group at once, then per block shape one batched Newton–Schulz and one update
+        of every parameter of that shape (foreach ops, or the fused kernels)."""
+        mu, lr, wd, nesterov = g["momentum"], g["lr"], g["weight_decay"], g["nesterov"]
+        params = [p for p in g["params"] if p.grad is not None]
+        for p in params:
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p)
+        for (dev, _), ps in self._by_device_dtype(params).items():
+            bufs = [self.state[p]["momentum_buffer"] for p in ps]
+            fused = self._fused_ok(dev, ps + bufs + [p.grad for p in ps], n_written=2 * len(ps))
+            grads = [p.grad.contiguous() if fused else p.grad for p in ps]
+            ns_dtype = self._ns_dtype(g, dev)
+            buckets: dict[tuple[int, int], list[int]] = {}
+            for i, p in enumerate(ps):
+                buckets.setdefault(muon_blocks(p.shape, g["head_rows"])[1:], []).append(i)
+            if not fused:
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, grads)
+                us = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else bufs
+            for (A, B), idx in buckets.items():
+                sizes = [ps[i].numel() for i in idx]
+                blocks = [n // (A * B) for n in sizes]
+                x = torch.empty(sum(blocks), A, B, dtype=ns_dtype, device=dev)  # the Newton–Schulz input
+                if fused:  # momentum + Nesterov written straight into x, in its dtype
+                    offs = [0, *itertools.accumulate(sizes[:-1])]
+                    ptrs = [[grads[i].data_ptr() for i in idx], [bufs[i].data_ptr() for i in idx],
+                            [x.data_ptr() + o * x.element_size() for o in offs]]
+                    self._launch(_muon_momentum_kernel, dev, ptrs, sizes, float(mu), grads[idx[0]], bufs[idx[0]], x,
+                                 NESTEROV=bool(nesterov))
+                else:
+                    torch.cat([us[i].reshape(-1, A, B) for i in idx], out=x)
+                o = newton_schulz(x, g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype,
+                                  out_dtype=ns_dtype if fused else ps[idx[0]].dtype)
+                scale = g["rms_scale"] * math.sqrt(max(A, B))
+                bp, obs = [ps[i] for i in idx], o.split(blocks)
+                if fused:  # decay + update read from the Newton–Schulz output
+                    self._launch(_muon_update_kernel, dev, [[p.data_ptr() for p in bp], [ob.data_ptr() for ob in obs]],
+                                 sizes, float(1 - lr * wd), float(-lr * scale), bp[0], o)
+                else:
+                    torch._foreach_mul_(bp, 1 - lr * wd)
+                    torch._foreach_add_(bp, [ob.view(p.shape) for p, ob in zip(bp, obs)], alpha=-lr * scale)
+
+    def _muon_loop(self, g: dict) -> None:
+        """Reference: per parameter momentum, then one batched Newton–Schulz per block shape (all heads /
+        experts / matrices of the group with equal [A, B] blocks together), per parameter update."""
         mu, lr, wd = g["momentum"], g["lr"], g["weight_decay"]
         by_shape: dict[tuple, list] = {}
         for p in g["params"]:
@@ -125,15 +371,62 @@ class MuonAdamW(torch.optim.Optimizer):
             blocks = muon_blocks(p.shape, g["head_rows"])
             by_shape.setdefault((blocks[1:], p.device, p.dtype), []).append((p, u.reshape(blocks)))
         for (ab, dev, _), items in by_shape.items():
-            ns_dtype = getattr(torch, g["ns_dtype"]) if g["ns_dtype"] else (
-                torch.bfloat16 if dev.type == "cuda" else torch.float32)
-            o = newton_schulz(torch.cat([u for _, u in items]), g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype)
+            ns_dtype = self._ns_dtype(g, dev)
+            o = _newton_schulz_reference(torch.cat([u for _, u in items]), g["ns_steps"], g["ns_coefficients"],
+                                         dtype=ns_dtype)
             scale = g["rms_scale"] * math.sqrt(max(ab))
             for (p, u), ob in zip(items, o.split([u.shape[0] for _, u in items])):
                 p.mul_(1 - lr * wd)
                 p.add_(ob.reshape(p.shape), alpha=-lr * scale)
 
+    # ---- AdamW ----------------------------------------------------------------------------------------------
     def _adamw(self, g: dict) -> None:
+        """The whole group at once: step counts advanced together (host tensors: no sync), then per (step
+        count, device, dtype) one fused kernel or eight foreach ops."""
+        (b1, b2), eps, lr, wd = g["betas"], g["eps"], g["lr"], g["weight_decay"]
+        params = [p for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1)
+        if all(s.device.type == "cpu" for s in steps):
+            ts = torch.stack(steps).tolist()
+        else:  # a checkpoint that put step counts on the device: one read each (as the loop does)
+            ts = [s.item() for s in steps]
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for p, t in zip(params, ts):
+            buckets.setdefault((t, p.device, p.dtype), []).append(p)
+        for (t, dev, _), ps in buckets.items():
+            bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+            ms = [self.state[p]["exp_avg"] for p in ps]
+            vs = [self.state[p]["exp_avg_sq"] for p in ps]
+            fused = self._fused_ok(dev, ps + ms + vs + [p.grad for p in ps], n_written=3 * len(ps))
+            grads = [p.grad.contiguous() if fused else p.grad for p in ps]
+            if fused:
+                ptrs = [[p.data_ptr() for p in ps], [x.data_ptr() for x in grads], [m.data_ptr() for m in ms],
+                        [v.data_ptr() for v in vs]]
+                scalars = (1 - b1, b2, 1 - b2, bc2, eps, 1 - lr * wd, -lr / bc1)
+                self._launch(_adamw_kernel, dev, ptrs, [p.numel() for p in ps], *map(float, scalars), ps[0], grads[0])
+                continue
+            for part in _numel_chunks(ps, 1 << 26):  # bound the fp32 temporaries (denominators)
+                pp, gg, mm, vv = ([lst[i] for i in part] for lst in (ps, grads, ms, vs))
+                torch._foreach_lerp_(mm, gg, 1 - b1)
+                torch._foreach_mul_(vv, b2)
+                torch._foreach_addcmul_(vv, gg, gg, value=1 - b2)
+                denom = torch._foreach_div(vv, bc2)
+                torch._foreach_sqrt_(denom)
+                torch._foreach_add_(denom, eps)
+                torch._foreach_mul_(pp, 1 - lr * wd)
+                torch._foreach_addcdiv_(pp, mm, denom, value=-lr / bc1)
+
+    def _adamw_loop(self, g: dict) -> None:
+        """Reference: one parameter at a time."""
         (b1, b2), eps, lr, wd = g["betas"], g["eps"], g["lr"], g["weight_decay"]
         for p in g["params"]:
             if p.grad is None:
@@ -151,6 +444,44 @@ class MuonAdamW(torch.optim.Optimizer):
             denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
             p.mul_(1 - lr * wd)
             p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+
+    # ---- fused launches -------------------------------------------------------------------------------------
+    def _launch(self, kernel, device: torch.device, ptrs: list[list[int]], numels: list[int], *args, **constexprs):
+        """One launch of a table-driven kernel over tensors with `numels` elements; `ptrs` one row of data
+        pointers per operand. The chunk table depends only on the sizes and is cached on the device."""
+        block, iters = (8192, 1) if device.type == "cpu" else (1024, 16)
+        chunk = block * iters
+        key = (device, chunk, tuple(numels))
+        hit = self._chunks.get(key)
+        if hit is None:
+            counts = torch.tensor([-(-n // chunk) for n in numels])
+            tid = torch.repeat_interleave(torch.arange(len(numels)), counts)
+            first = torch.cat([torch.arange(int(c)) * chunk for c in counts]) if len(numels) else tid
+            hit = (_to_device(torch.stack([tid, first]).to(torch.int64).contiguous(), device), tid.numel())
+            if len(self._chunks) > 256:
+                self._chunks.clear()
+            self._chunks[key] = hit
+        chunks, n_chunks = hit
+        if n_chunks == 0:
+            return
+        aligned = all(x % 16 == 0 for row in ptrs for x in row) and all(n % 8 == 0 for n in numels)
+        tab = _to_device(torch.tensor(ptrs + [list(numels)], dtype=torch.int64), device)
+        kernel[(n_chunks,)](tab, len(numels), chunks, n_chunks, *args, ALIGNED=aligned, BLOCK=block, ITERS=iters,
+                            **constexprs)
+
+
+def _numel_chunks(ts: list[torch.Tensor], cap: int) -> list[list[int]]:
+    """Indices of ts in consecutive runs of at most `cap` elements (a larger tensor alone)."""
+    out, cur, n = [], [], 0
+    for i, t in enumerate(ts):
+        if cur and n + t.numel() > cap:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += t.numel()
+    if cur:
+        out.append(cur)
+    return out
 
 
 def muon_blocks(shape: torch.Size | tuple[int, ...], head_rows: int) -> tuple[int, int, int]:

@@ -52,13 +52,49 @@ class QKClip:
         return hook
 
     @torch.no_grad()
-    def step(self) -> dict[str, float]:
+    def step(self, sync: bool = True) -> dict:
         """Clip every head whose step max exceeded τ; reset tracking. Returns {"max_logit": the step's largest
-        logit over all MLA heads (None if no training forward ran), "clipped_heads": how many heads were scaled}."""
+        logit over all MLA heads (None if no training forward ran), "clipped_heads": how many heads were scaled}.
+
+        Device-side: the scale factors of all layers are computed at once and applied unconditionally (γ = 1
+        leaves a weight bit-identical), so nothing is read back per layer; the two statistics come back in one
+        read (sync=True), or stay 0-dim device tensors (sync=False: no host sync at all)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            self._all_reduce_max()
+        names = [n for n in self.layers if n in self.running]
+        self_running, self.running = self.running, {}
+        if not names:
+            return {"max_logit": None, "clipped_heads": 0}
+        groups: dict[tuple, list[str]] = {}  # layers of equal head layout (and device) are scaled together
+        for n in names:
+            a = self.layers[n]
+            groups.setdefault((a.num_heads, a.nope, a.rope, a.vdim, a.kv_b_proj.weight.device), []).append(n)
+        maxes, counts = [], []
+        for (H, nope, rope, vdim, dev), group in groups.items():
+            mx = torch.stack([self_running[n].to(dev, torch.float32) for n in group])  # [L, H]
+            over = mx > self.tau
+            gamma = torch.where(over, self.tau / mx, torch.ones_like(mx))
+            _scale_heads([self.layers[n] for n in group], gamma)
+            maxes.append(mx.amax())
+            counts.append(over.sum())
+        dev = maxes[0].device
+        overall = torch.stack([m.to(dev) for m in maxes]).amax()
+        clipped = torch.stack([c.to(dev) for c in counts]).sum()
+        if not sync:
+            return {"max_logit": overall, "clipped_heads": clipped}
+        mv, cv = torch.stack([overall.double(), clipped.double()]).tolist()  # the one host read
+        return {"max_logit": None if mv == float("-inf") else mv, "clipped_heads": int(cv)}
+
+    @torch.no_grad()
+    def _step_reference(self) -> dict[str, float]:
+        """`step` as first written: per layer, read the max and the clip decision back to the host
+        (2–3 host syncs per MLA layer), `clip_heads` on layers with a head over τ."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             self._all_reduce_max()
         overall, clipped = None, 0
         for name, mx in self.running.items():
+            if not torch.isfinite(mx).all():  # a layer no rank saw (all-reduced −inf)
+                continue
             overall = mx.max().item() if overall is None else max(overall, mx.max().item())
             over = mx > self.tau
             if not over.any():
@@ -70,15 +106,16 @@ class QKClip:
         return {"max_logit": overall, "clipped_heads": clipped}
 
     def _all_reduce_max(self) -> None:
-        """Every layer's maxima, MAX-reduced across ranks in one flat tensor (−inf where a rank saw nothing)."""
+        """Every layer's maxima, MAX-reduced across ranks in one flat tensor (−inf where a rank saw nothing;
+        a layer no rank saw stays −inf and is left alone: γ = 1)."""
         names = list(self.layers)
         ref = next(iter(self.layers.values())).kv_b_proj.weight
-        flat = torch.full((len(names), self.layers[names[0]].num_heads), float("-inf"), device=ref.device)
-        for i, n in enumerate(names):
-            if n in self.running:
-                flat[i] = self.running[n].to(flat.device)
+        H = self.layers[names[0]].num_heads
+        ninf = torch.full((H,), float("-inf"), device=ref.device)
+        flat = torch.stack([self.running[n].to(ref.device, torch.float32) if n in self.running else ninf
+                            for n in names])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
-        self.running = {n: flat[i].clone() for i, n in enumerate(names) if torch.isfinite(flat[i]).all()}
+        self.running = dict(zip(names, flat.unbind(0)))
 
     def remove(self) -> None:
         """Detach the forward hooks and stop max-logit recording."""
@@ -112,3 +149,22 @@ def clip_heads(attn: MLAttention, gamma: torch.Tensor) -> None:
     wq[:, nope:] = (wq[:, nope:].float() * g[:, None, None]).to(wq.dtype)
     wk = attn.kv_b_proj.weight.view(H, nope + attn.vdim, -1)
     wk[:, :nope] = (wk[:, :nope].float() * g.sqrt()[:, None, None]).to(wk.dtype)
+
+
+@torch.no_grad()
+def _scale_heads(layers: list[MLAttention], gamma: torch.Tensor) -> None:
+    """`clip_heads` for several layers of one head layout at once, gamma [L, H]: one row factor per weight
+    (√γ on q_nope and k_nope rows, γ on q_rope rows, 1 on value rows) and one in-place multiply per weight.
+    The product is taken in fp32 (or the weight's dtype if wider) and rounded once, as `clip_heads` does, and
+    a factor of 1 leaves a weight bit-identical."""
+    a0 = layers[0]
+    H, nope, rope, vdim = a0.num_heads, a0.nope, a0.rope, a0.vdim
+    L = len(layers)
+    g = gamma.to(torch.float32)
+    sq = g.sqrt()
+    fq = torch.cat([sq[:, :, None].expand(L, H, nope), g[:, :, None].expand(L, H, rope)], dim=-1)
+    fk = torch.cat([sq[:, :, None].expand(L, H, nope), torch.ones_like(g)[:, :, None].expand(L, H, vdim)], dim=-1)
+    for i, attn in enumerate(layers):
+        q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
+        q.weight.view(H, nope + rope, -1).mul_(fq[i, :, :, None])
+        attn.kv_b_proj.weight.view(H, nope + vdim, -1).mul_(fk[i, :, :, None])
