@@ -11,9 +11,13 @@ MFU = achieved model FLOP/s ÷ peak bf16 dense FLOP/s (H200: 989 TFLOP/s). Model
                                             T̄ = mean attended length ≈ (doc length + 1)/2 over packed docs)
 + Σ_KDA 6·H·(4·K·V + 2·C·(K + V))          (chunked delta rule per token: state read for q and k, the
                                             rank-C state update and the intra-chunk C×C products, C = 64)
+A few extra synced steps give the per-phase breakdown; --profile adds the top GPU kernels of one step. The
+"before" of a change is measured by running the older checkout's copy of this script in the same device call
+(benchmarks/run_train_gpu.sh).
 Usage:
-  python benchmarks/train_throughput.py --out results.json            # GPU: k3-small, backends auto,torch
-  python benchmarks/train_throughput.py --smoke                        # CPU: k3-tiny, a few steps
+  python benchmarks/train_throughput.py --profile --out r.json                   # GPU: k3-small, 8 x 4096
+  python benchmarks/train_throughput.py --batch 16 --grad-ckpt                   # activation checkpointing
+  python benchmarks/train_throughput.py --smoke                                  # CPU: k3-tiny, a few steps
 """
 
 from __future__ import annotations
@@ -82,12 +86,13 @@ def random_docs(batch: int, seq: int, mean_doc: int, gen: torch.Generator) -> tu
     return torch.tensor(cuts, dtype=torch.int32), ctx / n
 
 
-def bench_backend(cfg, backend: str, args, device) -> dict:
+def bench(cfg, args, device) -> dict:
+    """One configuration: build, warm up, time `args.steps` optimizer steps (median), optionally profile."""
     torch.manual_seed(0)
     model = K3ForConditionalGeneration(cfg).to(device).train()
     for m in model.modules():
-        if hasattr(m, "backend") and type(m).__name__ == "KimiDeltaAttention":
-            m.backend = backend
+        if type(m).__name__ == "KimiDeltaAttention":
+            m.backend = args.kda_backend
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
     opt = build_optimizer(model, OptimConfig(lr=1e-3))
@@ -105,73 +110,92 @@ def bench_backend(cfg, backend: str, args, device) -> dict:
         ctx += c / 3
 
     phases: dict[str, list[float]] = {}
+    cuda = device.type == "cuda"
 
-    def mark(name, t0):
-        """Phase wall time with a device sync (only in --profile runs, where the sync is the point)."""
-        if args.profile:
-            if device.type == "cuda":
+    def mark(name, t0, sync):
+        """Phase wall time with a device sync (only in the phase-timing steps, where the sync is the point)."""
+        if sync:
+            if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
             phases.setdefault(name, []).append((t - t0) * 1e3)
             return t
         return t0
 
-    def step(i):
+    def step(i, sync=False):
         ids, cu = batches[i % len(batches)]
         t = time.perf_counter()
         with amp:
             out = model(ids, labels=ids, cu_seqlens=cu)
-        t = mark("forward", t)
+        t = mark("forward", t, sync)
         (out.loss + 0.1 * out.mtp_loss).backward()
-        t = mark("backward", t)
+        t = mark("backward", t, sync)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t = mark("optimizer (clip + Muon/AdamW)", t)
+        t = mark("optimizer", t, sync)
         clip.step()
         bal.step()
-        mark("QK-clip + QB", t)
+        mark("qk-clip+qb", t, sync)
         return out.loss
 
     times = []
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(args.warmup + args.steps):
+    try:
         if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step(i)
-            e.record()
-            torch.cuda.synchronize()
-            ms = s.elapsed_time(e)
-        else:
-            t0 = time.perf_counter()
-            step(i)
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= args.warmup:
-            times.append(ms)
-    med = statistics.median(times)
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(args.warmup + args.steps):
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                step(i)
+                e.record()
+                torch.cuda.synchronize()
+                ms = s.elapsed_time(e)
+            else:
+                t0 = time.perf_counter()
+                step(i)
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= args.warmup:
+                times.append(ms)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        for i in range(args.phase_steps):  # synced phase times (separate steps: the syncs cost a little)
+            step(i, sync=True)
+    except torch.OutOfMemoryError as e:
+        del model, opt
+        if cuda:
+            torch.cuda.empty_cache()
+        return {"label": args.label, "error": "out of memory: " + str(e).split("\n")[0][:160]}
+    kernels = None
     if args.profile and cuda:
-        print(f"[{backend}] phases (ms, median, synced): " +
-              ", ".join(f"{k} {statistics.median(v[args.warmup:]):.1f}" for k, v in phases.items()), flush=True)
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step(0)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60),
-              flush=True)
+        kernels = top_kernels(prof, args.top)
+    med = statistics.median(times)
     tokens = args.batch * args.seq_len
     f = flops_per_token(cfg, ctx)
     tps = tokens / (med / 1e3)
-    peak = PEAK_BF16.get(args.gpu_name, None)
-    res = {"backend": backend, "step_ms": med, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
-           "mfu": (f["total"] * tps / peak) if peak else None, "flops_per_token": f, "mean_ctx": ctx,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    peak_flops = PEAK_BF16.get(args.gpu_name, None)
+    res = {"label": args.label, "batch": args.batch, "seq_len": args.seq_len, "grad_ckpt": args.grad_ckpt,
+           "step_ms": med, "step_ms_all": times, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
+           "mfu": (f["total"] * tps / peak_flops) if peak_flops else None, "flops_per_token": f, "mean_ctx": ctx,
+           "peak_mem_gib": peak,
+           "phases_ms": {k: statistics.median(v) for k, v in phases.items()}, "top_kernels": kernels}
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def top_kernels(prof, n: int) -> dict:
+    """GPU time per kernel name over one profiled step: the top n, their share, and the launch count."""
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    total = sum(r[1] for r in rows)
+    rows.sort(key=lambda r: -r[1])
+    return {"gpu_ms": total, "launches": sum(r[2] for r in rows),
+            "top": [{"name": k[:90], "ms": ms, "share": ms / total, "calls": c} for k, ms, c in rows[:n]]}
 
 
 def main() -> None:
@@ -180,17 +204,20 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--mean-doc", type=int, default=2048, help="mean packed document length")
-    ap.add_argument("--backends", default="triton,torch,fla", help="KDA backends to compare, in order")
+    ap.add_argument("--label", default="", help="a name for this configuration in the output")
+    ap.add_argument("--kda-backend", default="auto", help="KDA backend of every layer (auto, triton, fla, torch)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--phase-steps", type=int, default=2, help="extra synced steps for the per-phase breakdown")
     ap.add_argument("--grad-ckpt", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="per-phase synced times + a torch.profiler kernel table")
+    ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on CPU, 2 steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.seq_len, args.batch, args.mean_doc, args.warmup, args.steps = "k3-tiny", 64, 2, 24, 1, 2
-        args.backends = "torch"
+        args.phase_steps = 1
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.gpu_name = ""
     if device.type == "cuda":
@@ -198,22 +225,27 @@ def main() -> None:
         args.gpu_name = next((k for k in PEAK_BF16 if k in name), name)
     cfg = K3Config.preset(args.preset)
     cfg.vision_config = None
-    rows = []
-    for b in args.backends.split(","):
-        r = bench_backend(cfg, b, args, device)
-        rows.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "flops_per_token"}), flush=True)
-        if args.out:  # after every backend, so a time limit keeps what was measured
-            Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    base = next((r for r in rows if r["backend"] == "torch"), rows[-1])
-    print(f"\n{args.preset}  B={args.batch} T={args.seq_len} (packed docs, mean {args.mean_doc})  device={args.gpu_name or 'cpu'}")
-    print(f"{'KDA backend':<12}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'vs ' + base['backend']:>12}{'mem GB':>8}")
-    for r in rows:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-        mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] else "-"
-        print(f"{r['backend']:<12}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{r['model_tflops']:>10.1f}{mfu:>8}"
-              f"{base['step_ms'] / r['step_ms']:>11.2f}x{mem:>8}")
-    f = rows[0]["flops_per_token"]
+    r = bench(cfg, args, device)
+    print(json.dumps({k: v for k, v in r.items() if k not in ("flops_per_token", "top_kernels", "step_ms_all")}),
+          flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": [r]}, indent=2))
+    print(f"\n{args.preset}  B={args.batch} T={args.seq_len} (packed docs, mean {args.mean_doc})"
+          f"{'  grad ckpt' if args.grad_ckpt else ''}  device={args.gpu_name or 'cpu'}  [{args.label}]")
+    if "error" in r:
+        print(r["error"])
+        return
+    if r.get("top_kernels"):
+        tk = r["top_kernels"]
+        print(f"GPU busy {tk['gpu_ms']:.1f} ms in {tk['launches']} launches; top kernels:")
+        for k in tk["top"]:
+            print(f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f} % {k['calls']:6d}x  {k['name']}")
+    mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] else "-"
+    mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] else "-"
+    print(f"step {r['step_ms']:.1f} ms  {r['tokens_per_s']:,.0f} tokens/s  {r['model_tflops']:.1f} TFLOP/s  MFU {mfu}"
+          f"  peak {mem}")
+    print("phases (ms, synced): " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
+    f = r["flops_per_token"]
     print(f"FLOPs/token: 6·N_act {f['dense']:.3e} (N_act {f['n_act']:,}) + MLA {f['mla']:.3e} + KDA {f['kda']:.3e}")
 
 

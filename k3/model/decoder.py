@@ -19,8 +19,17 @@ from .mla import MLAttention
 from .moe import LatentMoE
 
 
-def _mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    return attn_res(sources, proj.weight, norm.weight, norm.eps)
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype active for x's device, or None. Under autocast the embedding (an fp32 master weight)
+    is cast to it, so every AttnRes candidate, the block sums and the residual stream share the activation dtype
+    (bf16) instead of being promoted to fp32 by the embedding: half the bytes per pass, and the fused AttnRes
+    kernel takes one dtype. Statistics and softmax stay fp32 inside the ops."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def _mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear, backend: str = "auto") -> torch.Tensor:
+    return attn_res(sources, proj.weight, norm.weight, norm.eps, backend=backend)
 
 
 class KimiDecoderLayer(nn.Module):
@@ -28,6 +37,7 @@ class KimiDecoderLayer(nn.Module):
         super().__init__()
         D = cfg.hidden_size
         self.layer_idx = layer_idx
+        self.attn_res_backend = "auto"  # k3.ops.attn_res backend ("reference": the stacked fp32 oracle)
         self.is_kda = cfg.is_kda_layer(layer_idx) if layer_idx < cfg.num_hidden_layers else False
         self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.is_kda else MLAttention(cfg, layer_idx)
         if cfg.is_moe_layer(layer_idx):
@@ -54,13 +64,13 @@ class KimiDecoderLayer(nn.Module):
                          ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
         h = blocks[0] if partial is None else _mix(blocks + [partial], self.self_attention_res_norm,
-                                                   self.self_attention_res_proj)
+                                                   self.self_attention_res_proj, self.attn_res_backend)
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None
         a = self.attn(h, attention_mask, cache, cu_seqlens)
         partial = a if partial is None else partial + a
-        h = _mix(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj)
+        h = _mix(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.attn_res_backend)
         return blocks, partial + self.ffn(h)
 
     def forward(self, x: torch.Tensor, attention_mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
@@ -111,6 +121,8 @@ class KimiLinearModel(nn.Module):
         self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.gradient_checkpointing = False
+        self.attn_res_backend = "auto"  # the output AttnRes site's backend
+        self.autocast_stream = True  # under autocast, cast the embeddings to the autocast dtype (see _autocast_dtype)
 
     @property
     def decoder_layers(self) -> list[KimiDecoderLayer]:
@@ -127,6 +139,9 @@ class KimiLinearModel(nn.Module):
         `cu_seqlens` (int32 [N+1] over the flattened B·T tokens) packs several documents per row: KDA state,
         short convs and MLA attention then never cross a document boundary."""
         bs = self.config.attn_res_block_size
+        dt = _autocast_dtype(inputs_embeds) if self.autocast_stream else None
+        if dt is not None and inputs_embeds.is_floating_point() and inputs_embeds.dtype != dt:
+            inputs_embeds = inputs_embeds.to(dt)  # one residual-stream dtype (bf16 under autocast)
         blocks, partial = [inputs_embeds], None
         taps = []
         for layer in self.decoder_layers:
@@ -139,5 +154,5 @@ class KimiLinearModel(nn.Module):
                 blocks, partial = layer.forward_attn_res(blocks, partial, bs, attention_mask, lc, cu_seqlens)
             if output_block_states:
                 taps.append(partial)
-        h = _mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj)
+        h = _mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, self.attn_res_backend)
         return h, self.norm(h), taps
