@@ -376,7 +376,9 @@ def test_cuda_conv_and_norm_bf16():
 @cuda
 def test_cuda_layer_k3_small_bf16():
     """k3-small-sized KDA layer (H 12, K 128, D 1536), B 2, T 4096, packed documents, bf16 autocast over fp32
-    weights: fused path vs step-by-step path within 1e-2 on the output, dx and every parameter gradient."""
+    weights: the fused path and the step-by-step path, each against the step-by-step path in fp32 (no autocast):
+    within 1.5e-2 on the output, dx and every parameter gradient, and no worse than the old bf16 path (x1.25 + 1e-3).
+    (The two bf16 paths differ from each other by ~1e-2: each carries ~7e-3 of bf16 rounding.)"""
     from k3 import K3Config
     from k3.model.kda import KimiDeltaAttention
     cfg = K3Config.preset("k3-small").text_config
@@ -387,20 +389,21 @@ def test_cuda_layer_k3_small_bf16():
         kda.o_norm.weight.add_(0.1 * torch.randn_like(kda.o_norm.weight))
     x = torch.randn(2, 4096, cfg.hidden_size, device="cuda")
     cu = torch.tensor([0, 1, 17, 1500, 4096, 4100, 8000, 8192], dtype=torch.int32, device="cuda")
+    dy = torch.randn(2, 4096, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     res = {}
-    for fast in (False, True):  # the oracle: the step-by-step path with today's PyTorch conv and norm
+    for name, fast, amp in (("fp32", False, False), ("old", False, True), ("fast", True, True)):
         kda.fast = fast
         kda.elementwise_backend = "auto" if fast else "reference"
         kda.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             y = kda(xx, cu_seqlens=cu)
-        dy = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         (y.float() * dy).sum().backward()
-        res[fast] = {"y": y.detach().float(), "dx": xx.grad, **{n: p.grad for n, p in kda.named_parameters()}}
-    missing = [n for n in res[False] if res[False][n] is None or res[True][n] is None]
+        res[name] = {"y": y.detach().float(), "dx": xx.grad, **{n: p.grad for n, p in kda.named_parameters()}}
+    missing = [n for n in res["fp32"] if any(res[k][n] is None for k in res)]
     assert not missing, f"no gradient for {missing}"
-    errs = {n: rel_rmse(res[False][n], res[True][n]) for n in res[False]}
-    print("rel-RMS", {n: f"{e:.1e}" for n, e in errs.items()})
-    bad = {n: e for n, e in errs.items() if e > 1e-2}
-    assert not bad, f"over 1e-2: {bad}; all: {errs}"
+    err = {k: {n: rel_rmse(res["fp32"][n], res[k][n]) for n in res["fp32"]} for k in ("old", "fast")}
+    print("rel-RMS vs fp32: old", {n: f"{e:.1e}" for n, e in err["old"].items()},
+          "fast", {n: f"{e:.1e}" for n, e in err["fast"].items()})
+    bad = {n: (e, err["old"][n]) for n, e in err["fast"].items() if e > 1.5e-2 or e > 1.25 * err["old"][n] + 1e-3}
+    assert not bad, f"fast path worse than allowed (fast, old): {bad}"

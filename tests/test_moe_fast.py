@@ -395,4 +395,9 @@ def test_router_logits_is_fp32_under_autocast():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         z = moe_ops.router_logits(x, w)
     assert z.dtype == torch.float32
-    assert rel_rmse(x.double() @ w.double().T, z) <= 1e-6
+    ref = x.double() @ w.double().T
+    with torch.autocast("cuda", enabled=False):
+        plain = torch.nn.functional.linear(x.float(), w)  # what an fp32 router GEMM gives (TF32 off by default)
+    # fp32-level agreement: measured 1.5e-6 on the H200 (cuBLAS's split-K fp32 reductions), against the plain fp32
+    # GEMM's own error; a bf16 router would be ~2e-3 off
+    assert rel_rmse(ref, z) <= max(4e-6, 4 * rel_rmse(ref, plain)), (rel_rmse(ref, z), rel_rmse(ref, plain))

@@ -269,7 +269,7 @@ def grouped_situ_ffn(x: torch.Tensor, cu_seqlens: torch.Tensor, w1: torch.Tensor
     w2 = w2.to(x.dtype)
     if use_grouped_mm:
         offs = cu_seqlens.to(torch.int32).clone()
-        offs[-1] = x.shape[0]
+        offs[-1:].fill_(x.shape[0])  # a fill kernel (item assignment would copy a pageable host scalar: a sync)
         gu = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
         return torch._grouped_mm(situ_glu_fused(gu, beta, linear_beta), w2.transpose(1, 2), offs=offs)
     ends = cu_seqlens.tolist()
