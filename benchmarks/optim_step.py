@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=None, help="routed tokens per micro-batch (default 8·4096 / 256)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: the top kernels of the last --impls step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -146,6 +147,15 @@ def main() -> None:
         r = measure(opt.step, args, cuda)
         report("optimizer.step", impl, r, base)
         base = base or r
+        if args.profile and cuda and impl == impls[-1]:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                opt.step()
+                torch.cuda.synchronize()
+            rows_k = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                             if e.device_time_total > 0), key=lambda r: -r[1])
+            for k, ms, c in rows_k[:12]:
+                print(f"      {ms:8.2f} ms {c:5d}x  {k[:100]}")
         del opt
         if cuda:
             torch.cuda.empty_cache()

@@ -2,9 +2,10 @@
 `short_conv_split` as the dispatch points.
 
 Backends: "reference" (`reference.py`, plain PyTorch in x's dtype: every case, including the decode conv
-state) and "triton" (`triton.py`: the training case -- no conv state, kernel width <= 4, fp32/bf16/fp16 --
-fused SiLU, fp32 arithmetic, one pass over x forward and backward). "auto" picks triton for CUDA inputs
-the kernels handle, else reference.
+state), "torch" (`recompute.py`: one autograd Function that keeps only x for the backward -- the training
+case, any device) and "triton" (`triton.py`: the training case -- no conv state, kernel width <= 4,
+fp32/bf16/fp16 -- fused SiLU, fp32 arithmetic, one pass over x forward and backward). "auto" picks triton for
+CUDA inputs the kernels handle, else torch without a conv state, else reference.
 """
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import functools
 
 import torch
 
+from .recompute import short_conv_torch
 from .reference import short_conv_reference
 
-__all__ = ["short_conv", "short_conv_split", "short_conv_reference", "triton_available", "BACKENDS"]
+__all__ = ["short_conv", "short_conv_split", "short_conv_reference", "short_conv_torch", "triton_available",
+           "BACKENDS"]
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "torch", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -51,7 +54,11 @@ def _pick(fn, backend, x, weight, stateful) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if x.is_cuda and _triton_reason(x, weight, stateful) is None else "reference"
+        if x.is_cuda and _triton_reason(x, weight, stateful) is None:
+            return "triton"
+        return "reference" if stateful else "torch"
+    if backend == "torch" and stateful:
+        raise ValueError(f"{fn}: backend 'torch' has no conv state (decode / prefill with cache): use 'reference'")
     if backend == "triton":
         why = _triton_reason(x, weight, stateful)
         if why is not None:
@@ -82,8 +89,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
     stateful = state is not None or output_final_state
     if cu_seqlens is not None and stateful:
         raise ValueError("short_conv: cu_seqlens cannot be combined with a conv state")
-    if _pick("short_conv", backend, x, weight, stateful) == "reference":
+    picked = _pick("short_conv", backend, x, weight, stateful)
+    if picked == "reference":
         return short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
+    if picked == "torch":
+        return short_conv_torch(x, weight, cu_seqlens), None
     from .triton import short_conv_triton
     return short_conv_triton(x, weight, cu_seqlens)[0], None
 
@@ -100,8 +110,10 @@ def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ..
     sizes = tuple(int(s) for s in sizes)
     if sum(sizes) != x.shape[-1] or any(s < 0 for s in sizes):
         raise ValueError(f"short_conv_split: sizes must be non-negative and sum to C={x.shape[-1]}, got {sizes}")
-    if _pick("short_conv_split", backend, x, weight, False) == "reference":
-        y, _ = short_conv_reference(x, weight, cu_seqlens=cu_seqlens)
+    picked = _pick("short_conv_split", backend, x, weight, False)
+    if picked != "triton":
+        y = (short_conv_torch(x, weight, cu_seqlens) if picked == "torch"
+             else short_conv_reference(x, weight, cu_seqlens=cu_seqlens)[0])
         return tuple(p.contiguous() for p in y.split(sizes, -1))
     from .triton import short_conv_triton
     return short_conv_triton(x, weight, cu_seqlens, sizes)

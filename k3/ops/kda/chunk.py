@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._common import check_inputs, from_batch, prepare, to_batch, varlen_index
+from .gate import l2norm
 
 SUB = 16  # sub-chunk (diagonal tile) size
 
@@ -47,8 +48,11 @@ def _intra_scores(a, b, G, strict):
     return A.reshape(*lead, C, C)
 
 
-def _chunk_fwd(q, k, v, g, beta, scale, h0, C):
-    """Core on a padded batch. q, k, g: [B, H, NT*C, K]; v: [B, H, NT*C, V]; beta: [B, H, NT*C]."""
+def _chunk_fwd(q, k, v, g, beta, scale, h0, C, qk_l2norm=False):
+    """Core on a padded batch. q, k, g: [B, H, NT*C, K]; v: [B, H, NT*C, V]; beta: [B, H, NT*C].
+    qk_l2norm: L2-normalise q and k here (per token, so padding and segmenting commute with it)."""
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     NT = Tp // C
@@ -78,8 +82,31 @@ def _chunk_fwd(q, k, v, g, beta, scale, h0, C):
     return o.reshape(B, H, Tp, V), S
 
 
+def _segmented_fwd(q, k, v, g, beta, scale, h0, C, segment_chunks, qk_l2norm=False):
+    """`_chunk_fwd` over segments of `segment_chunks` chunks, the state carried from one to the next. With
+    autograd each segment is checkpointed: the backward keeps only the segment inputs and the incoming states
+    (~(3K + 2V) values per token and head instead of the intra-chunk tiles, ~16·K per token and head per
+    [16, 16, K] exponent tile), and recomputes one segment at a time, so memory grows linearly in T with a
+    small constant. Same operations in the same order: the result is bitwise that of one `_chunk_fwd` call."""
+    Tp = q.shape[2]
+    L = segment_chunks * C
+    if Tp <= L:
+        return _chunk_fwd(q, k, v, g, beta, scale, h0, C, qk_l2norm)
+    ckpt = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, h0))
+    outs, S = [], h0
+    for s in range(0, Tp, L):
+        part = [x[:, :, s:s + L] for x in (q, k, v, g, beta)]
+        if ckpt:
+            o, S = torch.utils.checkpoint.checkpoint(_chunk_fwd, *part, scale, S, C, qk_l2norm,
+                                                     use_reentrant=False)
+        else:
+            o, S = _chunk_fwd(*part, scale, S, C, qk_l2norm)
+        outs.append(o)
+    return torch.cat(outs, 2), S
+
+
 def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64):
+                    cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64, segment_chunks=16):
     """Chunked KDA (WY/UT form, 64-token chunks in 16-token sub-chunks) in PyTorch.
 
     Same contract as `recurrent_kda` / fla's `chunk_kda`:
@@ -88,14 +115,16 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     Returns o [B, T, H, V] in v's dtype and the final state [N, H, K, V] in fp32 (or None).
     Computes in fp32 whatever the input dtype (fp64 for fp64 inputs). Any T works: the tail is
     padded with k = v = beta = g = 0, which leaves the state unchanged. Varlen sequences are
-    padded to a common multiple of the chunk size and run as one batch.
+    padded to a common multiple of the chunk size and run as one batch. Under autograd, segments of
+    `segment_chunks` chunks are recomputed in the backward (see `_segmented_fwd`): memory linear in T.
     """
     N = check_inputs("chunk_kda_torch", q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size % SUB != 0 or chunk_size <= 0:
         raise ValueError(f"chunk_kda_torch: chunk_size must be a positive multiple of {SUB}, got {chunk_size}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v, g, beta, scale, out_dtype = prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    # q/k L2 norm inside the (checkpointed) segments: the backward keeps the raw q, k only
+    q, k, v, g, beta, scale, out_dtype = prepare(q, k, v, g, beta, scale, False)
 
     if cu_seqlens is not None:
         idx, valid = varlen_index(cu_seqlens, T, chunk_size, q.device)
@@ -107,7 +136,7 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     beta = torch.nn.functional.pad(beta, (0, 0, 0, pad)).transpose(1, 2)
 
     h0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(q.dtype)
-    o, S = _chunk_fwd(q, k, v, g, beta, scale, h0, chunk_size)
+    o, S = _segmented_fwd(q, k, v, g, beta, scale, h0, chunk_size, segment_chunks, use_qk_l2norm_in_kernel)
     o = o.transpose(1, 2)
     o = from_batch(o, valid) if cu_seqlens is not None else o[:, :T]
     return o.to(out_dtype), (S if output_final_state else None)

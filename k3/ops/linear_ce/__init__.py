@@ -5,7 +5,8 @@ F.cross_entropy: the oracle), "torch" (chunked: one chunk of logits at a time, g
 forward; any device, any float dtype including fp64), "triton" (the same chunking with a Triton kernel for the
 row-wise softmax / loss / gradient; CUDA, or Triton's interpreter on CPU; bf16/fp16/fp32), "auto" (triton on
 CUDA when triton imports and the dtype is not fp64, else torch). Peak extra memory of the chunked backends:
-one chunk of logits (`chunk_size` rows, default ~2 GiB) plus dhidden [N, D] and an fp32 dweight [V, D].
+one chunk of logits (`chunk_size` rows, default ~2 GiB on CUDA, 256 MiB elsewhere) plus dhidden [N, D] and
+an fp32 dweight [V, D].
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     hidden [N, D], weight [V, D] (float, one dtype), target int64 [N] (values in [0, V) or ignore_index; not
     checked on the fast paths, which would need a host sync). Returns a 0-dim loss in max(dtype, fp32):
     fp32 for bf16/fp16/fp32 inputs, fp64 for fp64. Under autocast, hidden and weight are cast to the
-    autocast dtype first, as F.linear would be. `chunk_size`: rows per chunk (default: ~2 GiB of logits).
+    autocast dtype first, as F.linear would be. `chunk_size`: rows per chunk (default: ~2 GiB of logits on
+    CUDA, 256 MiB elsewhere).
     """
     _check(hidden, weight, target, chunk_size, backend)
     hidden, weight = autocast_cast(hidden), autocast_cast(weight)

@@ -18,11 +18,12 @@ import torch
 RowsFn = Callable[[torch.Tensor, torch.Tensor, int, bool, torch.Tensor], None]
 
 
-def default_chunk_size(vocab: int, dtype: torch.dtype) -> int:
+def default_chunk_size(vocab: int, dtype: torch.dtype, budget: int = 2 ** 31) -> int:
     """Rows per chunk so that one chunk of logits (in max(dtype, fp32): the torch path's working copy) is
-    ~2 GiB; a multiple of 128 when larger than 128 (GEMM-friendly)."""
+    about `budget` bytes (2 GiB: GEMMs of thousands of rows on a GPU; the CPU path passes 256 MiB, since the
+    chunk is alive at the forward's memory peak); a multiple of 128 when larger than 128 (GEMM-friendly)."""
     item = max(torch.empty((), dtype=dtype).element_size(), 4)
-    n = max(1, 2 ** 31 // (max(vocab, 1) * item))
+    n = max(1, budget // (max(vocab, 1) * item))
     return n - n % 128 if n > 128 else n
 
 
@@ -133,7 +134,7 @@ def linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, tar
     """The fused loss (see the module docstring) with the row-wise step `rows`. hidden [N, D] and weight
     [V, D] of one float dtype (autocast already applied by the caller), target int64 [N]."""
     if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0], hidden.dtype)
+        chunk_size = default_chunk_size(weight.shape[0], hidden.dtype, 2 ** 31 if hidden.is_cuda else 2 ** 28)
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
     return _LinearCrossEntropy.apply(hidden, weight, target, ignore_index, int(chunk_size), rows,

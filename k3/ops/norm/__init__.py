@@ -1,10 +1,11 @@
 """RMSNorm, with `rms_norm` / `rms_norm_gated` as the dispatch points.
 
-Backends: "reference" (`reference.py`, plain PyTorch: the release's rounding, any dtype and width) and
-"triton" (`triton.py`: rows up to 8192 wide, fp32/bf16/fp16, one pass over the rows forward and backward,
-no fp32 temporaries in memory). "auto" picks triton for CUDA inputs the kernels handle, else reference.
+Backends: "reference" (`reference.py`, plain PyTorch: the release's rounding, any dtype and width), "torch"
+(`recompute.py`: one autograd Function keeping only the inputs and the fp32 reciprocal RMS for the backward;
+any device) and "triton" (`triton.py`: rows up to 8192 wide, fp32/bf16/fp16, one pass over the rows forward and
+backward, no fp32 temporaries in memory). "auto" picks triton for CUDA inputs the kernels handle, else torch.
 
-The triton path normalises in fp32, multiplies by the weight in fp32 and rounds once to x's dtype; the
+The triton and torch paths normalise in fp32, multiplies by the weight in fp32 and rounds once to x's dtype; the
 reference rounds the normalised x to x's dtype before multiplying by the weight (cast to x's dtype), as the
 release does. Identical in fp32 (up to the order of fp32 operations); for bf16 inputs a bf16-level difference.
 """
@@ -14,12 +15,13 @@ import functools
 
 import torch
 
+from .recompute import rms_norm_torch
 from .reference import rms_norm_gated_reference, rms_norm_reference
 
-__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_reference", "rms_norm_gated_reference", "triton_available",
-           "BACKENDS"]
+__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_reference", "rms_norm_gated_reference", "rms_norm_torch",
+           "triton_available", "BACKENDS"]
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "torch", "triton")
 MAX_D = 8192  # widest row of the Triton kernels (one row per program tile)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,7 +59,7 @@ def _pick(fn, backend, x, weight, gate) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if x.is_cuda and _triton_reason(x, weight, gate) is None else "reference"
+        return "triton" if x.is_cuda and _triton_reason(x, weight, gate) is None else "torch"
     if backend == "triton":
         why = _triton_reason(x, weight, gate)
         if why is not None:
@@ -79,8 +81,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, backend: 
     """`x / sqrt(mean(x²) + eps) * weight` over the last dim; fp32 statistics, output in x's dtype.
     (See the module docstring for where the backends round.)"""
     _check("rms_norm", x, weight)
-    if _pick("rms_norm", backend, x, weight, None) == "reference":
+    picked = _pick("rms_norm", backend, x, weight, None)
+    if picked == "reference":
         return rms_norm_reference(x, weight, eps)
+    if picked == "torch":
+        return rms_norm_torch(x, weight, eps)
     from .triton import rms_norm_triton
     return rms_norm_triton(x, weight, eps)
 
@@ -90,7 +95,10 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor | None, gate: torch.Ten
     """rms_norm(x in fp32) * weight * sigmoid(gate in fp32), in fp32 (fp64 for fp64 inputs on the reference
     path), output in x's dtype. gate has x's shape. The KDA layer's output: o_norm(o) * sigmoid(g_proj(x))."""
     _check("rms_norm_gated", x, weight, gate)
-    if _pick("rms_norm_gated", backend, x, weight, gate) == "reference":
+    picked = _pick("rms_norm_gated", backend, x, weight, gate)
+    if picked == "reference":
         return rms_norm_gated_reference(x, weight, gate, eps)
+    if picked == "torch":
+        return rms_norm_torch(x, weight, eps, gate)
     from .triton import rms_norm_triton
     return rms_norm_triton(x, weight, eps, gate)
