@@ -5,7 +5,9 @@ source, query and norm_weight, each against autograd through `attn_res_reference
 Bars: torch backend in fp64 on CPU 1e-10 (the math is exact up to rounding, ~1e-15 measured); Triton through the
 interpreter in fp32 against the fp64 reference 1e-5 (measured ~1e-6); mixed fp32 / bf16 sources 1e-5 on fp32
 results, 1e-2 on bf16 gradients (one bf16 rounding); CUDA bf16 sources against the fp32 reference on the upcast
-inputs 1e-2. The memory test counts the bytes autograd saves (saved_tensors_hooks).
+inputs 1e-2. The memory test counts the bytes autograd saves (saved_tensors_hooks). The Triton kernels run for
+N = 1..10 with several row blocks and D tiles, both ragged (interpreter, fp32); on CUDA every launch setting of
+the sweep (`k3.ops.attn_res.triton.SWEEP`) runs once against the reference.
 """
 import time
 
@@ -185,13 +187,13 @@ triton = pytest.importorskip("triton")
 import k3.ops.attn_res.triton as AT  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
-SMALL = dict(fwd=dict(block_d=16, programs=5), bwd=dict(block_d=16, programs=5))  # D tiles and rows per program
+SMALL = dict(fwd=dict(block_r=8, block_d=16), bwd=dict(block_r=8, block_d=16))  # row blocks and D tiles
 
 
 @pytest.mark.parametrize("launch", [SMALL, {}], ids=["tiled", "default"])
 def test_triton_matches_reference_fp32(launch, one_thread):
-    """D = 48 in tiles of 16 (3 tiles), N = 3, 37 rows over 5 programs (8 rows each, the last one ragged);
-    and the default launch (one D tile)."""
+    """D = 48 in tiles of 16 (3 tiles), N = 3, 37 rows in blocks of 8 (5 programs, the last one ragged);
+    and the default launch (one D tile, one row block)."""
     x = make(3, (37, 48), seed=21)
     ref = run(reference, *x)
     out = run(attn_res, *x, dtype=torch.float32, device=DEV, backend="triton", **launch)
@@ -205,6 +207,63 @@ def test_triton_partial_gradients(one_thread):
         ref = run(reference, *x, param_grad=param_grad)
         out = run(attn_res, *x, dtype=torch.float32, device=DEV, param_grad=param_grad, backend="triton", **SMALL)
         check(ref, out, 1e-5)
+
+
+RAGGED = dict(fwd=dict(block_r=8, block_d=16), bwd=dict(block_r=8, block_d=16))
+
+
+@pytest.mark.parametrize("N", range(1, 11))
+def test_triton_every_n_ragged_blocks(N, one_thread):
+    """N = 1..10 (NP = 2..16), 37 rows in blocks of 8 (5 programs, the last holding 5 rows) and D = 40 in tiles
+    of 16 (the last holding 8 columns): values and every gradient against the fp64 reference, 1e-5 (fp32 kernels;
+    measured ~1e-7). Source 1 (N >= 2) needs no gradient: its table entry is 0 and nothing is written for it."""
+    x = make(N, (37, 40), seed=40 + N, grads=[i != 1 for i in range(N)])
+    ref = run(reference, *x)
+    out = run(attn_res, *x, dtype=torch.float32, device=DEV, backend="triton", **RAGGED)
+    check(ref, out, 1e-5)
+
+
+def test_triton_forward_keeps_alpha_rstd_and_scores(one_thread):
+    """What the forward kernel saves for its backward, [N, rows] fp32 each: α, rstd and the scores s (only the
+    backward reads s, so a wrong s would show only in gradients), against fp64 formulas, 1e-5."""
+    N, R, D = 5, 21, 40
+    src, query, norm_w, _, _ = make(N, (R, D), seed=50)
+    v = torch.stack([s.float().double() for s in src])  # the fp32 inputs, in fp64: [N, R, D]
+    w = (query.reshape(-1) * norm_w).float()
+    h, alpha, rstd, s = AT.attn_res_fwd_triton([t.float().to(DEV) for t in src], w.to(DEV), EPS, block_r=8,
+                                               block_d=16)
+    rstd_ref = torch.rsqrt(v.pow(2).mean(-1) + EPS)
+    s_ref = (v @ w.double()) * rstd_ref
+    alpha_ref = torch.softmax(s_ref, 0)
+    h_ref = (alpha_ref.unsqueeze(-1) * v).sum(0)
+    for name, ref, got in (("h", h_ref, h), ("alpha", alpha_ref, alpha), ("rstd", rstd_ref, rstd), ("s", s_ref, s)):
+        assert got.shape == ref.shape and got.dtype == torch.float32, name
+        assert rel_rmse(ref, got.cpu()) < 1e-5, (name, rel_rmse(ref, got.cpu()))
+
+
+def test_triton_zero_rows():
+    """An empty batch: empty output, empty source gradients, zero parameter gradients; no launch."""
+    x = make(3, (0, 16), seed=51)
+    out = run(attn_res, *x, dtype=torch.float32, device=DEV, backend="triton")
+    assert out[0].shape == (0, 16) and all(g.shape == (0, 16) for g in out[1])
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_triton_launch_settings_are_checked():
+    """launch_config: LAUNCH defaults with overrides, block_d capped at D's next power of two, bad values named."""
+    assert AT.launch_config("fwd", 40, block_d=1024)["block_d"] == 64
+    assert AT.launch_config("bwd", 7168, block_r=None) == AT.LAUNCH["bwd"]
+    for kind in ("fwd", "bwd"):
+        for setting in AT.SWEEP[kind]:
+            assert AT.launch_config(kind, 1536, **dict(zip(AT.SETTINGS, setting))) == dict(zip(AT.SETTINGS, setting))
+    with pytest.raises(ValueError, match=r"fwd block_r=12, expected a power of two"):
+        AT.launch_config("fwd", 48, block_r=12)
+    with pytest.raises(ValueError, match=r"bwd num_stages=0, expected an integer >= 1"):
+        AT.launch_config("bwd", 48, num_stages=0)
+    with pytest.raises(ValueError, match=r"unknown bwd launch setting 'programs'; expected one of block_r"):
+        AT.launch_config("bwd", 48, programs=4)
+    with pytest.raises(ValueError, match=r"unknown kernel 'mid'"):
+        AT.launch_config("mid", 48)
 
 
 def test_triton_backend_rejects_what_the_kernels_cannot_take():
@@ -269,6 +328,56 @@ def test_cuda_bf16_matches_fp32_reference(D):
         fwd = _ms(lambda: fn(leaves, q, n, EPS))
         both = _ms(lambda: fn(leaves, q, n, EPS).backward(dh))
         print(f"D={D} N={N} rows={R} {name}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms")
+
+
+def _cuda_inputs(N, R, D, dtype, seed):
+    """Sources of distinct scales, a query giving scores of a few units (~0.1·sqrt(D)), fp32 parameters."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    src = [(torch.randn(R, D, device="cuda", generator=g) * (0.5 + i) + 0.1 * i).to(dtype) for i in range(N)]
+    query = 0.1 * torch.randn(1, D, device="cuda", generator=g)
+    norm_w = 1 + 0.3 * torch.randn(D, device="cuda", generator=g)
+    dh = torch.randn(R, D, device="cuda", generator=g).to(dtype)
+    return src, query, norm_w, dh
+
+
+def _cuda_grads(fn, src, query, norm_w, dh, upcast=None, **kw):
+    """[h, dv_0.., dquery, dnorm] of fn on fresh leaves (all inputs upcast to `upcast` for the reference)."""
+    leaves = [s.detach().to(upcast or s.dtype).requires_grad_() for s in src]
+    q, n = (t.detach().to(upcast or t.dtype).requires_grad_() for t in (query, norm_w))
+    h = fn(leaves, q, n, EPS, **kw)
+    h.backward(dh.to(h.dtype))
+    return [h] + [t.grad for t in leaves] + [q.grad, n.grad]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("kind,setting", [(k, s) for k in ("fwd", "bwd") for s in AT.SWEEP[k]],
+                         ids=[f"{k}-{'-'.join(map(str, s))}" for k in ("fwd", "bwd") for s in AT.SWEEP[k]])
+def test_cuda_every_sweep_setting(kind, setting):
+    """Every launch setting the sweep may pick (unrolled and pipelined loops run only on the GPU), with the other
+    kernel at its default: bf16 sources, 1003 rows (a ragged last block for every block_r), D = 1536, N = 1, 3,
+    10, against the fp32 reference on the upcast inputs, 1e-2 (bf16 outputs)."""
+    for N in (1, 3, 10):
+        x = _cuda_inputs(N, 1003, 1536, torch.bfloat16, seed=N)
+        ref = _cuda_grads(attn_res_reference, *x, upcast=torch.float32)
+        out = _cuda_grads(attn_res, *x, backend="triton", **{kind: dict(zip(AT.SETTINGS, setting))})
+        errs = {i: rel_rmse(r, o) for i, (r, o) in enumerate(zip(ref, out))}
+        assert max(errs.values()) <= 1e-2, (N, errs)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_fp32_fp16_sources(dtype):
+    """The kernels' other source dtypes against the fp64 reference on the same values: fp32 1e-5 (measured in the
+    interpreter 1.6e-6, where the fp32 reference itself is at 7e-6), fp16 1e-2 (fp16 outputs); N = 7, 517 rows,
+    D = 7168 (several D tiles of the default launch)."""
+    x = _cuda_inputs(7, 517, 7168, dtype, seed=3)
+    ref = _cuda_grads(attn_res_reference, *x, upcast=torch.float64)
+    out = _cuda_grads(attn_res, *x, backend="triton")
+    assert all(o.dtype == dtype for o in out[:8])
+    errs = {i: rel_rmse(r, o) for i, (r, o) in enumerate(zip(ref, out))}
+    assert max(errs.values()) <= (1e-5 if dtype == torch.float32 else 1e-2), errs
 
 
 @pytest.mark.cuda

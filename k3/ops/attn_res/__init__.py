@@ -66,7 +66,7 @@ def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torc
     Returns Σ_i softmax_i(score_i)·v_i shaped like `sources[0]`, in the sources' (promoted) dtype, with
     gradients for every source, query and norm_weight that require one. `backend`: see `BACKENDS` and the
     module docstring. opts (tuning/tests): chunk_rows (torch: rows per chunk), fwd / bwd (triton: dicts of
-    block_d, programs, num_warps; see `triton.launch_config`).
+    block_r, block_d, num_warps, num_stages, unroll; see `triton.launch_config`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"attn_res: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")

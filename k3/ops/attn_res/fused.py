@@ -11,9 +11,10 @@ and, given dh,
     d query = dw ⊙ norm_weight,   d norm_weight = dw ⊙ query.
 
 Autograd keeps references to the sources (alive anyway in the model's block list), the two parameters and
-α, rstd as [N, rows] fp32: O(N·rows) beyond what exists already, where the reference keeps several
-fp32 [N, rows, D] tensors. The "torch" math runs over chunks of rows, so its fp32 temporaries are bounded
-by a chunk; the "triton" math (`triton.py`) streams the sources through a table of data pointers.
+α, rstd (and, for "triton", the scores s) as [N, rows] fp32: O(N·rows) beyond what exists already, where
+the reference keeps several fp32 [N, rows, D] tensors. The "torch" math runs over chunks of rows, so its fp32
+temporaries are bounded by a chunk; the "triton" math (`triton.py`) streams the sources through a table of
+data pointers.
 """
 from __future__ import annotations
 
@@ -106,18 +107,20 @@ class AttnResFunction(torch.autograd.Function):
         flat = [t.reshape(-1, D) for t in sources]
         with torch.autocast(sources[0].device.type, enabled=False):
             w = fold_query(query, norm_weight, acc_dtype(out_dtype))
-            if impl == "triton":
+            if impl == "triton":  # also keeps the scores s [N, rows] fp32: its backward needs no v·w pass
                 from .triton import attn_res_fwd_triton
-                h, alpha, rstd = attn_res_fwd_triton(flat, w, eps, **opts.get("fwd", {}))
+                h, *stats = attn_res_fwd_triton(flat, w, eps, **opts.get("fwd", {}))
             else:
-                h, alpha, rstd = forward_torch(flat, w, eps, out_dtype, opts.get("chunk_rows"))
-        ctx.save_for_backward(query, norm_weight, alpha, rstd, *sources)
-        ctx.impl, ctx.opts, ctx.D = impl, opts, D
+                h, *stats = forward_torch(flat, w, eps, out_dtype, opts.get("chunk_rows"))
+        ctx.save_for_backward(query, norm_weight, *stats, *sources)  # stats: alpha, rstd (, s)
+        ctx.impl, ctx.opts, ctx.D, ctx.n_stats = impl, opts, D, len(stats)
         return h.reshape(shape)
 
     @staticmethod
     def backward(ctx, dh):
-        query, norm_weight, alpha, rstd, *sources = ctx.saved_tensors
+        query, norm_weight, *saved = ctx.saved_tensors
+        stats, sources = saved[:ctx.n_stats], saved[ctx.n_stats:]
+        alpha, rstd = stats[0], stats[1]
         need = list(ctx.needs_input_grad[5:])
         need_q, need_n = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         D = ctx.D
@@ -127,7 +130,7 @@ class AttnResFunction(torch.autograd.Function):
             w = fold_query(query, norm_weight, alpha.dtype)
             if ctx.impl == "triton":
                 from .triton import attn_res_bwd_triton
-                dvs, dw = attn_res_bwd_triton(flat, w, alpha, rstd, dh, need, need_q or need_n,
+                dvs, dw = attn_res_bwd_triton(flat, w, alpha, rstd, stats[2], dh, need, need_q or need_n,
                                               **ctx.opts.get("bwd", {}))
             else:
                 dvs, dw = backward_torch(flat, w, alpha, rstd, dh, need, need_q or need_n,

@@ -1,19 +1,26 @@
-"""Triton kernels of Block AttnRes: a forward and a backward, each program a contiguous range of rows.
+"""Triton kernels of Block AttnRes: a forward and a backward, each program a block of BLOCK_R rows.
 
 The N candidates are not stacked: each kernel reads them through a device table of data pointers (int64
-`t.data_ptr()`, loaded as a vector and cast back to pointers of the sources' dtype), so one row's D tile of
-all N sources is a single [NP, BD] tile load (NP = N padded to a power of two; padded lanes are masked and
-move no bytes). N and D are runtime values: D = 1536 or 7168 and N = 1..10 run through the same code, D in
-tiles of BD. Statistics, softmax and accumulation in fp32.
+`t.data_ptr()`, one scalar load per source, cast back to a pointer of the sources' dtype). Every load is a 2-D
+[BLOCK_R, BLOCK_D] tile of ONE source (BLOCK_R rows of BLOCK_D contiguous elements: 16-byte vector loads), so
+N and D are runtime values: D = 1536 or 7168 and N = 1..10 run through the same code. Statistics, softmax
+and accumulation in fp32.
 
-forward,  per row: pass 1 over the D tiles accumulates Σv² and v·w per source; softmax over the sources;
-          α, rstd stored [N, R] fp32; pass 2 writes h = Σ_i α_i v_i tile by tile.
-backward, per row: pass 1 accumulates dα_i = dh·v_i and v_i·w; pass 2 writes every needed dv_i and adds
-          Σ_i c_i v_i into the program's row of a [programs, D] fp32 buffer, summed afterwards by torch
-          (deterministic, no atomics). A persistent grid (as many programs as fit on the GPU at once, from
-          the compiled kernel's registers) keeps that buffer small and the wave without a tail.
-Pass 2 re-reads the row's sources right after pass 1 (N·D elements: mostly cache hits). DRAM traffic:
-forward N reads + 1 write of [R, D], backward N + 1 reads + N writes, plus cache misses of pass 2.
+forward,  pass 1: for each source, over the D tiles: Σv² and v·w per row -> rstd_i, s_i = rstd_i (v_i·w),
+          stored [N, R] fp32; the block's [BLOCK_R, NP] scores (NP = N padded to a power of two) read back,
+          softmax over the sources, α stored [N, R] fp32.
+          pass 2: for each D tile, over the sources: h = Σ_i α_i v_i in an fp32 [BLOCK_R, BLOCK_D] tile, stored.
+backward, pass 1: for each D tile (dh loaded once), over the sources: dα_i = dh·v_i per row, in a [BLOCK_R, NP]
+          register tensor (column i updated with a `tl.where` on arange(NP) == i); then c_i = α_i (dα_i −
+          Σ_j α_j dα_j) rstd_i and e_i = c_i s_i rstd_i / D from the saved α, rstd, s, stored to [N, R] scratch.
+          pass 2: for each D tile, over the sources: dv_i = α_i dh + c_i w − e_i v_i stored (table entry 0: no
+          gradient wanted), Σ_i c_i v_i accumulated in an fp32 tile and, with HAS_DW, its column sums stored as
+          the program's row of a [programs, D] fp32 buffer, summed afterwards by torch (deterministic, no atomics).
+Per-source row vectors (α_i, c_i, e_i) go through global memory (L1 hits, ordered by a CTA barrier) rather than
+being picked out of a register tensor: a [BLOCK_R, NP] tensor in the tile's layout costs as many registers as
+a whole tile. Pass 2 re-reads the block's sources right after pass 1 (pass 1 loads ask L2 to keep them, pass 2
+loads and the stores to let them go): DRAM traffic is forward N reads + 1 write of [R, D], backward N + 1
+reads + N writes, plus the misses of pass 2 (few when BLOCK_R x D x N x resident programs fits in L2).
 """
 from __future__ import annotations
 
@@ -22,100 +29,138 @@ import triton
 import triton.language as tl
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TILE_ELEMS = 2048  # elements of one [NP, BD] register tile: BD = TILE_ELEMS // NP, clamped to [128, 1024]
-NUM_WARPS = 4
-FWD_ROWS = 4  # forward: rows per program (many short programs, no tail)
+
+# Launch settings per kernel: block_r x block_d, the register tile of one source (powers of two; block_d is
+# capped at D's next power of two); num_warps; num_stages, software-pipelining stages of the innermost loops
+# (1: none; > 1: cp.async through shared memory); unroll, unroll factor of the innermost loops (1: none), so
+# that more tile loads are in flight. Picked on the H200 with `benchmarks/attn_res.py --sweep` (over `SWEEP`).
+LAUNCH = {
+    "fwd": dict(block_r=32, block_d=256, num_warps=4, num_stages=1, unroll=1),
+    "bwd": dict(block_r=16, block_d=256, num_warps=4, num_stages=1, unroll=1),
+}
+# Candidates (block_r, block_d, num_warps, num_stages, unroll) the sweep times. Compiled for sm_90 by Triton 3.6
+# (N = 1..10): none spills with bf16 / fp16 sources, and LAUNCH's defaults spill with fp32 sources neither
+# (`benchmarks/attn_res.py --regs`).
+SWEEP = {
+    "fwd": [(32, 256, 4, 1, 1), (16, 256, 4, 1, 1), (32, 256, 8, 1, 1), (64, 256, 8, 1, 1), (16, 512, 4, 1, 1),
+            (8, 1024, 8, 1, 1), (4, 1024, 4, 1, 1), (16, 256, 4, 1, 2), (32, 256, 8, 1, 2), (16, 256, 4, 2, 1),
+            (32, 256, 8, 3, 1)],
+    "bwd": [(16, 256, 4, 1, 1), (8, 256, 4, 1, 1), (16, 256, 8, 1, 1), (32, 256, 8, 1, 1), (8, 512, 4, 1, 1),
+            (4, 1024, 4, 1, 1), (8, 256, 4, 1, 2), (16, 256, 8, 1, 2), (16, 256, 4, 2, 1), (32, 256, 8, 2, 1)],
+}
+SETTINGS = ("block_r", "block_d", "num_warps", "num_stages", "unroll")
 
 
 @triton.jit
-def _tables(tab, cols, nmask, like):
-    """Entries `cols` of a pointer table as a [NP] vector of pointers to `like`'s element type (0 where ~nmask);
-    16-byte aligned (the launchers check) so that the tile loads vectorise."""
-    p = tl.load(tab + cols, mask=nmask, other=0).to(tl.pointer_type(like.dtype.element_ty))
-    return tl.multiple_of(p, [16])
+def _source(tab, i, like):
+    """Entry i of a pointer table as a pointer to `like`'s element type, 16-byte aligned (the launchers check)."""
+    p = tl.load(tab + i).to(tl.pointer_type(like.dtype.element_ty))
+    return tl.multiple_of(p, 16)
 
 
 @triton.jit
-def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, R, D, N, rows_per_prog, eps,
-                        BD: tl.constexpr, NP: tl.constexpr):
-    """Rows [pid*rows_per_prog, ...): h [R, D] (sources' dtype), alpha / rstd [N, R] fp32.
-    src_tab: int64 [N] data pointers. One row at a time, as [NP, BD] tiles (all sources of a D tile at once)."""
+def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, R, D, N, eps, BR: tl.constexpr,
+                        BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
+    """Rows [pid*BR, pid*BR + BR): h [R, D] (sources' dtype); alpha, rstd, s [N, R] fp32. src_tab: int64 [N]."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, NP)
-    nmask = cols < N
-    srcs = _tables(src_tab, cols, nmask, h_ptr)
-    scol = cols.to(tl.int64) * R
-    r0 = pid.to(tl.int64) * rows_per_prog  # int64 row index: r * D may exceed 2**31
-    for r in range(r0, tl.minimum(r0 + rows_per_prog, R)):
-        roff = r * D
-        rows = srcs + roff
-        ss = tl.zeros([NP], dtype=tl.float32)  # Σ_d v²
-        vw = tl.zeros([NP], dtype=tl.float32)  # v · w
-        for d0 in range(0, D, BD):
+    base = pid.to(tl.int64) * BR * D  # int64: R * D may exceed 2**31; offsets inside the block are int32
+    ri = tl.arange(0, BR)
+    rmask = ri < R - pid * BR
+    roff = ri * D
+    row = pid * BR + ri  # int32: N·R < 2**31 (an [N, R] fp32 tensor of 8 GiB would be needed otherwise)
+    for i in range(N):  # pass 1: statistics of source i
+        src = _source(src_tab, i, h_ptr) + base
+        ss = tl.zeros([BR], tl.float32)
+        vw = tl.zeros([BR], tl.float32)
+        for d0 in tl.range(0, D, BD, num_stages=STAGES, loop_unroll_factor=UNROLL):
             dc = d0 + tl.arange(0, BD)
             dmask = dc < D
-            w = tl.load(w_ptr + dc, mask=dmask, other=0.0)
-            v = tl.load(rows[:, None] + dc[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + dc[None, :], mask=dmask[None, :], other=0.0)
+            v = tl.load(src + roff[:, None] + dc[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
             ss += tl.sum(v * v, 1)
-            vw += tl.sum(v * w[None, :], 1)
-        rstd = 1.0 / tl.sqrt(ss / D + eps)
-        s = tl.where(nmask, vw * rstd, float("-inf"))
-        p = tl.exp(s - tl.max(s, 0))
-        alpha = p / tl.sum(p, 0)
-        tl.store(alpha_ptr + scol + r, alpha, mask=nmask)
-        tl.store(rstd_ptr + scol + r, rstd, mask=nmask)
-        for d0 in range(0, D, BD):
-            dc = d0 + tl.arange(0, BD)
-            dmask = dc < D
-            v = tl.load(rows[:, None] + dc[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-            h = tl.sum(alpha[:, None] * v, 0)
-            tl.store(h_ptr + roff + dc, h.to(h_ptr.dtype.element_ty), mask=dmask)
+            vw += tl.sum(v * w, 1)
+        r = 1.0 / tl.sqrt(ss / D + eps)
+        tl.store(rstd_ptr + i * R + row, r, mask=rmask)
+        tl.store(s_ptr + i * R + row, vw * r, mask=rmask)
+    tl.debug_barrier()  # this block's s, written by any thread, is visible to all
+    ids = tl.arange(0, NP)[None, :]
+    so = ids * R + row[:, None]  # [BR, NP] offsets into [N, R]
+    smask = rmask[:, None] & (ids < N)
+    s = tl.where(ids < N, tl.load(s_ptr + so, mask=smask, other=0.0), float("-inf"))
+    p = tl.exp(s - tl.max(s, 1)[:, None])  # padded columns: exp(-inf) = 0
+    tl.store(alpha_ptr + so, p / tl.sum(p, 1)[:, None], mask=smask)
+    tl.debug_barrier()  # and so is its alpha
+    hp = h_ptr + base
+    for d0 in range(0, D, BD):  # pass 2: h = Σ_i α_i v_i, one D tile at a time
+        dc = d0 + tl.arange(0, BD)
+        m2 = rmask[:, None] & (dc < D)[None, :]
+        off = roff[:, None] + dc[None, :]
+        acc = tl.zeros([BR, BD], tl.float32)
+        for i in tl.range(0, N, num_stages=STAGES, loop_unroll_factor=UNROLL):
+            a = tl.load(alpha_ptr + i * R + row, mask=rmask, other=0.0)
+            v = tl.load(_source(src_tab, i, h_ptr) + base + off, mask=m2, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            acc += a[:, None] * v
+        tl.store(hp + off, acc.to(h_ptr.dtype.element_ty), mask=m2, eviction_policy="evict_first")
 
 
 @triton.jit
-def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, dwp_ptr, R, D, N, rows_per_prog,
-                        BD: tl.constexpr, NP: tl.constexpr, HAS_DW: tl.constexpr):
-    """Rows [pid*rows_per_prog, ...): dv_i [R, D] through dv_tab (entry 0: no gradient for that source) and,
-    with HAS_DW, these rows' Σ_r Σ_i c_i v_i added into row pid of dwp [programs, D] fp32 (zeroed by the
-    caller; read-modify-write by this program only)."""
+def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_ptr, c_ptr, e_ptr, dwp_ptr, R, D, N,
+                        BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
+                        UNROLL: tl.constexpr, HAS_DW: tl.constexpr):
+    """Rows [pid*BR, pid*BR + BR): dv_i [R, D] through dv_tab (entry 0: no gradient for that source) and, with
+    HAS_DW, these rows' Σ_r Σ_i c_i v_i as row pid of dwp [programs, D] fp32. c, e: [N, R] fp32 scratch."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, NP)
-    nmask = cols < N
-    srcs = _tables(src_tab, cols, nmask, dh_ptr)
-    dvs = _tables(dv_tab, cols, nmask, dh_ptr)
-    gmask = nmask & (dvs.to(tl.int64) != 0)
-    scol = cols.to(tl.int64) * R
-    r0 = pid.to(tl.int64) * rows_per_prog  # int64 row index: r * D may exceed 2**31
-    for r in range(r0, tl.minimum(r0 + rows_per_prog, R)):
-        roff = r * D
-        rows = srcs + roff
-        da = tl.zeros([NP], dtype=tl.float32)  # dh · v
-        vw = tl.zeros([NP], dtype=tl.float32)  # v · w
-        for d0 in range(0, D, BD):
-            dc = d0 + tl.arange(0, BD)
-            dmask = dc < D
-            w = tl.load(w_ptr + dc, mask=dmask, other=0.0)
-            dh = tl.load(dh_ptr + roff + dc, mask=dmask, other=0.0).to(tl.float32)
-            v = tl.load(rows[:, None] + dc[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-            da += tl.sum(v * dh[None, :], 1)
-            vw += tl.sum(v * w[None, :], 1)
-        alpha = tl.load(alpha_ptr + scol + r, mask=nmask, other=0.0)
-        rstd = tl.load(rstd_ptr + scol + r, mask=nmask, other=0.0)
-        c = alpha * (da - tl.sum(alpha * da, 0)) * rstd  # ds_i · rstd_i
-        e = c * vw * rstd * rstd / D  # ds_i · rstd_i · s_i · rstd_i / D
-        for d0 in range(0, D, BD):
-            dc = d0 + tl.arange(0, BD)
-            dmask = dc < D
-            w = tl.load(w_ptr + dc, mask=dmask, other=0.0)
-            dh = tl.load(dh_ptr + roff + dc, mask=dmask, other=0.0).to(tl.float32)
-            v = tl.load(rows[:, None] + dc[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-            dv = alpha[:, None] * dh[None, :] + c[:, None] * w[None, :] - e[:, None] * v
-            tl.store((dvs + roff)[:, None] + dc[None, :], dv.to(dh_ptr.dtype.element_ty),
-                     mask=gmask[:, None] & dmask[None, :])
+    base = pid.to(tl.int64) * BR * D
+    ri = tl.arange(0, BR)
+    rmask = ri < R - pid * BR
+    roff = ri * D
+    row = pid * BR + ri  # int32: N·R < 2**31 (an [N, R] fp32 tensor of 8 GiB would be needed otherwise)
+    ids = tl.arange(0, NP)[None, :]
+    dhp = dh_ptr + base
+    da = tl.zeros([BR, NP], tl.float32)  # dα_i = dh · v_i, column i
+    for d0 in range(0, D, BD):  # pass 1: the dh tile is loaded once and used for every source
+        dc = d0 + tl.arange(0, BD)
+        m2 = rmask[:, None] & (dc < D)[None, :]
+        off = roff[:, None] + dc[None, :]
+        dh = tl.load(dhp + off, mask=m2, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        for i in tl.range(0, N, num_stages=STAGES, loop_unroll_factor=UNROLL):
+            v = tl.load(_source(src_tab, i, dh_ptr) + base + off, mask=m2, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            da = tl.where(ids == i, da + tl.sum(v * dh, 1)[:, None], da)
+    so = ids * R + row[:, None]
+    smask = rmask[:, None] & (ids < N)
+    alpha = tl.load(alpha_ptr + so, mask=smask, other=0.0)
+    rstd = tl.load(rstd_ptr + so, mask=smask, other=0.0)
+    c = alpha * (da - tl.sum(alpha * da, 1)[:, None]) * rstd  # ds_i · rstd_i
+    tl.store(c_ptr + so, c, mask=smask)
+    s = tl.load(s_ptr + so, mask=smask, other=0.0)
+    tl.store(e_ptr + so, c * s * rstd / D, mask=smask)  # ds_i · rstd_i · s_i · rstd_i / D
+    tl.debug_barrier()  # this block's c and e, written by any thread, are visible to all
+    for d0 in range(0, D, BD):  # pass 2: dv_i tiles, Σ_i c_i v_i
+        dc = d0 + tl.arange(0, BD)
+        dmask = dc < D
+        m2 = rmask[:, None] & dmask[None, :]
+        off = roff[:, None] + dc[None, :]
+        w = tl.load(w_ptr + dc[None, :], mask=dmask[None, :], other=0.0)
+        dh = tl.load(dhp + off, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc = tl.zeros([BR, BD], tl.float32)
+        for i in tl.range(0, N, num_stages=STAGES, loop_unroll_factor=UNROLL):
+            c_i = tl.load(c_ptr + i * R + row, mask=rmask, other=0.0)[:, None]
+            v = tl.load(_source(src_tab, i, dh_ptr) + base + off, mask=m2, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             if HAS_DW:
-                dwp = dwp_ptr + pid.to(tl.int64) * D + dc
-                tl.debug_barrier()  # the previous row's store of this tile, by any thread, is visible
-                tl.store(dwp, tl.load(dwp, mask=dmask, other=0.0) + tl.sum(c[:, None] * v, 0), mask=dmask)
+                acc += c_i * v
+            g = tl.load(dv_tab + i)  # 0: no gradient wanted for source i, nothing stored
+            a_i = tl.load(alpha_ptr + i * R + row, mask=rmask, other=0.0)[:, None]
+            e_i = tl.load(e_ptr + i * R + row, mask=rmask, other=0.0)[:, None]
+            dv = a_i * dh + c_i * w - e_i * v
+            gp = tl.multiple_of(g.to(tl.pointer_type(dh_ptr.dtype.element_ty)), 16) + base
+            tl.store(gp + off, dv.to(dh_ptr.dtype.element_ty), mask=tl.where(g != 0, m2, False),
+                     eviction_policy="evict_first")
+        if HAS_DW:
+            tl.store(dwp_ptr + pid.to(tl.int64) * D + dc, tl.sum(acc, 0), mask=dmask)
 
 
 def _table(ptrs: list[int], device: torch.device) -> torch.Tensor:
@@ -146,78 +191,66 @@ def kernel_fits(sources: list[torch.Tensor]) -> str | None:
     return None
 
 
-def _tile(N: int, D: int, block_d: int | None) -> tuple[int, int]:
-    """(NP, BD): N padded to a power of two, and the D tile so that an [NP, BD] tile holds ~TILE_ELEMS."""
-    NP = max(2, triton.next_power_of_2(N))
-    return NP, block_d or min(1024, max(128, TILE_ELEMS // NP), max(16, triton.next_power_of_2(D)))
+def launch_config(kind: str, D: int, **overrides) -> dict:
+    """The launch settings of kernel `kind` ("fwd" / "bwd"): `LAUNCH[kind]` updated with `overrides` (keys in
+    `SETTINGS`; None keeps the default), block_d capped at D's next power of two (>= 16)."""
+    if kind not in LAUNCH:
+        raise ValueError(f"attn_res triton: unknown kernel {kind!r}; expected one of {', '.join(LAUNCH)}")
+    cfg = dict(LAUNCH[kind])
+    for k, v in overrides.items():
+        if k not in cfg:
+            raise ValueError(f"attn_res triton: unknown {kind} launch setting {k!r}; expected one of "
+                             f"{', '.join(SETTINGS)}")
+        if v is not None:
+            cfg[k] = v
+    for k in SETTINGS:
+        v = cfg[k]
+        pow2 = k in ("block_r", "block_d", "num_warps")
+        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+            raise ValueError(f"attn_res triton: {kind} {k}={v!r}, expected "
+                             f"{'a power of two' if pow2 else 'an integer >= 1'}")
+    cfg["block_d"] = min(cfg["block_d"], max(16, triton.next_power_of_2(D)))
+    return cfg
 
 
-_RESIDENT: dict = {}
+def _consts(cfg: dict, N: int) -> dict:
+    """Kernel constexprs and launch options from a launch_config."""
+    return dict(BR=cfg["block_r"], BD=cfg["block_d"], NP=max(2, triton.next_power_of_2(N)),
+                STAGES=cfg["num_stages"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"])
 
 
-def _resident_programs(kernel, args, kw, num_warps, device) -> int:
-    """How many programs of this compiled kernel fit on the GPU at once (SMs x per-SM occupancy from its
-    registers, shared memory and warps): the backward's persistent grid, one wave, no tail."""
-    key = (kernel, device.index, num_warps, tuple(sorted(kw.items())), args[2].dtype)
-    if key not in _RESIDENT:
-        props = torch.cuda.get_device_properties(device)
-        try:  # the compiled kernel's resources (Triton's `warmup` + `_init_handles`, as in its tutorials)
-            k = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **kw)
-            k._init_handles()
-            regs_per_warp = -(-max(k.n_regs, 1) * 32 // 256) * 256  # allocated per warp in units of 256
-            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
-            by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (k.metadata.shared + 1024)
-            by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-            per_sm = max(1, min(by_regs, by_smem, by_warps, 32))
-        except Exception:  # another Triton's internals: a safe guess (<= 128 registers at 4 warps fit 4)
-            per_sm = 4
-        _RESIDENT[key] = props.multi_processor_count * per_sm
-    return _RESIDENT[key]
-
-
-def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, block_d: int | None = None,
-                        programs: int | None = None, num_warps: int = NUM_WARPS):
+def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, **launch):
     """flat: N contiguous [R, D] sources of one dtype; w: [D] (used in fp32). Returns h [R, D] in the sources'
-    dtype, alpha and rstd [N, R] fp32. Launch settings: block_d (D tile), programs (default R / FWD_ROWS),
-    num_warps."""
+    dtype, alpha, rstd and s (the scores) [N, R] fp32. launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
+    cfg = launch_config("fwd", D, **launch)
     h = torch.empty(R, D, dtype=flat[0].dtype, device=dev)
-    alpha = torch.empty(N, R, dtype=torch.float32, device=dev)
-    rstd = torch.empty(N, R, dtype=torch.float32, device=dev)
+    alpha, rstd, s = torch.empty(3, N, R, dtype=torch.float32, device=dev).unbind(0)
     if R == 0:
-        return h, alpha, rstd
-    NP, BD = _tile(N, D, block_d)
-    rows = triton.cdiv(R, max(1, min(programs or triton.cdiv(R, FWD_ROWS), R)))
+        return h, alpha, rstd, s
     tab = _table([t.data_ptr() for t in flat], dev)
-    attn_res_fwd_kernel[(triton.cdiv(R, rows),)](tab, w.float().contiguous(), h, alpha, rstd, R, D, N, rows,
-                                                  float(eps), BD=BD, NP=NP, num_warps=num_warps)
-    return h, alpha, rstd
+    attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](tab, w.float().contiguous(), h, alpha, rstd, s, R, D, N,
+                                                           float(eps), **_consts(cfg, N))
+    return h, alpha, rstd, s
 
 
 def attn_res_bwd_triton(flat: list[torch.Tensor], w: torch.Tensor, alpha: torch.Tensor, rstd: torch.Tensor,
-                        dh: torch.Tensor, need: list[bool], need_w: bool, block_d: int | None = None,
-                        programs: int | None = None, num_warps: int = NUM_WARPS):
-    """Gradients of attn_res_fwd_triton given dh [R, D]: dv_i [R, D] where need[i] (else None) and dw fp32 [D]
-    when need_w (else None), the sum over programs of their partial rows (deterministic for a given grid).
-    programs: default, as many as are resident at once on CUDA (4 under the interpreter)."""
+                        s: torch.Tensor, dh: torch.Tensor, need: list[bool], need_w: bool, **launch):
+    """Gradients of attn_res_fwd_triton given dh [R, D] and its alpha, rstd, s: dv_i [R, D] where need[i] (else
+    None) and dw fp32 [D] when need_w (else None), the sum of the programs' partial rows (deterministic).
+    launch: overrides of LAUNCH["bwd"] (`launch_config`)."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
+    cfg = launch_config("bwd", D, **launch)
     dh = dh.to(flat[0].dtype).contiguous()
     dvs = [torch.empty_like(t) if need[i] else None for i, t in enumerate(flat)]
     if R == 0:
         return dvs, (torch.zeros(D, device=dev) if need_w else None)
-    NP, BD = _tile(N, D, block_d)
+    G = triton.cdiv(R, cfg["block_r"])
     tab = _table([t.data_ptr() for t in flat] + [0 if g is None else g.data_ptr() for g in dvs], dev)
-    w = w.float().contiguous()
-    kw = dict(BD=BD, NP=NP, HAS_DW=need_w)
-    if programs is None:
-        programs = 4
-        if dev.type == "cuda":
-            probe = (tab, tab[N:], dh, w, alpha, rstd, alpha if need_w else None, R, D, N, 3)  # 3: unspecialised
-            programs = _resident_programs(attn_res_bwd_kernel, probe, kw, num_warps, dev)
-    rows = triton.cdiv(R, max(1, min(programs, R)))
-    G = triton.cdiv(R, rows)
-    dwp = torch.zeros(G, D, dtype=torch.float32, device=dev) if need_w else None
-    attn_res_bwd_kernel[(G,)](tab, tab[N:], dh, w, alpha, rstd, dwp, R, D, N, rows, num_warps=num_warps, **kw)
+    dwp = torch.empty(G, D, dtype=torch.float32, device=dev) if need_w else None
+    c, e = torch.empty(2, N, R, dtype=torch.float32, device=dev).unbind(0)
+    attn_res_bwd_kernel[(G,)](tab, tab[N:], dh, w.float().contiguous(), alpha, rstd, s, c, e, dwp, R, D, N,
+                              HAS_DW=need_w, **_consts(cfg, N))
     return dvs, (dwp.sum(0) if need_w else None)
