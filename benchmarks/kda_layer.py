@@ -3,7 +3,8 @@
 
 k3-small sizes (D 1536, H 12, K 128), B x T tokens packed into random documents (cu_seqlens), bf16 autocast over
 fp32 weights as in training. CUDA events, median of --reps runs after warm-up. "fwd" runs with autograd recording
-(the training forward); "fwd+bwd" adds the backward. Prints a table and writes JSON to --out.
+(the training forward); "bwd" times the backward alone (through a retained graph); "fwd+bwd" both. Prints a table
+and writes JSON to --out.
     python benchmarks/kda_layer.py                      # B 8, T 4096
     python benchmarks/kda_layer.py --sweep              # also time the ops over launch settings
 """
@@ -41,17 +42,29 @@ def documents(B, T, mean_len, seed=0):
     return torch.tensor(cu, dtype=torch.int32, device="cuda")
 
 
-def timed(fn, backward, args, warmup, reps):
-    """Median ms of fn(*args) (+ backward with a fixed upstream gradient) and the peak memory above the start."""
+def timed(fn, mode, args, warmup, reps):
+    """Median ms of `mode` -- "fwd": fn(*args); "fwd+bwd": and its backward with a fixed upstream gradient;
+    "bwd": that backward alone, through a graph kept from one forward -- and the peak memory above the start."""
     leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
 
-    def step():
+    def outputs():
         out = fn(*args)
-        outs = out if isinstance(out, tuple) else (out,)
-        if backward:
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            for a in leaves:
-                a.grad = None
+        return out if isinstance(out, tuple) else (out,)
+
+    def backward(outs, grads=None, keep=False):
+        grads = [torch.ones_like(o) for o in outs] if grads is None else grads
+        torch.autograd.backward(outs, grads, retain_graph=keep)
+        for a in leaves:
+            a.grad = None
+
+    if mode == "bwd":  # the upstream gradients made once too: only the backward's own kernels are timed
+        kept = outputs()
+        ones = [torch.ones_like(o) for o in kept]
+        step = lambda: backward(kept, ones, keep=True)  # noqa: E731
+    elif mode == "fwd+bwd":
+        step = lambda: backward(outputs())  # noqa: E731
+    else:
+        step = outputs
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -75,15 +88,15 @@ def layer_rows(B, T, cu, a):
         for name, fast in (("old", False), ("fast", True)):  # old: today's code (PyTorch conv and norms)
             kda.fast = fast
             kda.elementwise_backend = "auto" if fast else "reference"
-            res[name] = timed(run, mode == "fwd+bwd", (x,), a.warmup, a.reps)
+            res[name] = timed(run, mode, (x,), a.warmup, a.reps)
             kda.zero_grad(set_to_none=True)
         rows.append(dict(op="KDA layer", mode=mode, ref="step-by-step", ref_ms=res["old"][0], fast_ms=res["fast"][0],
                          ref_peak_gib=res["old"][1], fast_peak_gib=res["fast"][1]))
     return rows
 
 
-def op_rows(B, T, cu, a, only=None, modes=("fwd", "fwd+bwd"), with_ref=True):
-    """The per-op comparisons (reference vs Triton), timed fwd and fwd+bwd; `only`: op names to run."""
+def op_rows(B, T, cu, a, only=None, modes=("fwd", "bwd", "fwd+bwd"), with_ref=True):
+    """The per-op comparisons (reference vs Triton), timed per mode; `only`: op names to run."""
     HK, D, H, K = 3 * 1536, 1536, 12, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -110,31 +123,42 @@ def op_rows(B, T, cu, a, only=None, modes=("fwd", "fwd+bwd"), with_ref=True):
         if only is not None and name not in only:
             continue
         for mode in modes:
-            r = timed(ref, mode == "fwd+bwd", args, a.warmup, a.reps) if with_ref else (float("nan"),) * 2
-            f = timed(fast, mode == "fwd+bwd", args, a.warmup, a.reps)
+            r = timed(ref, mode, args, a.warmup, a.reps) if with_ref else (float("nan"),) * 2
+            f = timed(fast, mode, args, a.warmup, a.reps)
             rows.append(dict(op=name, mode=mode, ref=ref_name, ref_ms=r[0], fast_ms=f[0], ref_peak_gib=r[1],
                              fast_peak_gib=f[1]))
     return rows
 
 
+# Per kind: (CFG dict, forward settings, backward settings, the mode timing the backward settings). A space is
+# a dict of value lists (all combinations) or a list of settings.
 SWEEP = {
     "conv": (conv_triton.CFG, dict(fwd_bt=(8, 16, 32), fwd_bc=(64, 128), fwd_warps=(4, 8)),
-             dict(bwd_bt=(8, 16), bwd_bc=(32, 64, 128), bwd_warps=(4, 8), bwd_tiles=(8, 32))),
+             # (tokens per program, channels per program, warps, groups of 4 tokens loaded ahead, channel-fast grid)
+             [dict(bwd_bt=bt, bwd_bc=bc, bwd_warps=w, bwd_ahead=ah, bwd_cfast=cf) for bt, bc, w, ah, cf in (
+                 (256, 64, 1, 2, 1), (256, 64, 1, 2, 0), (256, 64, 1, 1, 1), (128, 64, 1, 2, 1),
+                 (512, 64, 1, 2, 1), (1024, 64, 1, 2, 1), (256, 128, 2, 2, 1), (512, 128, 2, 2, 1),
+                 (256, 128, 1, 1, 1), (256, 256, 4, 2, 1))], "bwd"),
     "norm": (norm_triton.CFG, dict(tile=(1024, 2048, 4096), per_thread=(8, 16)),
-             dict(tile=(1024, 2048, 4096), per_thread=(8, 16), bwd_programs=(264, 1024, 4096))),
+             dict(tile=(1024, 2048, 4096), per_thread=(8, 16), bwd_programs=(264, 1024, 4096)), "fwd+bwd"),
 }
 
 
+def _settings(space):
+    if isinstance(space, dict):
+        return [dict(zip(space, values)) for values in itertools.product(*space.values())]
+    return list(space)
+
+
 def sweep(B, T, cu, a):
-    """Forward settings timed on the forward, backward settings on forward+backward (each with the other's
-    defaults); prints the fastest few of each."""
+    """Forward settings timed on the forward, backward settings on the backward (conv: alone; norm: with the
+    forward), each with the other's defaults; prints every setting (the fastest three of longer lists)."""
     rows = []
-    for kind, (cfg, fwd_space, bwd_space) in SWEEP.items():
+    for kind, (cfg, fwd_space, bwd_space, bwd_mode) in SWEEP.items():
         names = {"conv": ("short conv q|k|v",), "norm": ("rms_norm D1536", "rms_norm_gated K128")}[kind]
         default = dict(cfg)
-        for mode, space in (("fwd", fwd_space), ("fwd+bwd", bwd_space)):
-            for values in itertools.product(*space.values()):
-                setting = dict(zip(space, values))
+        for mode, space in (("fwd", fwd_space), (bwd_mode, bwd_space)):
+            for setting in _settings(space):
                 cfg.update(default, **setting)
                 try:
                     res = op_rows(B, T, cu, a, only=names, modes=(mode,), with_ref=False)
@@ -147,8 +171,9 @@ def sweep(B, T, cu, a):
         cfg.update(default)
     for (kind, op, mode), grp in itertools.groupby(sorted(rows, key=lambda r: (r["kind"], r["op"], r["mode"], r["ms"])),
                                                    key=lambda r: (r["kind"], r["op"], r["mode"])):
-        print(f"fastest {op} {mode}:")
-        for r in list(grp)[:3]:
+        grp = list(grp)
+        print(f"{'all' if len(grp) <= 10 else 'fastest'} {op} {mode}:")
+        for r in grp[:10 if len(grp) <= 10 else 3]:
             print(f"    {r['ms']:8.3f} ms  {r['setting']}")
     return rows
 

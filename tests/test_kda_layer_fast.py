@@ -92,19 +92,19 @@ def _conv_by_document(x, w, cu):
 @pytest.mark.parametrize("W", [4, 3])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_conv_reference_matches_per_document_conv1d(varlen, W):
-    """fp64: the dispatch's CPU path (= reference) equals F.conv1d run per document (per row without documents);
+    """fp64: the reference backend equals F.conv1d run per document (per row without documents);
     `short_conv_split` equals the split of `short_conv`, each piece contiguous."""
     x, w = _conv_inputs(W)
     cu = torch.tensor(CU if varlen else [0, T, 2 * T], dtype=torch.int32)
     want = _conv_by_document(x, w, cu.tolist())
-    y, state = short_conv(x, w, cu_seqlens=cu if varlen else None)
+    y, state = short_conv(x, w, cu_seqlens=cu if varlen else None, backend="reference")
     assert state is None and (y - want).abs().max() < 1e-12
     assert torch.equal(y, short_conv_reference(x, w, cu_seqlens=cu if varlen else None)[0])
-    pieces = short_conv_split(x, w, (8, 16), cu_seqlens=cu if varlen else None)
+    pieces = short_conv_split(x, w, (8, 16), cu_seqlens=cu if varlen else None, backend="reference")
     assert all(p.is_contiguous() for p in pieces) and torch.equal(torch.cat(pieces, -1), y)
 
 
-SMALL_CONV = dict(fwd_bt=8, fwd_bc=16, bwd_bt=8, bwd_bc=16, bwd_tiles=2)
+SMALL_CONV = dict(fwd_bt=8, fwd_bc=16, bwd_bt=8, bwd_bc=16)
 
 
 @pytest.mark.parametrize("varlen,W,sizes,cfg", [
@@ -112,7 +112,8 @@ SMALL_CONV = dict(fwd_bt=8, fwd_bc=16, bwd_bt=8, bwd_bc=16, bwd_tiles=2)
     (False, 4, None, SMALL_CONV), (True, 4, (8, 16), SMALL_CONV), (True, 3, None, SMALL_CONV)])
 def test_conv_triton_matches_reference(varlen, W, sizes, cfg, cfg_override):
     """Triton short conv (fp32; interpreter on CPU) vs the fp64 reference: y, dx, dweight within 1e-5.
-    small_tiles: several channel blocks (one partly masked), several backward programs with several tiles each."""
+    SMALL_CONV: several channel blocks (one partly masked), several backward programs of 8 tokens (the halo
+    crossing program boundaries inside documents)."""
     from k3.ops.conv import triton as CT
     cfg_override(CT.CFG, **cfg)
     x, w = _conv_inputs(W, seed=1)
@@ -125,6 +126,76 @@ def test_conv_triton_matches_reference(varlen, W, sizes, cfg, cfg_override):
     got = _grads(fn, [x, w], torch.float32)
     _assert_close(ref, got, TOL, ["y", "dx", "dweight"])
     assert got[2].dtype == torch.float32 and got[2].shape == w.shape
+
+
+class _CountLaunches:
+    """Stands in for a Triton kernel: records the grid of each launch and forwards it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("sizes,cfg,rerun", [
+    ((5, 11, 8), dict(bwd_bt=4, bwd_bc=8, bwd_ahead=1, bwd_cfast=1), False),
+    ((5, 11, 8), dict(bwd_bt=12, bwd_bc=8, bwd_ahead=2, bwd_cfast=0), True),
+    ((3, 5, 4, 12), dict(bwd_bt=8, bwd_bc=8, bwd_ahead=2, bwd_cfast=1), False),
+    ((24,), dict(bwd_bt=20, bwd_bc=32, bwd_ahead=1, bwd_cfast=0), False),
+    ((4, 4, 4, 4, 4, 4, 0), dict(bwd_bt=16, bwd_bc=16, bwd_ahead=2, bwd_cfast=1), False),
+])
+def test_conv_triton_backward_blocks(sizes, cfg, rerun, cfg_override, monkeypatch):
+    """The streaming backward over token / channel blocking corner cases (fp32; interpreter on CPU), packed
+    documents of lengths 1, 3, 20, 13 | 13, 3, 21 and x with a row stride wider than C: dx and dweight vs the
+    fp64 reference within 1e-5; token blocks of 4 (halo longer than a document, 1-token documents at block
+    edges), blocks that are not powers of 2 and a ragged last block; channel blocks split and padded in every
+    segment; both grid orders; one launch per three segments (a zero-width segment takes none); bit-identical
+    when re-run."""
+    from k3.ops.conv import triton as CT
+    cfg_override(CT.CFG, **cfg)
+    launches = _CountLaunches(CT.short_conv_bwd_kernel)
+    monkeypatch.setattr(CT, "short_conv_bwd_kernel", launches)
+    g = _gen(4)
+    x = torch.randn(B, T, 2 * C, generator=g, dtype=torch.float64)  # convolved: x[..., 3:3+C], row stride 2C
+    w = torch.randn(C, 1, 4, generator=g, dtype=torch.float64) * 0.7
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
+    ref = _grads(lambda x_, w_: short_conv_reference(x_[..., 3:3 + C], w_, cu_seqlens=cu)[0], [x, w], torch.float64)
+    fn = lambda x_, w_: short_conv_split(x_[..., 3:3 + C], w_, sizes, cu_seqlens=cu, backend="triton")  # noqa: E731
+    got = _grads(fn, [x, w], torch.float32)
+    _assert_close(ref, got, TOL, ["y", "dx", "dweight"])
+    nonempty = sum(1 for c in sizes if c)
+    assert len(launches.grids) == -(-nonempty // 3), launches.grids
+    blocks_axis = 0 if cfg["bwd_cfast"] else 1
+    assert sum(grid[blocks_axis] for grid in launches.grids) == sum(-(-c // cfg["bwd_bc"]) for c in sizes)
+    if rerun:
+        again = _grads(fn, [x, w], torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_conv_triton_backward_unused_output(cfg_override):
+    """A segment whose output is not used (its gradient arrives as None: no kernel work): its dx columns and
+    dweight rows are 0, the rest match the reference (fp32 vs fp64, 1e-5); a bad launch setting is refused,
+    naming it."""
+    from k3.ops.conv import triton as CT
+    cfg_override(CT.CFG, **SMALL_CONV)
+    x, w = _conv_inputs(4, seed=2)
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
+    xf = x.to(DEV, torch.float32).requires_grad_()
+    wf = w.to(DEV, torch.float32).requires_grad_()
+    a, b, c = short_conv_split(xf, wf, (8, 6, 10), cu_seqlens=cu, backend="triton")
+    dy = torch.randn(B, T, 18, generator=_gen(9), dtype=torch.float64).to(DEV)
+    torch.autograd.backward([a, c], [dy[..., :8].float(), dy[..., 8:].float()])
+    xr = x.to(DEV).requires_grad_()
+    wr = w.to(DEV).requires_grad_()
+    yr = short_conv_reference(xr, wr, cu_seqlens=cu)[0]
+    torch.autograd.backward([yr[..., :8], yr[..., 14:]], [dy[..., :8], dy[..., 8:]])
+    assert xf.grad[..., 8:14].abs().max() == 0 and wf.grad[8:14].abs().max() == 0
+    _assert_close([xr.grad, wr.grad], [xf.grad, wf.grad], TOL, ["dx", "dweight"])
+    cfg_override(CT.CFG, bwd_bt=6)
+    with pytest.raises(ValueError, match="bwd_bt'\\] must be a positive multiple of 4, got 6"):
+        short_conv_split(xf, wf, (8, 16), cu_seqlens=cu, backend="triton")[0].sum().backward()
 
 
 def test_conv_dispatch():
@@ -291,9 +362,11 @@ from k3.ops.norm import triton as NT
 
 PTXAS = sys.argv[1]
 
-def build(fn, types, consts, warps):
+def build(fn, types, consts, warps, div16=False):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    # div16: every pointer and int argument divisible by 16, as the JIT specialises them at k3-small sizes
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts} if div16 else None
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
         fh.write(k.asm["ptx"])
@@ -306,9 +379,11 @@ def build(fn, types, consts, warps):
 
 dt = "*bf16"
 c = CT.CFG
-t = dict(x_ptr=dt, y_ptr=dt, dy_ptr=dt, dx_ptr=dt, w_ptr="*fp32", dw_ptr="*fp32", pos_ptr="*i32")
-build(CT.short_conv_fwd_kernel, t, dict(BT=c["fwd_bt"], BC=c["fwd_bc"]), c["fwd_warps"])
-build(CT.short_conv_bwd_kernel, t, dict(NB=c["bwd_tiles"], BT=c["bwd_bt"], BC=c["bwd_bc"]), c["bwd_warps"])
+t = dict(x_ptr=dt, y_ptr=dt, dy0_ptr=dt, dy1_ptr=dt, dy2_ptr=dt, dx_ptr=dt, w_ptr="*fp32", dw_ptr="*fp32",
+         pos_ptr="*i32")
+build(CT.short_conv_fwd_kernel, t, dict(BT=c["fwd_bt"], BC=c["fwd_bc"]), c["fwd_warps"], div16=True)
+build(CT.short_conv_bwd_kernel, t, dict(BT=c["bwd_bt"], BC=c["bwd_bc"], AHEAD=c["bwd_ahead"],
+                                        CFAST=bool(c["bwd_cfast"])), c["bwd_warps"], div16=True)
 t = dict(x_ptr=dt, g_ptr=dt, y_ptr=dt, dy_ptr=dt, dx_ptr=dt, dg_ptr=dt, w_ptr="*fp32", dw_ptr="*fp32", eps="fp32")
 for D, gated, has_w in ((128, True, True), (1536, False, True), (1536, False, False), (8192, True, True)):
     BR, BD, warps = NT._blocks(D)
@@ -334,6 +409,7 @@ def test_kernels_compile_for_sm90():
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 + 4 * 2, r.stdout
     assert all(" regs None" not in ln for ln in lines), r.stdout
+    assert all(ln.endswith("spills 0") for ln in lines[:2]), r.stdout  # the conv kernels
 
 
 # ------------------------------------------------------------------------------------------- GPU, bf16
@@ -370,6 +446,37 @@ def test_cuda_conv_and_norm_bf16():
     h = torch.randn(Bc, Tc, 1536, device="cuda", generator=g).bfloat16()
     wh = 1 + 0.1 * torch.randn(1536, device="cuda", generator=g)
     assert rel_rmse(rms_norm_reference(h.double(), wh.double(), 1e-5), rms_norm(h, wh, 1e-5)) < 1e-2
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("cfg", [{}, dict(bwd_bt=128, bwd_bc=128, bwd_warps=2, bwd_ahead=1, bwd_cfast=0),
+                                 dict(bwd_bt=20, bwd_bc=64, bwd_warps=1, bwd_ahead=2, bwd_cfast=1)])
+def test_cuda_conv_backward_compiled(cfg, cfg_override):
+    """The compiled streaming backward at k3-small widths (q|k|v 3 x 1536, B 2, T 4096, packed documents with
+    1-token ones): fp32 storage vs the fp64 reference within 1e-5 (dx, dweight; the fast ex2 / rcp of the
+    sigmoid stay far below), bf16 storage within 1e-2; bit-identical when re-run (deterministic dweight)."""
+    from k3.ops.conv import triton as CT
+    cfg_override(CT.CFG, **cfg)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    Bc, Tc, HK = 2, 4096, 1536
+    x = torch.randn(Bc, Tc, 3 * HK, device="cuda", generator=g, dtype=torch.float64)
+    w = torch.randn(3 * HK, 1, 4, device="cuda", generator=g, dtype=torch.float64) * 0.5
+    dy = torch.randn(Bc, Tc, 3 * HK, device="cuda", generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, 1, 2, 5, 1000, 4096, 4097, 6000, 8190, 8192], dtype=torch.int32, device="cuda")
+
+    def grads(backend, dt):
+        xx = x.to(dt, copy=True).requires_grad_()
+        ww = w.to(torch.float64 if dt == torch.float64 else torch.float32, copy=True).requires_grad_()
+        ys = short_conv_split(xx, ww, (HK,) * 3, cu_seqlens=cu, backend=backend)
+        torch.autograd.backward(ys, [d.to(dt) for d in dy.split(HK, -1)])
+        return xx.grad, ww.grad
+    ref = grads("reference", torch.float64)
+    for dt, tol in ((torch.float32, TOL), (torch.bfloat16, 1e-2)):
+        got = grads("triton", dt)
+        _assert_close(ref, got, tol, ["dx", "dweight"])
+        again = grads("triton", dt)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 @pytest.mark.cuda
