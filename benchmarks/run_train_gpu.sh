@@ -46,17 +46,22 @@ log "k3-small 8 x 4096, profiled"
 timeout 120 $TT --batch 8 --profile --top 30 --label new --out "$OUT/train_8x4096.json" >"$OUT/train.log" 2>&1
 tail -40 "$OUT/train.log" | tee -a "$OUT/all.log"
 elif [ "$PART" = record ]; then
+log "CUDA tests of the tuned launch settings (flex backward tiles, AttnRes, short conv)"
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 80 tests/test_doc_attention.py \
+  tests/test_attn_res_fused.py -k "not every_sweep" >"$OUT/tests.log" 2>&1 || echo "cuda tests exit $?" >>"$OUT/tests.log"
+tail -3 "$OUT/tests.log" | tee -a "$OUT/all.log"
 log "before (session-start code): k3-small 2 x 4096"
-( cd .base && export PYTHONPATH=$PWD && timeout 150 python3 benchmarks/train_throughput.py --batch 2 --warmup 2 --steps 5 --backends triton \
-    --out "$OUT/before_2x4096.json" ) >"$OUT/before.log" 2>&1; tail -4 "$OUT/before.log" | tee -a "$OUT/all.log"
+( cd .base && export PYTHONPATH=$PWD && timeout 100 python3 benchmarks/train_throughput.py --batch 2 --warmup 2 \
+    --steps 5 --backends triton --out "$OUT/before_2x4096.json" ) >"$OUT/before.log" 2>&1
+tail -4 "$OUT/before.log" | tee -a "$OUT/all.log"
 log "after: 2 x 4096, 8 x 4096 (profiled), 16 x 4096 with activation checkpointing"
-timeout 100 $TT --batch 2 --label new --out "$OUT/after_2x4096.json" 2>&1 | tail -4 | tee -a "$OUT/all.log"
-timeout 150 $TT --batch 8 --profile --top 25 --label new --out "$OUT/after_8x4096.json" >"$OUT/after_8.log" 2>&1
-tail -36 "$OUT/after_8.log" | tee -a "$OUT/all.log"
-timeout 150 $TT --batch 16 --grad-ckpt --label new --out "$OUT/after_16x4096_ckpt.json" 2>&1 | tail -4 \
+timeout 60 $TT --batch 2 --label new --out "$OUT/after_2x4096.json" 2>&1 | tail -3 | tee -a "$OUT/all.log"
+timeout 100 $TT --batch 8 --profile --top 30 --label new --out "$OUT/after_8x4096.json" >"$OUT/after_8.log" 2>&1
+tail -37 "$OUT/after_8.log" | tee -a "$OUT/all.log"
+timeout 100 $TT --batch 16 --grad-ckpt --label new --out "$OUT/after_16x4096_ckpt.json" 2>&1 | tail -3 \
   | tee -a "$OUT/all.log"
 log "time and memory against T (one sequence, activation checkpointing)"
-timeout 200 python3 benchmarks/seq_scaling.py --preset k3-small --lengths 8192,16384,32768,65536,131072 \
-  --grad-ckpt --warmup --out "$OUT/seq_gpu.json" --plot "$OUT/seq_gpu.png" 2>&1 | tee -a "$OUT/all.log"
+timeout 150 python3 benchmarks/seq_scaling.py --preset k3-small --lengths 8192,32768,131072 --grad-ckpt --warmup \
+  --timeout 60 --out "$OUT/seq_gpu.json" --plot "$OUT/seq_gpu.png" 2>&1 | tee -a "$OUT/all.log"
 fi
 log "done"

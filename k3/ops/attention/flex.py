@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 
 BLOCK = 128
+# Backward tiles from `benchmarks/flex_sweep.py` on the H200 (2026-12-01; B 8, T 4096, H 12, Dq 192, Dv 128, packed
+# documents): forward + backward 5.39 ms vs 7.07 ms with the defaults; the forward keeps its defaults.
+KERNEL_OPTIONS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
 _COMPILED: dict[str, object] = {}  # the compiled flex_attention, built on first CUDA use
 
 
@@ -83,9 +86,11 @@ def flex_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     if return_max_logit and q.is_cuda:
         from torch.nn.attention.flex_attention import AuxRequest
 
-        o, aux = flex_fn(qt, kt, vt, block_mask=bm, scale=scale, return_aux=AuxRequest(max_scores=True))
+        o, aux = flex_fn(qt, kt, vt, block_mask=bm, scale=scale, return_aux=AuxRequest(max_scores=True),
+                         kernel_options=KERNEL_OPTIONS)
         return o.transpose(1, 2), aux.max_scores.detach().amax(dim=(0, 2)).float()
-    o = flex_fn(qt, kt, vt, block_mask=bm, scale=scale).transpose(1, 2)
+    o = flex_fn(qt, kt, vt, block_mask=bm, scale=scale,
+                kernel_options=KERNEL_OPTIONS if q.is_cuda else None).transpose(1, 2)
     if not return_max_logit:
         return o
     from .reference import masked_max_logit

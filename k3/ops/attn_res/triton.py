@@ -34,9 +34,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # capped at D's next power of two); num_warps; num_stages, software-pipelining stages of the innermost loops
 # (1: none; > 1: cp.async through shared memory); unroll, unroll factor of the innermost loops (1: none), so
 # that more tile loads are in flight. Picked on the H200 with `benchmarks/attn_res.py --sweep` (over `SWEEP`).
+# Defaults from `benchmarks/attn_res.py --sweep` on the H200 (2026-12-01, rows 32768, D 1536, bf16; best summed
+# over N = 3 and 6): forward 0.325 / 0.432 ms, backward 0.611 / 0.789 ms (~1.4-1.7 TB/s effective).
 LAUNCH = {
-    "fwd": dict(block_r=32, block_d=256, num_warps=4, num_stages=1, unroll=1),
-    "bwd": dict(block_r=16, block_d=256, num_warps=4, num_stages=1, unroll=1),
+    "fwd": dict(block_r=16, block_d=256, num_warps=4, num_stages=1, unroll=2),
+    "bwd": dict(block_r=8, block_d=512, num_warps=4, num_stages=1, unroll=1),
 }
 # Candidates (block_r, block_d, num_warps, num_stages, unroll) the sweep times. Compiled for sm_90 by Triton 3.6
 # (N = 1..10): none spills with bf16 / fp16 sources, and LAUNCH's defaults spill with fp32 sources neither
