@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton import interpreted as _interpreted
+
 
 @triton.jit
 def moe_gather_sum_kernel(src_ptr, pos_ptr, w_ptr, out_ptr, L, K, s_src, s_out,
@@ -108,4 +110,4 @@ def scatter(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, other:
 
 def interpreted() -> bool:
     """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(moe_gather_sum_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(moe_gather_sum_kernel)

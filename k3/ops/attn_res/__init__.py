@@ -13,9 +13,9 @@ accumulation in fp32 (fp64 for fp64 inputs), also under autocast.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .._triton import importable, interpreted
 
 from .fused import AttnResFunction
 from .reference import attn_res_reference
@@ -25,19 +25,14 @@ __all__ = ["attn_res", "attn_res_reference", "triton_available", "BACKENDS"]
 BACKENDS = ("auto", "torch", "triton", "reference")
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when the Triton AttnRes kernels import (tried once, on first use, not at k3 import time)."""
-    try:
-        from . import triton as _  # noqa: F401
-    except Exception:  # ImportError, or a broken triton/CUDA install
-        return False
-    return True
+    return importable(__name__ + ".triton")
 
 
 def _interpreted() -> bool:
     from .triton import attn_res_fwd_kernel
-    return type(attn_res_fwd_kernel).__name__ == "InterpretedFunction"
+    return interpreted(attn_res_fwd_kernel)
 
 
 def _check(sources, query, norm_weight) -> None:

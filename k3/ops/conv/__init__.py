@@ -9,9 +9,9 @@ CUDA inputs the kernels handle, else torch without a conv state, else reference.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .._triton import device_reason, importable
 
 from .recompute import short_conv_torch
 from .reference import short_conv_reference
@@ -23,14 +23,9 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when the Triton short-conv kernels import (tried once, on first use)."""
-    try:
-        from . import triton as _  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable(__name__ + ".triton")
 
 
 def _triton_reason(x, weight, stateful) -> str | None:
@@ -41,13 +36,7 @@ def _triton_reason(x, weight, stateful) -> str | None:
         return f"the kernels handle widths up to 4, got {weight.shape[-1]}"
     if x.dtype not in _TRITON_DTYPES:
         return f"x must be float32, bfloat16 or float16, got {x.dtype}"
-    if not triton_available():
-        return "triton is not importable"
-    if not x.is_cuda:
-        from .triton import interpreted
-        if not interpreted():
-            return f"needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {x.device}"
-    return None
+    return device_reason(x, __name__)
 
 
 def _pick(fn, backend, x, weight, stateful) -> str:

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._triton import interpreted as _interpreted
+
 from ..varlen import positions_in_doc
 
 WMAX = 4  # kernel width handled by the kernels (the model's short_conv_kernel_size)
@@ -383,4 +385,4 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.T
 
 def interpreted() -> bool:
     """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(short_conv_fwd_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(short_conv_fwd_kernel)

@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from .._triton import importable
+
 from ._common import check_inputs
 from .chunk import chunk_kda_torch
 from .decode import fused_recurrent_kda as _fused_recurrent_torch
@@ -39,14 +41,9 @@ def fla_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when k3's Triton KDA kernels import (tried once, on first use)."""
-    try:
-        from . import triton as _  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable(__name__ + ".triton")
 
 
 def _triton_fits(q, v) -> bool:

@@ -10,9 +10,9 @@ an fp32 dweight [V, D].
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .._triton import importable
 
 from .chunked import ce_rows_torch, default_chunk_size, linear_cross_entropy_chunked
 from .reference import linear_cross_entropy_reference
@@ -23,14 +23,9 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "autocast_c
 BACKENDS = ("auto", "torch", "triton", "reference")
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when the Triton row kernel imports (tried once, on first use, not at k3 import time)."""
-    try:
-        from . import triton as _  # noqa: F401
-    except Exception:  # ImportError, or a broken triton/CUDA install
-        return False
-    return True
+    return importable(__name__ + ".triton")
 
 
 def autocast_cast(t: torch.Tensor) -> torch.Tensor:

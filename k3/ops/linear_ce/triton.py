@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import interpreted as _interpreted
+
 
 @triton.jit
 def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.constexpr):
@@ -44,7 +46,7 @@ def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, V, ignore_index, BLOCK: tl.
 
 def interpreted() -> bool:
     """True when the kernel was bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(ce_rows_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(ce_rows_kernel)
 
 
 def ce_rows_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, grad: bool,

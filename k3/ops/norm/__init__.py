@@ -11,9 +11,9 @@ release does. Identical in fp32 (up to the order of fp32 operations); for bf16 i
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .._triton import device_reason, importable
 
 from .recompute import rms_norm_torch
 from .reference import rms_norm_gated_reference, rms_norm_reference
@@ -26,14 +26,9 @@ MAX_D = 8192  # widest row of the Triton kernels (one row per program tile)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when the Triton RMSNorm kernels import (tried once, on first use)."""
-    try:
-        from . import triton as _  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable(__name__ + ".triton")
 
 
 def _triton_reason(x, weight, gate) -> str | None:
@@ -46,13 +41,7 @@ def _triton_reason(x, weight, gate) -> str | None:
             return f"{name} must be float32, bfloat16 or float16, got {t.dtype}"
     if weight is not None and not weight.dtype.is_floating_point:
         return f"weight must be a float tensor, got {weight.dtype}"
-    if not triton_available():
-        return "triton is not importable"
-    if not x.is_cuda:
-        from .triton import interpreted
-        if not interpreted():
-            return f"needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {x.device}"
-    return None
+    return device_reason(x, __name__)
 
 
 def _pick(fn, backend, x, weight, gate) -> str:

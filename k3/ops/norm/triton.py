@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import interpreted as _interpreted
+
 MAX_D = 8192
 CFG = {
     # elements per program tile (rows x padded width; a wider row is one tile) and elements per thread:
@@ -147,4 +149,4 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 def interpreted() -> bool:
     """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(rms_norm_fwd_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(rms_norm_fwd_kernel)

@@ -14,9 +14,9 @@ only g and u (input dtype) for the backward, no fp32 intermediates.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .._triton import importable
 
 from .recompute import SituGLU, SituGLUFused, situ_glu_grads
 from .reference import situ_glu_reference
@@ -28,14 +28,9 @@ BACKENDS = ("auto", "torch", "triton", "reference")
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when the Triton SiTU kernels import (tried once, on first use)."""
-    try:
-        from . import triton as _  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable(__name__ + ".triton")
 
 
 def _backend(fn: str, backend: str, x: torch.Tensor) -> str:

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import interpreted as _interpreted
+
 # Launch parameters (env-overridable for sweeps on the GPU): elements per program tile (a power of two; at most
 # 256 columns wide) and warps. 1024 elements at 4 warps: 8 values per thread, <= 56 registers on sm_90 with
 # Triton 3.6 (2048: up to 126).
@@ -163,4 +165,4 @@ class SituGLUFusedTriton(torch.autograd.Function):
 
 def interpreted() -> bool:
     """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(situ_fwd_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(situ_fwd_kernel)

@@ -10,5 +10,6 @@ __all__ = ["chunk_kda_triton", "chunk_kda_gated_triton", "kda_decode_triton", "i
 
 def interpreted() -> bool:
     """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    from ..._triton import interpreted as _interpreted
     from .intra import kda_intra_fwd_kernel
-    return type(kda_intra_fwd_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(kda_intra_fwd_kernel)
