@@ -24,6 +24,7 @@ _HELP = {
     "qk_clip_tau": "QK-clip threshold on MLA logits (0: off)",
     "stop_after": "stop after this many steps (resume later with the same command)",
     "expert_parallel": "under torchrun: shard the routed experts over the ranks with MoonEP",
+    "gradient_checkpointing": "recompute each decoder layer in the backward (long sequences, large batches)",
     "out": "run directory (checkpoints, log.jsonl, tb/, training.png, summary.json)",
 }
 
