@@ -122,10 +122,134 @@ def test_dense_experts_variant():
 
 
 def test_k3_info_json_matches_report():
-    out = subprocess.run([sys.executable, "-m", "k3.cli", "info", "--preset", "k3", "--json"],
+    out = subprocess.run([sys.executable, "-m", "k3", "info", "--preset", "k3", "--json"],   # `python -m k3`
                          capture_output=True, text=True, check=True)
     info = json.loads(out.stdout)
     assert abs(info["total_params"] / 2.78e12 - 1) < 0.01
     assert abs(info["active_params"] / 104.2e9 - 1) < 0.01
     assert info["layer_pattern"] == ("KKKM" * 23) + "M"
     assert "embedding" in info["active_definition"]
+
+
+# ---- checkpoints written by the official modeling code: A_log padding, index total_size, MTP head -----------
+
+def _two_head_model(seed: int = 0):
+    """k3-tiny with 2 KDA heads of head_dim 8: the official code stores A_log as [8] for it."""
+    from conftest import randomize
+
+    from k3 import K3ForConditionalGeneration
+    cfg = K3Config.preset("k3-tiny")
+    cfg.vision_config = None
+    cfg.text_config.linear_attn_config.num_heads, cfg.text_config.linear_attn_config.head_dim = 2, 8
+    torch.manual_seed(seed)
+    model = K3ForConditionalGeneration(cfg)
+    randomize(model, seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log"):
+                m.A_log[:2] = torch.randn(2)      # distinct, non-zero per-head values
+    return model.eval()
+
+
+def _rewrite(path: Path, fn) -> None:
+    """Apply fn(dict of tensors) to every shard of the checkpoint at `path` (sizes may change)."""
+    from safetensors.torch import load_file, save_file
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors = load_file(shard)
+        fn(tensors)
+        save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _a_log_keys(path: Path) -> list[str]:
+    return [k for k in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+            if k.endswith("self_attn.A_log")]
+
+
+def test_official_a_log_padding_saved_and_loaded(tmp_path):
+    from safetensors import safe_open
+
+    from k3.io.checkpoint import a_log_length, load_pretrained, save_pretrained
+    model = _two_head_model()
+    assert a_log_length(model.config) == 8 and a_log_length(K3Config.preset("k3")) == 128
+    path = save_pretrained(model, tmp_path / "ckpt", max_shard_size="200KB")
+    keys = _a_log_keys(path)
+    assert keys
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    total, stored = 0, {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as h:
+            for k in h.keys():
+                t = h.get_tensor(k)
+                total += t.numel() * t.element_size()
+                stored[k] = t
+    assert index["metadata"]["total_size"] == total          # tensor bytes, not file sizes
+    for k in keys:                                           # the official rule: [8], zero past the 2 heads
+        assert stored[k].shape == (8,) and stored[k].dtype == torch.float32
+        assert torch.equal(stored[k][2:], torch.zeros(6)) and stored[k][:2].abs().min() > 0
+
+    x = torch.randint(0, 4000, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(x).logits
+    # other padded lengths load too (e.g. a multiple of 128), as long as the tail is zero
+    for length in (8, 2, 128):
+        def pad(tensors, length=length):
+            for k in keys:
+                if k in tensors:
+                    t = torch.zeros(length)
+                    t[:2] = tensors[k][:2]
+                    tensors[k] = t
+        _rewrite(path, pad)
+        got = load_pretrained(path)
+        for name, p in got.named_parameters():
+            if name.endswith("A_log"):
+                ref = dict(model.named_parameters())[name]
+                assert torch.equal(p[:2], ref[:2]) and not p[2:].any(), (length, name)
+        assert torch.equal(got(x).logits, want), length
+
+
+@pytest.mark.parametrize("bad,match", [("tail", "entries past num_heads=2 must be 0"),
+                                       ("short", r"expected \[L\] with L >= num_heads=2")])
+def test_bad_a_log_is_rejected(tmp_path, bad, match):
+    from k3.io.checkpoint import CheckpointError, load_pretrained, save_pretrained
+    path = save_pretrained(_two_head_model(), tmp_path / "ckpt")
+    key = _a_log_keys(path)[1]
+
+    def corrupt(tensors):
+        if key in tensors:
+            if bad == "tail":
+                tensors[key][5] = 0.25
+            else:
+                tensors[key] = tensors[key][:1].clone()
+    _rewrite(path, corrupt)
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_pretrained(path)
+    assert key in str(e.value)
+
+
+def test_save_refuses_nonzero_a_log_padding(tmp_path):
+    from k3.io.checkpoint import CheckpointError, save_pretrained
+    model = _two_head_model()
+    with torch.no_grad():
+        model.language_model.model.layers[0].self_attn.A_log[3] = 1.0
+    with pytest.raises(CheckpointError, match="layers.0.self_attn.A_log"):
+        save_pretrained(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_optional_mtp_shared_head_loads(tmp_path):
+    from k3.io.checkpoint import load_pretrained, save_pretrained
+    model = _two_head_model()
+    path = save_pretrained(model, tmp_path / "ckpt")
+    t = model.config.text_config
+    key = f"language_model.model.layers.{t.num_hidden_layers}.shared_head.head.weight"
+    head = torch.randn(t.vocab_size, t.hidden_size, generator=torch.Generator().manual_seed(2))
+
+    def add(tensors):
+        if "language_model.lm_head.weight" in tensors:
+            tensors[key] = head.clone()
+    _rewrite(path, add)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"][key] = index["weight_map"]["language_model.lm_head.weight"]
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    got = load_pretrained(path)
+    assert torch.equal(got.language_model.model.layers[t.num_hidden_layers].shared_head.head.weight, head)
+    assert torch.equal(got.state_dict()[key], head)

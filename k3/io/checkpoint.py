@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .._atomic import replace_dir
 from ..config import K3Config
 from .mxfp4 import mxfp4_pack, mxfp4_unpack
 
@@ -53,6 +54,43 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 def _storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith(FP32_SUFFIXES) else model_dtype
+
+
+# ---- A_log padding -----------------------------------------------------------------------------
+def a_log_length(config: K3Config) -> int:
+    """Entries of the stored KDA `A_log`: the official modeling code keeps it at head_dim entries, the first
+    num_heads used (one per head) and the rest zero (the release: 96 heads, head_dim 128 → [128]); never
+    fewer than num_heads. Loading accepts any length ≥ num_heads whose tail is zero."""
+    la = config.text_config.linear_attn_config
+    return max(la.num_heads, la.head_dim)
+
+
+def _is_a_log(name: str) -> bool:
+    return name.endswith("self_attn.A_log")
+
+
+def _a_log_to_disk(name: str, t: torch.Tensor, config: K3Config) -> torch.Tensor:
+    """The model's A_log (any padding) as the official [a_log_length] tensor; a non-zero tail is an error."""
+    H = config.text_config.linear_attn_config.num_heads
+    tail = t[H:]
+    if tail.numel() and tail.abs().max().item() != 0:
+        raise CheckpointError(f"tensor {name}: entries past num_heads={H} must be 0 (found max |x| = "
+                              f"{tail.abs().max().item():g}); the checkpoint format has no room for them")
+    out = torch.zeros(a_log_length(config), dtype=torch.float32)
+    out[:H] = t[:H].float().cpu()
+    return out
+
+
+_MTP_HEAD = re.compile(r"^language_model\.model\.layers\.(?P<i>\d+)\.shared_head\.head\.weight$")
+
+
+def _mtp_head_layer(key: str, config: K3Config) -> int | None:
+    """The MTP layer index of an optional `shared_head.head.weight` key (vLLM loads it when present)."""
+    m = _MTP_HEAD.match(key)
+    t = config.text_config
+    if m and t.num_hidden_layers <= int(m["i"]) < t.num_hidden_layers + t.num_nextn_predict_layers:
+        return int(m["i"])
+    return None
 
 
 # ---- name/shape table --------------------------------------------------------------------------
@@ -98,7 +136,7 @@ def checkpoint_tensors(config: K3Config, dtype: torch.dtype | str | None = None,
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for name, t in _meta_model(config).state_dict().items():
         for key, shape, dt, _, _ in _expand(name, tuple(t.shape), _storage_dtype(name, mdtype), mx):
-            out[key] = (shape, dt)
+            out[key] = ((a_log_length(config),) if _is_a_log(name) else shape, dt)
     return out
 
 
@@ -115,7 +153,9 @@ def _iter_checkpoint(model, mdtype: torch.dtype, mxfp4: bool) -> Iterator[tuple[
     for name, t in model.state_dict().items():
         t = t.detach()
         for key, _, dt, e, kind in _expand(name, tuple(t.shape), _storage_dtype(name, mdtype), mxfp4):
-            if e is None:
+            if _is_a_log(name):
+                yield key, _a_log_to_disk(key, t, model.config)
+            elif e is None:
                 yield key, t.to(dt).contiguous().cpu()
             elif kind == "weight":
                 yield key, t[e].to(dt).cpu().clone()
@@ -150,6 +190,7 @@ def save_pretrained(model, directory: str | os.PathLike, max_shard_size: int | s
             save_file(current, str(path), metadata={"format": "pt"})
             files.append((path, list(current)))
 
+        total = 0  # the index's total_size: tensor bytes only, as the release counts (no file headers)
         for key, t in _iter_checkpoint(model, mdtype, mx):
             nbytes = t.numel() * t.element_size()
             if current and size + nbytes > limit:
@@ -157,16 +198,16 @@ def save_pretrained(model, directory: str | os.PathLike, max_shard_size: int | s
                 current, size = {}, 0
             current[key] = t
             size += nbytes
+            total += nbytes
         if current:
             flush()
         n = len(files)
-        weight_map, total = {}, 0
+        weight_map = {}
         for i, (path, ks) in enumerate(files, start=1):
             name = f"model-{i:05d}-of-{n:05d}.safetensors"
             path.rename(tmp / name)
             for k in ks:
                 weight_map[k] = name
-            total += (tmp / name).stat().st_size
         cfg = K3Config.from_dict(config.to_dict())
         cfg.dtype = str(mdtype).removeprefix("torch.")
         if mx and not cfg.text_config.routed_experts_mxfp4:
@@ -176,9 +217,7 @@ def save_pretrained(model, directory: str | os.PathLike, max_shard_size: int | s
         cfg.save_pretrained(tmp)
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # fsync'd, then swapped in: a kill leaves the old or the new folder
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -260,6 +299,12 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | str | Non
     for name, t in meta.items():
         for key, shape, dt, e, _ in _expand(name, tuple(t.shape), mdtype, packed):
             expected[key] = (name, e, shape, ("U8",) if dt == torch.uint8 else ("BF16", "F16", "F32"))
+    text = config.text_config
+    H = text.linear_attn_config.num_heads
+    heads = {key: i for key in header if (i := _mtp_head_layer(key, config)) is not None}
+    for key, i in heads.items():   # optional per-MTP-layer output head (else the MTP layer uses lm_head)
+        expected[key] = (key, None, (text.vocab_size, text.hidden_size),
+                         ("BF16", "F16", "F32"))
     missing = sorted(set(expected) - set(header))
     if missing:
         raise CheckpointError(f"checkpoint in {directory} lacks tensor {missing[0]} ({len(missing)} missing)")
@@ -269,7 +314,11 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | str | Non
                               f"({len(unexpected)} not used by this config)")
     for key, (name, e, shape, dts) in expected.items():
         f, hshape, hdt = header[key]
-        if hshape != shape:
+        if _is_a_log(name):
+            if len(hshape) != 1 or hshape[0] < H:
+                raise CheckpointError(f"tensor {key} in {f} has shape {list(hshape)}, expected [L] with L >= "
+                                      f"num_heads={H} (the first {H} entries used, the rest zero)")
+        elif hshape != shape:
             raise CheckpointError(f"tensor {key} in {f} has shape {list(hshape)}, the config needs {list(shape)}")
         if hdt not in dts:
             raise CheckpointError(f"tensor {key} in {f} has dtype {hdt}, expected one of {list(dts)}")
@@ -282,6 +331,11 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | str | Non
             model = K3ForConditionalGeneration(config, init=False, dtype=mdtype)
     finally:
         torch.set_default_dtype(prev)
+    for key, i in heads.items():
+        sh = model.language_model.model.layers[i].shared_head
+        if getattr(sh, "head", None) is None:
+            with torch.device(device):
+                sh.head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=mdtype)
     state = model.state_dict(keep_vars=True)
     by_file: dict[str, list[str]] = {}
     for key, (f, _, _) in header.items():
@@ -304,17 +358,20 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | str | Non
                                 s = h2.get_tensor(sk)
                         t = mxfp4_unpack(t, s, dtype=torch.float32)
                     dst = state[name] if e is None else state[name][e]
-                    dst.copy_(t.to(dst.dtype))
+                    if _is_a_log(name):
+                        _load_a_log(dst, t, H, f"tensor {key} in {directory / f}")
+                    else:
+                        dst.copy_(t.to(dst.dtype))
                     del t
-    _check_a_log(model, directory)
     return model
 
 
-def _check_a_log(model, directory: Path) -> None:
-    for name, p in model.named_parameters():
-        if name.endswith("self_attn.A_log"):
-            H = model.config.text_config.linear_attn_config.num_heads
-            tail = p[H:]
-            if tail.numel() and tail.abs().max().item() != 0:
-                raise CheckpointError(f"tensor {name} in {directory}: entries past num_heads={H} must be 0 "
-                                      f"(found max |x| = {tail.abs().max().item():g})")
+def _load_a_log(dst: torch.Tensor, t: torch.Tensor, H: int, where: str) -> None:
+    """Stored A_log [L ≥ H] → the model's padded parameter: the first H entries, zeros after; the stored
+    tail must be zero (a non-zero tail means the file does not follow the format)."""
+    tail = t[H:]
+    if tail.numel() and tail.abs().max().item() != 0:
+        raise CheckpointError(f"{where}: entries past num_heads={H} must be 0 (found max |x| = "
+                              f"{tail.abs().max().item():g} among {tail.numel()} padding entries)")
+    dst.zero_()
+    dst[:H].copy_(t[:H].to(dst.dtype))

@@ -437,3 +437,35 @@ def default_tokenizer(config: "K3TextConfig", cache_dir: str | os.PathLike | Non
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return K3Tokenizer.from_pretrained(entry)
+
+
+# ---- incremental detokenization ---------------------------------------------------------------------------
+def safe_decode(tokenizer, ids: Sequence[int]) -> str:
+    """`tokenizer.decode(ids)`, leaving out ids the tokenizer cannot decode (e.g. regular ids a small trained
+    BPE left empty, which an untrained model may still sample) instead of raising."""
+    try:
+        return tokenizer.decode(ids)
+    except (ValueError, KeyError):
+        ok = []
+        for i in ids:
+            try:
+                tokenizer.decode([i])
+            except (ValueError, KeyError):
+                continue
+            ok.append(i)
+        return tokenizer.decode(ok)
+
+
+def decode_stable(tokenizer, ids: list[int], final: bool = False) -> tuple[str, list[int]]:
+    """(text, held ids): the text of `ids` except a tail of at most 3 ids that ends in an incomplete UTF-8
+    sequence, which is held back for the next call (everything is emitted when `final`)."""
+    if not ids:
+        return "", []
+    text = safe_decode(tokenizer, ids)
+    if final or not text.endswith("\ufffd"):
+        return text, []
+    for k in range(1, min(3, len(ids) - 1) + 1):
+        head = safe_decode(tokenizer, ids[:-k])
+        if not head.endswith("\ufffd"):
+            return head, list(ids[-k:])
+    return ("", list(ids)) if len(ids) < 4 else (text, [])

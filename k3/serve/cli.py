@@ -24,9 +24,12 @@ def build_app(args):
     import torch
 
     from .engine import Engine, EngineConfig
-    from .server import create_app
+    from .server import ServerLimits, create_app
 
     from ..train.state import resolve_checkpoint
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)),   # bad values fail before loading
+                          max_choices_per_request=args.max_choices_per_request, max_pending=args.max_pending)
+    key = api_key(args)
     ckpt = resolve_checkpoint(args.checkpoint)  # a checkpoint dir, or a `k3 train` run dir (its latest)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,7 +44,15 @@ def build_app(args):
     if tok.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab}")
     name = args.served_model_name or ckpt.resolve().name
-    return create_app(engine, tok, name, engine.max_model_len), engine
+    return create_app(engine, tok, name, engine.max_model_len, limits=limits, api_key=key), engine
+
+
+def api_key(args) -> str | None:
+    """The key clients must send: `--api-key`, else the K3_API_KEY environment variable, else None."""
+    key = getattr(args, "api_key", None) or os.environ.get("K3_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ValueError("the API key is blank; give a non-empty --api-key / K3_API_KEY or none")
+    return key
 
 
 def cmd_serve(args) -> int:
@@ -50,8 +61,11 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         print(f"k3 serve: error: {e.name or e} is not installed (pip install fastapi uvicorn)", file=sys.stderr)
         return 2
-    if not is_loopback(args.host):
-        print(f"k3 serve: warning: listening on {args.host}; the API has no authentication", file=sys.stderr)
+    if args.api_key:
+        print("k3 serve: warning: --api-key is visible to other users in the process list; prefer the "
+              "K3_API_KEY environment variable", file=sys.stderr)
+    if not is_loopback(args.host) and api_key(args) is None:
+        print(f"k3 serve: warning: listening on {args.host} without an API key (set K3_API_KEY)", file=sys.stderr)
     app, engine = build_app(args)
     print(f"k3 serve: {args.checkpoint} on {engine.device} ({engine.dtype}), {engine.pool.num_pages} pool pages, "
           f"max_model_len {engine.max_model_len}: http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -83,5 +97,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host-cache-gb", type=float, default=0.0, help="host-memory tier for evicted prefixes (GiB)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("K3_THREADS", "0")),
                    help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but "
+                   "/health (prefer the K3_API_KEY environment variable: a command line is visible in ps)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit in MiB (default 32)")
+    p.add_argument("--max-choices-per-request", type=int, default=64,
+                   help="prompts x n allowed in one request (default 64)")
+    p.add_argument("--max-pending", type=int, default=1024, help="engine requests in flight before new "
+                   "requests get 429 + Retry-After (default 1024)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

@@ -4,6 +4,7 @@ the engine's internal per-request state `Sequence`."""
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,8 @@ import torch
 class SamplingParams:
     """Per-request generation settings.
 
-    temperature 0 = greedy; top_k 0 = off; seed makes the request's samples reproducible regardless of
+    temperature 0 = greedy (any finite positive temperature samples; a tiny one, e.g. 1e-50, gives the
+    argmax as its limit does); top_k 0 = off; seed makes the request's samples reproducible regardless of
     what else is batched with it. `stop_token_ids` and the model's EOS (unless `ignore_eos`) end generation
     with finish_reason "stop" (the stop token is kept in `token_ids`); `stop` strings need the engine's
     `detokenize` and end generation once the decoded output contains one (tokens are kept up to and
@@ -35,8 +37,9 @@ class SamplingParams:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -66,7 +69,7 @@ class RequestOutput:
     new_token_ids: list[int]
     logprobs: list[float] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (this request alone failed) | None
     num_cached_tokens: int
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
 
@@ -82,6 +85,7 @@ class Sequence:
     params: SamplingParams
     eos: tuple[int, ...]
     generator: torch.Generator | None = None
+    group: str | None = None    # fairness group (e.g. the HTTP request of n choices); None = its own
     arrival: float = field(default_factory=time.monotonic)
     order: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)

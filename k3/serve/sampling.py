@@ -3,35 +3,79 @@
 Rows are processed in groups: greedy rows by one argmax; rows without a seed share one multinomial draw;
 seeded rows draw from their own `torch.Generator`, so a seeded request's tokens do not depend on what
 else is in the batch.
+
+Numerics: the temperature divides `logits - max(logits)`, so the winning logit stays exactly 0 and any
+temperature > 0 gives finite or -inf scores, never NaN (rows whose temperature is below fp32's smallest
+normal number are scaled in fp64, so 1e-50 behaves as the limit it is: the argmax). A row whose logits hold
+NaN / +inf (or are all -inf) cannot be sampled: `sample_rows` reports it and still samples every other row;
+`sample` raises `SamplingError` naming the rows before any generator is advanced.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from .request import SamplingParams
 
 
-def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] fp32; per-row temperature (> 0), top_k (0 = off), top_p → probabilities [n, V]
-    with the temperature applied and everything outside the top-k / nucleus set to zero (renormalised)."""
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+class SamplingError(RuntimeError):
+    """Rows of a batch that could not be sampled (non-finite logits). `rows` index the batch; `params` are
+    those rows' SamplingParams objects (identity tells their requests apart)."""
+
+    def __init__(self, rows: list[int], params: list[SamplingParams]):
+        super().__init__(f"the logits of batch rows {rows} are not finite (NaN / +inf, or all -inf); "
+                         "those requests cannot be sampled")
+        self.rows, self.params = rows, params
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[n] bool: rows holding a NaN or +inf, or only -inf (-inf entries alone are masked tokens)."""
+    return ~torch.isfinite(logits.amax(-1))
+
+
+def filter_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
+                 top_p: Sequence[float]) -> torch.Tensor:
+    """logits [n, V] (finite rows) and per-row host values temperature (> 0), top_k (0 = off), top_p →
+    probabilities [n, V] with the temperature applied and everything outside the top-k / nucleus set to
+    zero (renormalised)."""
+    n = logits.shape[0]
+    if not (len(temperature) == len(top_k) == len(top_p) == n):
+        raise ValueError(f"need one temperature / top_k / top_p per row ({n}), got {len(temperature)} / "
+                         f"{len(top_k)} / {len(top_p)}")
+    dev, dt = logits.device, logits.dtype
+    z = logits - logits.amax(-1, keepdim=True)
+    tiny = torch.finfo(dt).tiny
+    probs = torch.softmax(z / torch.tensor(temperature, device=dev, dtype=dt)[:, None], dim=-1)
+    small = [i for i, t in enumerate(temperature) if t < tiny]   # not representable in the logits' dtype
+    if small:
+        si = torch.tensor(small, device=dev)
+        t64 = torch.tensor([temperature[i] for i in small], device=dev, dtype=torch.float64)
+        probs[si] = torch.softmax(z[si].double() / t64[:, None], dim=-1).to(dt)
+    if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
         sp, si = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(sp.shape[-1], device=sp.device)[None, :]
-        keep = (sp.cumsum(-1) - sp) < top_p[:, None]  # smallest prefix reaching top_p (first always kept)
-        keep &= (top_k[:, None] == 0) | (rank < top_k[:, None])
+        rank = torch.arange(sp.shape[-1], device=dev)[None, :]
+        tp = torch.tensor(top_p, device=dev, dtype=dt)[:, None]
+        tk = torch.tensor(top_k, device=dev)[:, None]
+        keep = (sp.cumsum(-1) - sp) < tp  # smallest prefix reaching top_p (first always kept)
+        keep &= (tk == 0) | (rank < tk)
         probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits))."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                ) -> tuple[list[int], list[float], list[int]]:
+    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits), failed rows). A failed row
+    (see `nonfinite_rows`) gets token -1 and log-prob NaN; the others are sampled as if it were absent."""
     n = logits.shape[0]
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"need one SamplingParams and generator per row ({n}), got {len(params)} and "
+                         f"{len(generators)}")
     dev = logits.device
+    bad = nonfinite_rows(logits)
+    logits = torch.where(bad[:, None], torch.zeros((), device=dev, dtype=logits.dtype), logits)
     out = torch.empty(n, dtype=torch.long, device=dev)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
@@ -40,10 +84,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         out[gi] = logits[gi].argmax(-1)
     if rand:
         ri = torch.tensor(rand, device=dev)
-        probs = filter_probs(logits[ri],
-                             torch.tensor([params[i].temperature for i in rand], device=dev, dtype=logits.dtype),
-                             torch.tensor([params[i].top_k for i in rand], device=dev),
-                             torch.tensor([params[i].top_p for i in rand], device=dev, dtype=logits.dtype))
+        probs = filter_probs(logits[ri], [params[i].temperature for i in rand], [params[i].top_k for i in rand],
+                             [params[i].top_p for i in rand])
         shared = [j for j, i in enumerate(rand) if generators[i] is None]
         if shared:
             sj = torch.tensor(shared, device=dev)
@@ -52,4 +94,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             if generators[i] is not None:
                 out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     lp = torch.log_softmax(logits, dim=-1).gather(-1, out[:, None])[:, 0]
-    return out.tolist(), lp.tolist()
+    out = torch.where(bad, -1, out)
+    lp = torch.where(bad, float("nan"), lp)
+    toks = out.tolist()
+    return toks, lp.tolist(), [i for i, t in enumerate(toks) if t < 0]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits)). Raises `SamplingError`
+    (before advancing any generator) when a row cannot be sampled."""
+    bad = nonfinite_rows(logits)
+    if bool(bad.any()):
+        rows = bad.nonzero()[:, 0].tolist()
+        raise SamplingError(rows, [params[i] for i in rows])
+    toks, lps, _ = sample_rows(logits, params, generators)
+    return toks, lps

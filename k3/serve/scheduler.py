@@ -43,6 +43,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._head_skips = 0
+        self._served: dict[object, int] = {}  # group → admission tick of its latest admitted sequence
+        self._tick = 0
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0     # of which served from the cache
@@ -185,6 +187,29 @@ class Scheduler:
         self.waiting.remove(best)
         return best
 
+    @staticmethod
+    def _group(seq: Sequence) -> object:
+        return seq.group if seq.group is not None else ("request", seq.request_id)
+
+    def _fair_order(self) -> None:
+        """Reorder `waiting` round-robin between groups (see the module docstring); O(waiting)."""
+        front: list[Sequence] = []
+        groups: dict[object, list[Sequence]] = {}   # in order of first appearance
+        for seq in self.waiting:
+            if seq.preempted:
+                front.append(seq)
+            else:
+                groups.setdefault(self._group(seq), []).append(seq)
+        self._served = {g: t for g, t in self._served.items() if g in groups}
+        if len(groups) < 2:
+            return
+        order = sorted(groups, key=lambda g: self._served.get(g, -1))  # stable: ties keep first appearance
+        out = front
+        for j in range(max(len(v) for v in groups.values())):
+            out.extend(groups[g][j] for g in order if j < len(groups[g]))
+        self.waiting.clear()
+        self.waiting.extend(out)
+
     def _chunk_end(self, seq: Sequence, budget: int) -> int:
         end = min(seq.num_tokens, seq.num_computed + budget)
         for x in seq.ckpt_positions:
@@ -224,6 +249,8 @@ class Scheduler:
             budget -= end - seq.num_computed
             i += 1
         pending = self._pending_keys() if self.cache is not None else set()
+        if self.waiting and budget > 0 and len(self.running) < min(self.max_num_seqs, self.budget):
+            self._fair_order()
         while self.waiting and budget > 0 and len(self.running) < min(self.max_num_seqs, self.budget):
             seq = self._pick(pending)
             if seq is None:
@@ -237,6 +264,8 @@ class Scheduler:
                 self._return(seq)
                 break
             bisect.insort(self.running, seq, key=lambda s: s.order)
+            self._served[self._group(seq)] = self._tick
+            self._tick += 1
             if self.cache is not None:
                 pending.update(self._future_keys(seq))
             work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
@@ -246,8 +275,9 @@ class Scheduler:
     def _return(self, seq: Sequence) -> None:
         if seq.preempted:
             self._push_waiting_front(seq)
-        else:  # back to its place by arrival order
-            i = bisect.bisect_left([s.order for s in self.waiting], seq.order)
+        else:  # before the first younger non-preempted sequence (arrival order within its group)
+            i = next((k for k, s in enumerate(self.waiting) if not s.preempted and s.order > seq.order),
+                     len(self.waiting))
             self.waiting.insert(i, seq)
 
     def after_forward(self, work: list[Work]) -> None:
