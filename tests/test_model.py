@@ -212,12 +212,13 @@ def test_truncated_shard_is_reported(tmp_path):
 
 
 def test_nonzero_a_log_tail_is_rejected(tmp_path):
+    """The padding has no room on disk: saving refuses it (a file with a non-zero tail is refused on load,
+    tests/test_checkpoint_layout.py)."""
     model = make_tiny(seed=13)
     with torch.no_grad():
         model.language_model.model.layers[1].self_attn.A_log[100] = 1.0
-    path = model.save_pretrained(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="layers.1.self_attn.A_log"):
-        K3ForConditionalGeneration.from_pretrained(path)
+        model.save_pretrained(tmp_path / "ckpt")
 
 
 def test_interrupted_save_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
@@ -277,3 +278,43 @@ def test_image_placeholder_expands_and_decodes_incrementally():
     assert (out.logits[:, -1] - out2.logits[:, -1]).abs().max() > 1e-4
     with pytest.raises(ValueError):
         model(torch.randint(0, 4000, (1, 6)), pixel_values=pixel_values, grid_thws=grid)
+
+
+def test_generate_takes_hugging_face_arguments():
+    """HF generation arguments: do_sample / top_k / top_p / temperature / eos / pad / max_length or a
+    GenerationConfig-like object; unsupported options (beam search, penalties) and bad values are refused
+    by name."""
+    from types import SimpleNamespace
+    model = make_tiny(seed=8)
+    ids = torch.randint(0, 4000, (1, 5))
+    greedy = model.generate(ids, max_new_tokens=6)
+    # do_sample=False is greedy whatever the temperature; top_k=1 sampling is greedy too
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, temperature=0.7), greedy)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=True, top_k=1, temperature=1.3,
+                                      generator=torch.Generator().manual_seed(1)), greedy)
+    assert torch.equal(model.generate(ids, max_length=11), greedy)
+    cfg = SimpleNamespace(max_new_tokens=6, do_sample=False, num_beams=1, repetition_penalty=1.0, top_k=50)
+    assert torch.equal(model.generate(ids, generation_config=cfg), greedy)
+    # seeded sampling is reproducible, and top_k restricts every draw to the k most likely tokens
+    kw = dict(max_new_tokens=4, do_sample=True, temperature=1.0, top_k=3)
+    a = model.generate(ids, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(a, model.generate(ids, generator=torch.Generator().manual_seed(3), **kw))
+    for t in range(4):
+        logits = model(a[:, :5 + t]).logits[0, -1]
+        assert a[0, 5 + t].item() in logits.topk(3).indices.tolist()
+    # rows that finished are padded with pad_token_id
+    first = greedy[0, 5].item()
+    other = next(o for o in (torch.randint(0, 4000, (1, 5)) for _ in range(20))
+                 if first not in model.generate(o, max_new_tokens=4)[0, 5:].tolist())
+    out = model.generate(torch.cat([ids, other]), max_new_tokens=4, eos_token_id=first, pad_token_id=7)
+    assert out[0, 5] == first and out[0, 6:].tolist() == [7, 7, 7]
+    assert torch.equal(out[1], model.generate(other, max_new_tokens=4)[0])
+    for kw, err in [(dict(num_beams=4), "num_beams"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+                    (dict(do_sample=True, temperature=0.0), "temperature > 0"), (dict(top_k=-1), "top_k"),
+                    (dict(top_p=1.5), "top_p"), (dict(eos_token_id=10 ** 9), "outside the vocabulary"),
+                    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(max_length=3), "max_length"),
+                    (dict(temperature=float("nan")), "temperature"), (dict(do_sample="yes"), "do_sample")]:
+        with pytest.raises(ValueError, match=err):
+            model.generate(ids, **kw)
+    with pytest.raises(TypeError, match="beam_width"):
+        model.generate(ids, beam_width=2)

@@ -148,6 +148,47 @@ def test_preemption_by_recompute_gives_the_same_tokens(model):
         eng.check_pool()
 
 
+def test_mixed_batch_with_hits_and_preemptions_equals_generate(model, one_thread):
+    """Every request of a mixed batch (prefill chunks beside decodes, prefix hits, preemptions) gets
+    `model.generate`'s greedy tokens, and every sampled position's logits equal the model forward (fp32)."""
+    base = prompts(2, 16, 14, 20)
+    second = ([base[0] + p for p in prompts(2, 17, 3, 10)] + [base[1] + p for p in prompts(2, 18, 3, 10)]
+              + prompts(1, 19, 20, 30))
+    eng = tiny_engine(model, num_pages=12, max_num_batched_tokens=24)
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    outs = eng.generate(base, sp) + eng.generate(second, sp)
+    st = eng.stats()
+    assert st["prefix_cache_hits"] > 0 and st["preemptions"] > 0, st
+    assert any(o.num_cached_tokens > 0 for o in outs[2:])
+    for p, o in zip(base + second, outs):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist()
+        assert o.token_ids == ref
+        got = torch.stack(eng.recorded_logits[o.request_id])  # one row per sampled token, preempted or not
+        assert (full_logits(model, p, o.token_ids) - got).abs().max() <= TOL
+    eng.check_pool()
+
+
+def test_kda_backend_override_reaches_the_model(model, one_thread, monkeypatch):
+    """EngineConfig.kda_backend overrides the KDA modules' own backend in the engine's forwards only: the
+    reference token loop (and the PyTorch decode step) gives the default path's greedy tokens."""
+    import k3.ops.kda as kda_ops
+    seen = []
+    real = kda_ops.chunk_kda_gated
+
+    def spy(*a, **k):
+        seen.append(k["backend"])
+        return real(*a, **k)
+
+    monkeypatch.setattr("k3.model.kda.chunk_kda_gated", spy)
+    ps = prompts(3, 20)
+    ref = tiny_engine(model, max_num_batched_tokens=20).generate(ps, GREEDY)
+    assert set(seen) == {"auto"}
+    seen.clear()
+    out = tiny_engine(model, max_num_batched_tokens=20, kda_backend="reference").generate(ps, GREEDY)
+    assert set(seen) == {"reference"} and [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert all(l.self_attn.backend == "auto" for l in model.language_model.model.decoder_layers if l.is_kda)
+
+
 def test_bad_requests_are_rejected(model):
     eng = tiny_engine(model)
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(seed=1.5),
@@ -167,6 +208,8 @@ def test_bad_requests_are_rejected(model):
         eng.submit([1, 2], GREEDY, request_id="a")
     with pytest.raises(ValueError, match="divide"):
         EngineConfig(block_size=16, hash_block_size=5)
+    with pytest.raises(ValueError, match="kda_backend.*'fast'"):
+        EngineConfig(kda_backend="fast")
 
 
 def run_random_load(model, seconds: float, seed: int = 0) -> dict:

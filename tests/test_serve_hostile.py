@@ -6,7 +6,6 @@ fairness between requests; an API key. Issue 17 items 1, 3, 4, 7, 8.
 `K3_LONG_TESTS=1` adds a load run: 64 clients mixing good, hostile and abandoned requests."""
 
 import concurrent.futures
-import inspect
 import json
 import os
 import random
@@ -30,16 +29,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"Content-Type": "application/json"}
 
 
-class _GroupedEngine(Engine):
-    """Engine whose submit takes the fairness `group` (until Engine.submit does; see docs/security.md)."""
 
-    def submit(self, prompt_token_ids, params=None, request_id=None, group=None):
-        rid = super().submit(prompt_token_ids, params, request_id)
-        self.requests[rid].group = group   # called on the engine thread, before the next step
-        return rid
-
-
-ENGINE = Engine if "group" in inspect.signature(Engine.submit).parameters else _GroupedEngine
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +44,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(tok, model):
-    engine = ENGINE(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=64, max_model_len=MAX_LEN,
+    engine = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=64, max_model_len=MAX_LEN,
                                         max_num_seqs=4))
     limits = ServerLimits(max_body_bytes=LIMIT, max_choices_per_request=16, max_pending=24, retry_after_s=2)
     with _Uvicorn(create_app(engine, tok, MODEL, MAX_LEN, limits=limits, api_key=KEY)) as srv:
@@ -287,7 +277,7 @@ def test_a_big_request_does_not_starve_a_small_one(server):
 def test_load_64_clients_with_disconnects_and_hostile_mix(tok, model):
     """64 clients for 60 s: good requests (half streamed), ~30 % abandoned mid-way, hostile ones from the
     table. 0 server errors; afterwards nothing is running, waiting or leaked in the pool."""
-    engine = ENGINE(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=256, max_model_len=MAX_LEN,
+    engine = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=256, max_model_len=MAX_LEN,
                                         max_num_seqs=32))
     limits = ServerLimits(max_body_bytes=LIMIT, max_choices_per_request=16, max_pending=256)
     with _Uvicorn(create_app(engine, tok, MODEL, MAX_LEN, limits=limits, api_key=KEY)) as srv:

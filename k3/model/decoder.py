@@ -82,8 +82,10 @@ class KimiDecoderLayer(nn.Module):
 class MTPLayer(KimiDecoderLayer):
     """DeepSeek-style multi-token-prediction layer at `layers.{num_hidden_layers + k}`.
 
-    h' = Layer(eh_proj([enorm(emb(x_{t+1})) ; hnorm(h_t)])), logits = lm_head(shared_head.norm(h')),
-    predicting token t+2 at position t. Its decoder layer is MLA + LatentMoE with AttnRes off.
+    h' = Layer(eh_proj([enorm(emb(x_{t+1})) ; hnorm(h_t)])), logits = head(shared_head.norm(h')),
+    predicting token t+2 at position t. Its decoder layer is MLA + LatentMoE with AttnRes off. As in vLLM's
+    K3 MTP, the next MTP step receives the pre-norm h' (not shared_head.norm(h')), and `head` is the
+    layer's own `shared_head.head` when a checkpoint carries one (the loader attaches it), else lm_head.
     """
 
     def __init__(self, cfg: K3TextConfig, layer_idx: int):
@@ -99,11 +101,14 @@ class MTPLayer(KimiDecoderLayer):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.shared_head.head = None   # optional own output head (`shared_head.head.weight` in a checkpoint)
 
     def forward_mtp(self, next_embeds: torch.Tensor, hidden: torch.Tensor, attention_mask=None, cache=None,
-                    cu_seqlens=None):
+                    cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm h' — the state the next MTP step reads —, shared_head.norm(h') — the head's input)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self.shared_head.norm(KimiDecoderLayer.forward(self, x, attention_mask, cache, cu_seqlens))
+        h = KimiDecoderLayer.forward(self, x, attention_mask, cache, cu_seqlens)
+        return h, self.shared_head.norm(h)
 
 
 class KimiLinearModel(nn.Module):
@@ -133,11 +138,16 @@ class KimiLinearModel(nn.Module):
         return list(self.layers[self.config.num_hidden_layers:])
 
     def forward(self, inputs_embeds: torch.Tensor, attention_mask=None, cache=None,
-                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None):
+                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None):
         """inputs_embeds [B, T, D] → (pre-norm hidden [B, T, D], final normed hidden, per-layer block info).
 
         `cu_seqlens` (int32 [N+1] over the flattened B·T tokens) packs several documents per row: KDA state,
-        short convs and MLA attention then never cross a document boundary."""
+        short convs and MLA attention then never cross a document boundary. `cache`: a `K3Cache` or a
+        `PagedCache` (the engine's pool; its batch is one packed row [1, N]). `rows` (long [R], B = 1): keep
+        only these positions for the output AttnRes site and norm (the hidden outputs are then [1, R, D])."""
+        if rows is not None and inputs_embeds.shape[0] != 1:
+            raise ValueError(f"rows needs one packed row (B = 1), got B = {inputs_embeds.shape[0]}")
         bs = self.config.attn_res_block_size
         dt = _autocast_dtype(inputs_embeds) if self.autocast_stream else None
         if dt is not None and inputs_embeds.is_floating_point() and inputs_embeds.dtype != dt:
@@ -154,5 +164,7 @@ class KimiLinearModel(nn.Module):
                 blocks, partial = layer.forward_attn_res(blocks, partial, bs, attention_mask, lc, cu_seqlens)
             if output_block_states:
                 taps.append(partial)
+        if rows is not None:
+            blocks, partial = [b[:, rows] for b in blocks], partial[:, rows]
         h = _mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, self.attn_res_backend)
         return h, self.norm(h), taps

@@ -131,19 +131,23 @@ class KimiLinearForCausalLM(nn.Module):
                                     shifted_targets(labels, shift, docs=docs).reshape(-1))
 
     def _mtp(self, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None, head_w=None):
-        """Chain the MTP layers: layer k sees h_{k-1} and the embedding of token t + k (zero past the end).
+        """Chain the MTP layers: layer k sees the pre-norm output h_{k-1} of the step before (the main
+        model's pre-norm hidden for k = 1, as vLLM's K3 MTP chains) and the embedding of token t + k (zero
+        past the end); its logits come from its own `shared_head.head` if loaded, else lm_head.
         With `head_w` (the fused path) each layer's loss uses it through `_fused_loss` and no logits are
         returned; autograd sums the head-weight gradients of all heads."""
         losses, logits_k = [], None
         mask = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]
         for k, layer in enumerate(self.model.mtp_layers, start=1):
             nxt = torch.cat([embeds[:, k:], embeds.new_zeros(embeds.shape[0], k, embeds.shape[2])], dim=1)
-            h = layer.forward_mtp(nxt, h, mask, None, cu_seqlens)
+            h, hn = layer.forward_mtp(nxt, h, mask, None, cu_seqlens)
+            head = layer.shared_head.head if layer.shared_head.head is not None else self.lm_head
             if head_w is None:
-                logits_k = self.lm_head(h)
+                logits_k = head(hn)
                 losses.append(lm_loss(logits_k, labels, shift=1 + k, docs=docs))
             else:
-                losses.append(self._fused_loss(h, head_w, labels, 1 + k, docs))
+                w = head_w if head is self.lm_head else autocast_cast(head.weight)
+                losses.append(self._fused_loss(hn, w, labels, 1 + k, docs))
         return logits_k, torch.stack(losses).mean()
 
 

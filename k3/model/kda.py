@@ -4,7 +4,9 @@ Names and shapes follow the release (`self_attn.{q,k,v}_proj`, `{q,k,v}_conv1d`,
 `dt_bias`, `A_log` [padded to 128], `b_proj`, `g_proj`, `o_norm`, `o_proj`).
 
 Training / prefill without cache or mask takes the fused path (`fast`, see `_forward_fast`); the masked and
-cached (decode) paths, and `fast = False`, run the step-by-step code (the fused path's test oracle).
+cached (`K3Cache`, generate) paths, and `fast = False`, run the step-by-step code (the fused path's test
+oracle). With a `PagedLayerCache` (the serving engine's pool) the packed documents run the fused path's ops
+with each document's conv window and state from its slot (`_forward_paged`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from torch import nn
 
 from ..config import K3TextConfig
 from ..ops.conv import short_conv, short_conv_split
-from ..ops.kda import chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_gate
+from ..ops.kda import chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_gate
 from ..ops.norm import rms_norm, rms_norm_gated
 from .layers import RMSNorm
+from .paged_cache import PagedLayerCache
 
 A_LOG_PAD = 128  # the release stores A_log padded to a multiple of 128 entries (only the first H are used)
 
@@ -63,6 +66,11 @@ class KimiDeltaAttention(nn.Module):
                 cache: dict | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this layer's dict (updated).
         cu_seqlens: packed documents over the flattened B·T tokens (training; no cache, no mask)."""
+        if isinstance(cache, PagedLayerCache):
+            if attention_mask is not None or cu_seqlens is not None:
+                raise ValueError("KimiDeltaAttention: a paged cache carries its own packing; pass no "
+                                 "attention_mask or cu_seqlens with it")
+            return self._forward_paged(x, cache)
         B, T, _ = x.shape
         if cu_seqlens is not None and (cache is not None or attention_mask is not None):
             raise ValueError("KimiDeltaAttention: cu_seqlens cannot be combined with a cache or an attention_mask")
@@ -117,8 +125,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         HK = H * K
-        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        w_qkv, w_conv = self._qkv_weights()
         q, k, v = short_conv_split(F.linear(x, w_qkv), w_conv, (HK, HK, HK), cu_seqlens=cu_seqlens,
                                    backend=self.elementwise_backend)
         f = self.f_b_proj(self.f_a_proj(x))
@@ -130,3 +137,53 @@ class KimiDeltaAttention(nn.Module):
         o = rms_norm_gated(o.reshape(B, T, H, K), self.o_norm.weight, self.g_proj(x).view(B, T, H, K),
                            self.o_norm.eps, backend=self.elementwise_backend)
         return self.o_proj(o.reshape(B, T, HK))
+
+    def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ‖ k ‖ v projection [3HK, D] and conv [3HK, 1, W] weights, concatenated at run time."""
+        return (torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]))
+
+    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
+        """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`), the fused path's ops.
+
+        Short conv: each document's W-1 cached inputs are put in front of its tokens (the batch's "extended"
+        layout, one more document boundary each) and `short_conv_split` runs over that with `cu_seqlens`, so
+        the window needs no stateful conv kernel; the last W-1 rows of each extended document are its new
+        window. KDA: `kda_decode_step` on the gathered states for the leading single-token documents,
+        `chunk_kda_gated` (the training kernel) over the others with their states as initial states."""
+        b = cache.batch
+        N, H, K = x.shape[1], self.num_heads, self.head_dim
+        HK = H * K
+        w_qkv, w_conv = self._qkv_weights()
+        y = F.linear(x[0], w_qkv)  # [N, 3HK]
+        win = cache.conv_windows()  # [n, 3HK, W-1]
+        ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)
+        ext[b.ext_win_rows] = win.transpose(1, 2).reshape(-1, 3 * HK).to(y.dtype)
+        ext[b.ext_tok_rows] = y
+        cache.set_conv_windows(ext[b.ext_last_rows].transpose(1, 2))
+        q, k, v = (t[0].index_select(0, b.ext_tok_rows).view(N, H, K) for t in short_conv_split(
+            ext[None], w_conv, (HK, HK, HK), cu_seqlens=b.ext_cu, backend=self.elementwise_backend))
+        f = self.f_b_proj(self.f_a_proj(x[0])).view(N, H, K)
+        beta_logit = self.b_proj(x[0])
+        backend = cache.pc.kda_backend or self.backend
+        nd, s0 = b.num_decode, cache.states()
+        o, s = [], []
+        if nd:  # the leading single-token documents: one recurrent step each
+            g = kda_gate(f[None, :nd], self.A_log[:H], self.dt_bias, self.lower_bound)[0]
+            od, sd = kda_decode_step(q[:nd], k[:nd], v[:nd], g, torch.sigmoid(beta_logit[:nd].float()), s0[:nd],
+                                     use_qk_l2norm_in_kernel=True,
+                                     backend="torch" if backend in ("torch", "reference") else "auto")
+            o.append(od)
+            s.append(sd)
+        if nd < b.num_docs:  # the others: chunked, from their states
+            op, sp = chunk_kda_gated(q[None, nd:], k[None, nd:], v[None, nd:], f[None, nd:], beta_logit[None, nd:],
+                                     self.A_log[:H], self.dt_bias, initial_state=s0[nd:], output_final_state=True,
+                                     cu_seqlens=b.chunk_cu_seqlens, use_qk_l2norm_in_kernel=True,
+                                     lower_bound=self.lower_bound, backend=backend)
+            o.append(op[0])
+            s.append(sp)
+        o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
+        cache.set_states(s)
+        o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, self.g_proj(x).view(1, N, H, K),
+                           self.o_norm.eps, backend=self.elementwise_backend)
+        return self.o_proj(o.reshape(1, N, HK))

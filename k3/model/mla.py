@@ -11,7 +11,9 @@ the latent c and k_pe per token.
 Without a cache or an attention_mask (training, packed prefill) the naive path runs through
 `k3.ops.attention.doc_causal_attention` (no [T, T] mask; `attn_backend` picks its backend, "reference"
 restores the dense masked path), which also returns the QK-clip max logit. Paths with a cache or an
-attention_mask (generate) build the dense mask.
+attention_mask (generate) build the dense mask. With a `PagedLayerCache` (the serving engine's pool) the
+packed documents write their latents to the pages and attend their histories read back from them
+(`_forward_paged`): absorbed for single-token documents (decode), expanded for prefill chunks.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import K3TextConfig
 from ..ops.attention import doc_causal_attention
 from ..ops.varlen import doc_ids
 from .layers import RMSNorm
+from .paged_cache import PagedLayerCache
 
 
 class MLAttention(nn.Module):
@@ -114,6 +118,11 @@ class MLAttention(nn.Module):
                 cache: dict | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D]; attention_mask [B, S_total] over past + new tokens; cache holds `c` and `k_pe`;
         cu_seqlens: packed documents over the flattened B·T tokens (attention stays inside a document)."""
+        if isinstance(cache, PagedLayerCache):
+            if attention_mask is not None or cu_seqlens is not None:
+                raise ValueError("MLAttention: a paged cache carries its own packing; pass no attention_mask or "
+                                 "cu_seqlens with it")
+            return self._forward_paged(x, cache)
         B, T, _ = x.shape
         q = self.project_q(x)
         c, k_pe = self.project_latent(x)
@@ -153,6 +162,35 @@ class MLAttention(nn.Module):
         o, max_logit = out
         self.max_logit = max_logit.float()
         return o
+
+    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
+        """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`). The new latents go to
+        their pages first; the leading single-token documents then attend their padded histories in the
+        absorbed form (one batched call), every other document its history [0, start + T) with expanded keys,
+        causal aligned to the last key (query t sits at position start + t)."""
+        b = cache.batch
+        nd = b.num_decode
+        q = self.project_q(x)[0]  # [N, H, Dq]
+        c, k_pe = self.project_latent(x)
+        cache.write_latents(c[0], k_pe[0])
+        parts = []
+        if nd:
+            kv, valid = cache.decode_latents(c.dtype)  # [nd, S, C + R]
+            cc, kp = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+            parts.append(self.attend_absorbed(q[:nd, None], cc, kp, valid[:, None, None, :])[:, 0])
+        if nd < b.num_docs:
+            hist = cache.history(c.dtype)
+            off = nd
+            for j in range(nd, b.num_docs):
+                T, (h0, h1) = b.lens[j], b.hist_cu[j - nd:j - nd + 2]
+                k, v = self.expand_kv(*hist[None, h0:h1].split([self.kv_lora_rank, self.rope], dim=-1))
+                o = F.scaled_dot_product_attention(q[None, off:off + T].transpose(1, 2), k.transpose(1, 2),
+                                                   v.transpose(1, 2), attn_mask=causal_lower_right(T, h1 - h0),
+                                                   scale=self.scale)
+                parts.append(o[0].transpose(0, 1))
+                off += T
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._finish(x, o[None])
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] → output gate and o_proj → [B, T, D]."""

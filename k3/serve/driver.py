@@ -181,7 +181,8 @@ class EngineDriver:
             if out.finished and out.finish_reason == "error":
                 if m is not None:
                     m.request_finished("error")
-                self._put(tr, RequestFailed(f"the engine could not finish request {out.request_id!r}"))
+                self._put(tr, RequestFailed(f"the engine could not finish request {out.request_id!r}"
+                                             + (f": {out.stop_reason}" if out.stop_reason else "")))
                 continue
             k = len(out.new_token_ids)
             if m is not None and k:

@@ -20,11 +20,13 @@ from typing import Callable
 
 import torch
 
+from ..ops.kda import BACKENDS as KDA_BACKENDS
 from .pool import PagePool, PoolLayout
 from .prefix_cache import PrefixCache
 from .request import RequestOutput, SamplingParams, Sequence
 from .runner import ModelRunner, SeqInput, text_model
-from .sampling import sample
+from .sampling import sample_rows
+from .stop import first_stop
 from .scheduler import Scheduler
 
 
@@ -44,6 +46,8 @@ class EngineConfig:
     host_cache_bytes: host-memory tier for evicted prefixes (0 = off).
     affinity_window: how many waiting requests admission considers for the longest prefix hit.
     detokenize: token ids → text, needed for `SamplingParams.stop` strings.
+    kda_backend: KDA kernel backend of the engine's forwards ("auto": each KDA module's own `backend`;
+        "torch" / "reference" also select the PyTorch decode step).
     record_logits: keep every sampled position's fp32 logits in `Engine.recorded_logits` (tests, debugging).
     """
     block_size: int = 6144
@@ -73,6 +77,8 @@ class EngineConfig:
         if self.checkpoint_interval < 0 or self.host_cache_bytes < 0:
             raise ValueError("EngineConfig.checkpoint_interval and host_cache_bytes must be >= 0, got "
                              f"{self.checkpoint_interval} and {self.host_cache_bytes}")
+        if self.kda_backend not in KDA_BACKENDS:
+            raise ValueError(f"EngineConfig.kda_backend must be one of {KDA_BACKENDS}, got {self.kda_backend!r}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
@@ -128,7 +134,9 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, group: str | None = None) -> str:
+        """Queue a request; returns its id. `group` (e.g. the server request a choice belongs to) makes
+        admission round-robin between groups, so one large request cannot starve the others."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -154,7 +162,7 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(request_id=rid, prompt=prompt, params=params, eos=() if params.ignore_eos else self.eos,
-                       generator=gen)
+                       generator=gen, group=group)
         with self._inbox_lock:  # not the step lock: submitting never waits for a forward
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in flight")
@@ -221,14 +229,19 @@ class Engine:
             done = [w.seq for w in work if w.sample]
             if not done:
                 return []
-            try:
-                toks, lps = sample(logits, [s.params for s in done], [s.generator for s in done])
-            except BaseException:  # e.g. non-finite logits: these sequences computed a token they cannot use
-                for seq in done:
-                    self.scheduler.preempt(seq)
-                raise
+            # a row with non-finite logits fails its request alone; every other row is sampled as usual
+            toks, lps, failed = sample_rows(logits, [s.params for s in done], [s.generator for s in done])
+            failed = set(failed)
             outs = []
             for i, (seq, t, lp) in enumerate(zip(done, toks, lps)):
+                if i in failed:
+                    seq.finished, seq.finish_reason = True, "error"
+                    seq.stop_reason = "its logits were not finite (NaN / +inf); it cannot be sampled"
+                    self.scheduler.remove(seq)
+                    with self._inbox_lock:
+                        del self.requests[seq.request_id]
+                    outs.append(seq.to_output())
+                    continue
                 if self.config.record_logits:
                     self.recorded_logits[seq.request_id].append(logits[i].detach().cpu())
                 seq.output.append(t)
@@ -251,11 +264,10 @@ class Engine:
             return
         if p.stop:
             longest = max(len(s) for s in p.stop)
-            text = self.config.detokenize(seq.output[-(longest + 8):])
-            for s in p.stop:
-                if s in text:
-                    seq.finished, seq.finish_reason, seq.stop_reason = True, "stop", s
-                    return
+            hit = first_stop(self.config.detokenize(seq.output[-(longest + 8):]), p.stop)
+            if hit is not None:
+                seq.finished, seq.finish_reason, seq.stop_reason = True, "stop", hit[1]
+                return
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finished, seq.finish_reason = True, "length"
 

@@ -69,7 +69,7 @@ class RequestOutput:
     new_token_ids: list[int]
     logprobs: list[float] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (this request alone failed) | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (this request alone failed; stop_reason says why) | None
     num_cached_tokens: int
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
 

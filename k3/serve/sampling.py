@@ -13,10 +13,9 @@ NaN / +inf (or are all -inf) cannot be sampled: `sample_rows` reports it and sti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from ..ops.sampling import filter_probs, nonfinite_rows
 from .request import SamplingParams
 
 
@@ -28,41 +27,6 @@ class SamplingError(RuntimeError):
         super().__init__(f"the logits of batch rows {rows} are not finite (NaN / +inf, or all -inf); "
                          "those requests cannot be sampled")
         self.rows, self.params = rows, params
-
-
-def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[n] bool: rows holding a NaN or +inf, or only -inf (-inf entries alone are masked tokens)."""
-    return ~torch.isfinite(logits.amax(-1))
-
-
-def filter_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
-                 top_p: Sequence[float]) -> torch.Tensor:
-    """logits [n, V] (finite rows) and per-row host values temperature (> 0), top_k (0 = off), top_p →
-    probabilities [n, V] with the temperature applied and everything outside the top-k / nucleus set to
-    zero (renormalised)."""
-    n = logits.shape[0]
-    if not (len(temperature) == len(top_k) == len(top_p) == n):
-        raise ValueError(f"need one temperature / top_k / top_p per row ({n}), got {len(temperature)} / "
-                         f"{len(top_k)} / {len(top_p)}")
-    dev, dt = logits.device, logits.dtype
-    z = logits - logits.amax(-1, keepdim=True)
-    tiny = torch.finfo(dt).tiny
-    probs = torch.softmax(z / torch.tensor(temperature, device=dev, dtype=dt)[:, None], dim=-1)
-    small = [i for i, t in enumerate(temperature) if t < tiny]   # not representable in the logits' dtype
-    if small:
-        si = torch.tensor(small, device=dev)
-        t64 = torch.tensor([temperature[i] for i in small], device=dev, dtype=torch.float64)
-        probs[si] = torch.softmax(z[si].double() / t64[:, None], dim=-1).to(dt)
-    if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
-        sp, si = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(sp.shape[-1], device=dev)[None, :]
-        tp = torch.tensor(top_p, device=dev, dtype=dt)[:, None]
-        tk = torch.tensor(top_k, device=dev)[:, None]
-        keep = (sp.cumsum(-1) - sp) < tp  # smallest prefix reaching top_p (first always kept)
-        keep &= (tk == 0) | (rank < tk)
-        probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]

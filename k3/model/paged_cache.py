@@ -1,0 +1,219 @@
+"""The model's cache over a paged pool (the serving engine's), and the metadata of one packed forward.
+
+The engine runs the model on ONE packed row [1, N] of documents, the training path's `cu_seqlens` packing:
+each document is one sequence's new tokens (a decode token or a prefill chunk) continuing that sequence's
+cached history at position `start`. A layer reads and writes the history through `PagedLayerCache`:
+
+- KDA: each document's short-conv window (the W-1 projected inputs before its first new token) and fp32
+  recurrent state come from its slot (`slots`); the final ones go back there.
+- MLA: the new latents `c ‖ k_pe` are written at each token's (page, row); then each document attends its
+  whole history [0, start + T) read back from its pages, causal with a position offset of `start`.
+
+`K3Cache` (cache.py) is the contiguous counterpart for `generate` ([B, T] rows with a padding mask, one dict
+per layer). The pool's tensors belong to the caller: `PagedCache` only holds views of them
+(state [P, n_kda, H, K, V] fp32, conv [P, n_kda, 3, H·K, W-1], mla [P, n_mla, page_size, C + R]), so the
+model never imports the engine and the engine never re-implements a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """Index tensors of one packed forward over n documents and N = Σ lens tokens (see `build`).
+
+    `tok_page`, `tok_off` [N]: where each new token's latent goes. `cu_seqlens` int32
+    [n + 1]. `slots` [n]: KDA slot per document. `rows` [R]: packed positions whose logits are wanted.
+    Conv windows ("extended" layout: each document's W-1 window rows, then its tokens): `ext_cu` int32 [n + 1],
+    `ext_win_rows` [n·(W-1)], `ext_tok_rows` [N], `ext_last_rows` [n, W-1]. MLA: the first `num_decode`
+    documents are single tokens read in the absorbed form from `dec_page`, `dec_off`, `dec_valid` [nd, S];
+    the others read their history rows `hist_page`, `hist_off` (document after document, bounds `hist_cu`).
+    """
+    lens: list[int]
+    starts: list[int]
+    cu_seqlens: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor
+    tok_page: torch.Tensor
+    tok_off: torch.Tensor
+    ext_cu: torch.Tensor
+    ext_win_rows: torch.Tensor
+    ext_tok_rows: torch.Tensor
+    ext_last_rows: torch.Tensor
+    num_decode: int
+    dec_page: torch.Tensor | None
+    dec_off: torch.Tensor | None
+    dec_valid: torch.Tensor | None
+    hist_page: torch.Tensor | None
+    hist_off: torch.Tensor | None
+    hist_cu: list[int]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lens)
+
+    @property
+    def chunk_cu_seqlens(self) -> torch.Tensor:
+        """int32 [n - nd + 1]: bounds of the documents after the decodes (whose tokens start at packed
+        position num_decode), relative to their first token."""
+        return self.cu_seqlens[self.num_decode:] - self.num_decode
+
+    @property
+    def decode(self) -> bool:
+        """Every document is a single token: KDA takes the one-step decode, MLA the absorbed form only."""
+        return self.num_decode == len(self.lens)
+
+    @classmethod
+    def build(cls, lens: list[int], starts: list[int], slots: list[int], page_tables: list[list[int]],
+              want_logits: list[bool], page_size: int, conv_width: int, device) -> "PackedBatch":
+        """Documents j = 0..n-1 of `lens[j]` new tokens at positions [starts[j], starts[j] + lens[j]) of a
+        sequence whose KDA slot is `slots[j]` and whose MLA pages are `page_tables[j]` (page i holds positions
+        [i·page_size, (i+1)·page_size)); `conv_width` = kernel size - 1. Leading single-token documents are the
+        decodes (the engine puts them first)."""
+        n = len(lens)
+        if not n or not (len(starts) == len(slots) == len(page_tables) == len(want_logits) == n):
+            raise ValueError(f"PackedBatch.build: need n >= 1 documents and one start, slot, page table and "
+                             f"want_logits flag each; got {n} lens, {len(starts)} starts, {len(slots)} slots, "
+                             f"{len(page_tables)} page tables, {len(want_logits)} flags")
+        bad = [(j, l, s) for j, (l, s) in enumerate(zip(lens, starts)) if l < 1 or s < 0]
+        if bad:
+            raise ValueError(f"PackedBatch.build: each document needs >= 1 token and start >= 0, got "
+                             f"(doc, len, start) = {bad[:4]}")
+        short = [j for j in range(n) if -(-(starts[j] + lens[j]) // page_size) > len(page_tables[j])]
+        if short:
+            raise ValueError(f"PackedBatch.build: documents {short[:4]} need more pages than their page tables hold")
+        Ps, Wm1 = page_size, conv_width
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        cu = torch.zeros(n + 1, dtype=torch.long)
+        cu[1:] = lens_t.cumsum(0)
+        N = int(cu[-1])
+        doc = torch.repeat_interleave(torch.arange(n), lens_t)  # [N] document of each token
+        pos = torch.arange(N) - cu[:-1][doc] + torch.tensor(starts, dtype=torch.long)[doc]  # absolute positions
+        width = max(len(t) for t in page_tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in page_tables], dtype=torch.long)  # [n, pages]
+        tok_page = table[doc, pos // Ps]
+        ends = cu[1:] - 1
+        rows = ends[torch.tensor(want_logits, dtype=torch.bool)]
+        # conv windows: document j occupies ext rows [ext_cu[j], ext_cu[j+1]) = W-1 window rows, then its tokens
+        ext_cu = cu + torch.arange(n + 1) * Wm1
+        win = torch.arange(Wm1)
+        nd = 0
+        while nd < n and lens[nd] == 1:
+            nd += 1
+        dec_page = dec_off = dec_valid = hist_page = hist_off = None
+        hist_cu = [0]
+        if nd:  # decode: every history row [0, start + 1) of each single-token document, padded to S
+            S = max(starts[:nd]) + 1
+            p = torch.arange(S)
+            dec_valid = p[None, :] <= torch.tensor(starts[:nd])[:, None]
+            dec_page = torch.where(dec_valid, table[:nd, p // Ps], 0)
+            dec_off = (p % Ps).expand(nd, S)
+        if nd < n:  # the other documents: rows [0, start + len) each, packed
+            hl = torch.tensor([starts[j] + lens[j] for j in range(nd, n)])
+            hdoc = torch.repeat_interleave(torch.arange(n - nd), hl)
+            hcu = torch.zeros(n - nd + 1, dtype=torch.long)
+            hcu[1:] = hl.cumsum(0)
+            hp = torch.arange(int(hcu[-1])) - hcu[:-1][hdoc]
+            hist_page, hist_off, hist_cu = table[nd + hdoc, hp // Ps], hp % Ps, hcu.tolist()
+
+        def dev(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return cls(lens=list(lens), starts=list(starts), cu_seqlens=dev(cu.to(torch.int32)),
+                   slots=dev(torch.tensor(slots, dtype=torch.long)), rows=dev(rows), tok_page=dev(tok_page),
+                   tok_off=dev(pos % Ps), ext_cu=dev(ext_cu.to(torch.int32)),
+                   ext_win_rows=dev((ext_cu[:-1, None] + win).reshape(-1)),
+                   ext_tok_rows=dev(torch.arange(N) + (doc + 1) * Wm1),
+                   ext_last_rows=dev(ext_cu[1:, None] - Wm1 + win), num_decode=nd, dec_page=dev(dec_page),
+                   dec_off=dev(dec_off), dec_valid=dev(dec_valid), hist_page=dev(hist_page),
+                   hist_off=dev(hist_off), hist_cu=hist_cu)
+
+
+class PagedCache:
+    """The model's view of a paged pool for one packed forward: `layer(i)` gives layer i's `PagedLayerCache`.
+
+    state [P, n_kda, H, K, V] (fp32), conv [P, n_kda, 3, H·K, W-1], mla [P, n_mla, page_size, C + R]: the pool's
+    typed views, updated in place. `kda_layers` / `mla_layers`: the decoder-layer indices in pool order.
+    `kda_backend`: overrides the KDA modules' `backend` when not None ("torch" / "reference" also select the
+    PyTorch decode step). Set `batch` (a `PackedBatch`) before each forward."""
+
+    def __init__(self, state: torch.Tensor, conv: torch.Tensor, mla: torch.Tensor, kda_layers: list[int],
+                 mla_layers: list[int], kda_backend: str | None = None):
+        if state.dim() != 5 or conv.dim() != 5 or mla.dim() != 4:
+            raise ValueError(f"PagedCache: expected state [P, n_kda, H, K, V], conv [P, n_kda, 3, C, W-1] and "
+                             f"mla [P, n_mla, page_size, C + R], got {tuple(state.shape)}, {tuple(conv.shape)}, "
+                             f"{tuple(mla.shape)}")
+        if state.shape[1] != len(kda_layers) or conv.shape[1] != len(kda_layers) or mla.shape[1] != len(mla_layers):
+            raise ValueError(f"PagedCache: pool holds {state.shape[1]} KDA / {mla.shape[1]} MLA layers, the model "
+                             f"has {len(kda_layers)} / {len(mla_layers)}")
+        self.state, self.conv, self.mla = state, conv, mla
+        self.index = {i: j for j, i in enumerate(kda_layers)} | {i: j for j, i in enumerate(mla_layers)}
+        self.kda_backend = kda_backend
+        self.batch: PackedBatch | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.mla.shape[2]
+
+    @property
+    def conv_width(self) -> int:
+        return self.conv.shape[-1]
+
+    def layer(self, idx: int) -> "PagedLayerCache":
+        if self.batch is None:
+            raise RuntimeError("PagedCache.batch is not set: build a PackedBatch for this forward first")
+        if idx not in self.index:
+            raise KeyError(f"layer {idx} has no pool slot (pool layers: {sorted(self.index)})")
+        return PagedLayerCache(self, self.index[idx])
+
+
+class PagedLayerCache:
+    """One layer's part of a `PagedCache`: what a KDA or MLA module reads and writes in a packed forward."""
+
+    def __init__(self, pc: PagedCache, j: int):
+        self.pc, self.j, self.batch = pc, j, pc.batch
+
+    # ---- KDA -------------------------------------------------------------------------------------------
+    def conv_windows(self) -> torch.Tensor:
+        """[n, 3·H·K, W-1]: each document's last W-1 projected q ‖ k ‖ v inputs (oldest first; zeros at start)."""
+        w = self.pc.conv[:, self.j].index_select(0, self.batch.slots)  # [n, 3, C, W-1]
+        return w.view(w.shape[0], -1, w.shape[-1])
+
+    def set_conv_windows(self, w: torch.Tensor) -> None:
+        conv = self.pc.conv[:, self.j]
+        conv[self.batch.slots] = w.reshape(-1, *conv.shape[1:]).to(conv.dtype)
+
+    def states(self) -> torch.Tensor:
+        """[n, H, K, V] fp32 (contiguous copy): each document's recurrent state before its first new token."""
+        return self.pc.state[:, self.j].index_select(0, self.batch.slots)
+
+    def set_states(self, s: torch.Tensor) -> None:
+        self.pc.state[:, self.j][self.batch.slots] = s.to(self.pc.state.dtype)
+
+    # ---- MLA -------------------------------------------------------------------------------------------
+    def write_latents(self, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """c [N, C], k_pe [N, R] of the new tokens → their (page, row)."""
+        kv = self.pc.mla[:, self.j]
+        b = self.batch
+        kv[b.tok_page, b.tok_off] = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
+
+    def decode_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The leading single-token documents' histories [0, start + 1) (after `write_latents`), padded:
+        (c ‖ k_pe [nd, S, C + R] in `dtype`, valid [nd, S] bool); rows past a document's end are zero."""
+        b = self.batch
+        kv = self.pc.mla[:, self.j][b.dec_page, b.dec_off].to(dtype)
+        return torch.where(b.dec_valid[..., None], kv, torch.zeros((), dtype=dtype, device=kv.device)), b.dec_valid
+
+    def history(self, dtype: torch.dtype) -> torch.Tensor:
+        """The other documents' histories [0, start + len) (after `write_latents`), packed document after
+        document (bounds `batch.hist_cu`): c ‖ k_pe [M, C + R] in `dtype`."""
+        b = self.batch
+        return self.pc.mla[:, self.j][b.hist_page, b.hist_off].to(dtype)
