@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ._atomic import atomic_write
+
 _PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -260,11 +262,7 @@ class K3Config(_DictConfig):
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        out = d / "config.json"
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, out)
-        return out
+        return atomic_write(d / "config.json", json.dumps(self.to_dict(), indent=2) + "\n", mode=0o644)
 
     # ---- presets --------------------------------------------------------------------------------
     @classmethod

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the "vm" sandbox tier (k3/env/vm.py) needs, from Debian's package registry only, and build
+# Install what the "vm" sandbox tier (k3/env/vm/) needs, from Debian's package registry only, and build
 # its guest artefacts. Idempotent: every step is skipped when its result is already there.
 #
 #   host packages : qemu-system-x86 (QEMU 7.2, TCG), qemu-utils (qemu-img), busybox-static, e2fsprogs, cpio, lz4

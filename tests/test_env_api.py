@@ -283,9 +283,9 @@ class TestManager:
         assert len(fake(mgr).killed) == 1  # the tier was asked to clean up
 
     def test_limits_and_upload_cap(self, mgr):
-        info = mgr.create(limits={"memory_mb": 256, "disk_mb": 1, "network": True})
+        info = mgr.create(limits={"memory_mb": 256, "file_mb": 1, "network": True})
         sid = info["sandbox_id"]
-        assert info["limits"] == {"memory_mb": 256, "cpus": 1.0, "pids": 256, "disk_mb": 1, "network": True}
+        assert info["limits"] == {"memory_mb": 256, "cpus": 1.0, "pids": 256, "file_mb": 1, "network": True}
         mgr.write_file(sid, "/ok", b"x" * (1 << 20))
         with pytest.raises(TooLarge):
             mgr.write_file(sid, "/big", b"x" * ((1 << 20) + 1))
@@ -743,7 +743,7 @@ class TestREST:
         assert r.status_code == 200 and r.json()["exit_code"] == 127
 
     def test_oversized_upload_413(self, api, monkeypatch):
-        sid = _new(api, limits={"disk_mb": 1})
+        sid = _new(api, limits={"file_mb": 1})
         big = b"x" * ((1 << 20) + 1)
         r = api.put(f"/sandboxes/{sid}/files", params={"path": "/big"}, content=big)  # Content-Length check
         assert r.status_code == 413 and r.json()["error"] == "TooLarge"
@@ -874,7 +874,7 @@ class TestRemoteClient:
             Sandbox.create(tier="nohost", url=url, api_key="k3y")
         monkeypatch.setenv("K3_SANDBOX_URL", url)
         monkeypatch.setenv("K3_SANDBOX_API_KEY", "k3y")
-        sb = Sandbox.create(tier="fake", limits={"disk_mb": 1})
+        sb = Sandbox.create(tier="fake", limits={"file_mb": 1})
         assert [s.sandbox_id for s in Sandbox.list()] == [sb.sandbox_id]
         with pytest.raises(TooLarge):
             sb.write_file("/big", b"x" * (2 << 20))
@@ -940,8 +940,8 @@ def test_cli_parser():
 
 # ---- integration: the same client flow on the real process tier -------------------------------------------
 def _process_tier_ok() -> tuple[bool, str]:
-    if not (Path(__file__).resolve().parents[1] / "k3" / "env" / "process.py").exists():
-        return False, "k3/env/process.py not present"
+    if not (Path(__file__).resolve().parents[1] / "k3" / "env" / "process" / "__init__.py").exists():
+        return False, "k3/env/process/ not present"
     if os.geteuid() != 0:
         return False, "needs root"
     try:

@@ -132,7 +132,7 @@ def test_exec_concurrent_and_big_io(tier, sbx):
 
 
 def test_exec_output_cap(tier, sbx, monkeypatch):
-    monkeypatch.setattr(proc_mod, "MAX_OUTPUT_BYTES", 1000)
+    monkeypatch.setattr(proc_mod.tier, "MAX_OUTPUT_BYTES", 1000)
     s = sbx()
     r = tier.exec(s, "head -c 5000 /dev/zero | tr '\\0' x")
     assert r.stdout == "x" * 1000 and "truncated" in r.stderr and r.exit_code == 0
@@ -262,7 +262,8 @@ def test_deep_layer_stack_mounts(tmp_path):
         (d / "f").write_text(str(i))
         layers.append(str(d))
     (tmp_path / "u").mkdir(), (tmp_path / "w").mkdir(), (tmp_path / "m").mkdir()
-    code = (f"import sys; sys.path.insert(0, {str(Path(proc_mod.__file__).parent)!r}); import _fs; "
+    fs_dir = str(Path(proc_mod.__file__).parents[1])  # k3/env, where _fs.py is
+    code = (f"import sys; sys.path.insert(0, {fs_dir!r}); import _fs; "
             f"_fs.mount_overlay({str(tmp_path / 'm')!r}, {layers[::-1]!r}, {str(tmp_path / 'u')!r}, "
             f"{str(tmp_path / 'w')!r}, {proc_mod.OVERLAY_OPTIONS!r}); print(open({str(tmp_path / 'm' / 'f')!r}).read())")
     r = subprocess.run(["unshare", "-m", sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -363,7 +364,7 @@ def test_memory_hog_is_oom_killed(tier, sbx):
 
 # --- file API ---------------------------------------------------------------------------------------------------
 def test_file_api(tier, sbx):
-    s = sbx(Limits(disk_mb=1))
+    s = sbx(Limits(file_mb=1))
     tier.write_file(s, "/root/new/dir/f.sh", b"#!/bin/sh\necho run\n", mode=0o755)
     assert tier.read_file(s, "/root/new/dir/f.sh") == b"#!/bin/sh\necho run\n"
     assert sh(tier, s, "stat -c '%u %g %a' /root/new/dir/f.sh; /root/new/dir/f.sh") == "0 0 755\nrun\n"
@@ -482,7 +483,7 @@ def test_recover_after_crash(tmp_path):
         libc.prctl(36, 0, 0, 0, 0)
 
 
-def test_tarball_base(tier, sbx, tmp_path):
+def test_tarball_base(tier, sbx, tmp_path, monkeypatch):
     import tarfile
     src = tmp_path / "img"
     (src / "data").mkdir(parents=True)
@@ -490,6 +491,9 @@ def test_tarball_base(tier, sbx, tmp_path):
     tb = tmp_path / "img.tar.gz"
     with tarfile.open(tb, "w:gz") as tf:
         tf.add(src, arcname=".")
+    with pytest.raises(BadRequest, match="not allowed"):  # absolute paths only under the operator's base roots
+        sbx(base=str(tb))
+    monkeypatch.setattr(tier, "base_roots", [str(tmp_path)])
     s1, s2 = sbx(base=str(tb)), sbx(base=str(tb))
     assert tier.read_file(s1, "/data/hello.txt") == b"from tar"
     assert tier._table.sandboxes[s1].base == tier._table.sandboxes[s2].base  # extracted once

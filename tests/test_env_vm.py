@@ -1,4 +1,4 @@
-"""The "vm" sandbox tier (k3/env/vm.py): QEMU microvm under TCG, memory snapshots, forks, qcow2 disk chains.
+"""The "vm" sandbox tier (k3/env/vm/): QEMU microvm under TCG, memory snapshots, forks, qcow2 disk chains.
 
 Needs scripts/setup_vm.sh (skipped otherwise). One VM is booted for the module and reused; restores are
 cheap (~0.5–1 s), boots are not (~4–8 s under TCG on 2 cores).

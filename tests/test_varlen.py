@@ -7,6 +7,9 @@ from conftest import make_tiny, rel_rmse
 from k3.model.k3 import lm_loss
 
 CU = [0, 5, 17, 24, 30, 31, 48]  # B=2, T=24: row boundary at 24; a 1-token and a 5-token document
+# A .double() model still runs KDA's gates, beta and output norm in fp32 (by design), so packed vs alone agree to
+# fp32 rounding, not fp64's: observed rel-RMSE ≈ 0.6 fp32 eps (7.4e-8) at 1 and 2 threads; the bar is 8 eps.
+FP32_TOL = 8 * torch.finfo(torch.float32).eps
 
 
 def _docs(ids):
@@ -14,9 +17,10 @@ def _docs(ids):
     return [flat[a:b] for a, b in zip(CU[:-1], CU[1:])]
 
 
-def test_packed_forward_and_losses_equal_documents_alone():
-    model = make_tiny(seed=3).double()
-    g = torch.Generator().manual_seed(11)
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_packed_forward_and_losses_equal_documents_alone(seed):
+    model = make_tiny(seed=seed).double()
+    g = torch.Generator().manual_seed(8 + seed)
     ids = torch.randint(0, 4000, (2, 24), generator=g)
     cu = torch.tensor(CU, dtype=torch.int32)
     out = model(ids, labels=ids, cu_seqlens=cu)
@@ -25,7 +29,7 @@ def test_packed_forward_and_losses_equal_documents_alone():
     lm = model.language_model
     for (a, b), doc in zip(zip(CU[:-1], CU[1:]), _docs(ids)):
         alone = model(doc[None], labels=doc[None])
-        assert rel_rmse(alone.logits[0], logits[a:b]) < 1e-8
+        assert rel_rmse(alone.logits[0], logits[a:b]) < FP32_TOL
         L = b - a
         if L > 1:
             nll += alone.loss.item() * (L - 1)

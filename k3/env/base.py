@@ -60,8 +60,17 @@ class Limits:
     memory_mb: int = 512
     cpus: float = 1.0
     pids: int = 256
-    disk_mb: int = 1024  # cap on one file upload / the writable layer where the tier can enforce it
+    file_mb: int = 1024  # largest file: caps each upload, and (process tier) each file a command writes
     network: bool = False  # False: loopback only
+    # There is no cap on a sandbox's total disk use: this field was `disk_mb`, which promised one (issue 17).
+
+    @classmethod
+    def from_record(cls, d: dict) -> "Limits":
+        """Limits from a stored record; records written before the rename carry `disk_mb` (= file_mb)."""
+        d = dict(d)
+        if "disk_mb" in d:
+            d.setdefault("file_mb", d.pop("disk_mb"))
+        return cls(**d)
 
 
 @dataclass

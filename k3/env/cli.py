@@ -29,6 +29,9 @@ def cmd_serve(args) -> int:
     if api_key is None and not is_loopback(args.host):
         print(f"k3 sandbox serve: warning: listening on {args.host} without an API key; anyone who can reach "
               "it can run commands in its sandboxes (set --api-key or K3_SANDBOX_API_KEY)", file=sys.stderr)
+    if args.base_root:  # read by the process tier when the manager creates it
+        from .process.bases import BASE_ROOTS_ENV
+        os.environ[BASE_ROOTS_ENV] = os.pathsep.join(os.path.realpath(r) for r in args.base_root)
     try:
         manager = SandboxManager(args.state_dir or default_state_dir())
     except SandboxError as e:
@@ -51,5 +54,9 @@ def add_parser(subparsers) -> None:
                    help="sandbox state directory (default $K3_SANDBOX_DIR or ~/.cache/k3/sandboxes)")
     s.add_argument("--api-key", default=None,
                    help="require this X-API-Key on every request but /health (default $K3_SANDBOX_API_KEY)")
+    s.add_argument("--base-root", action="append", default=[], metavar="DIR",
+                   help="a directory whose subdirectories and tarballs requests may name as a base by absolute path "
+                        "(repeatable; default $K3_SANDBOX_BASE_ROOTS; none: only 'default' and names under "
+                        "<state-dir>/process/bases/)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)

@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -52,6 +51,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .. import _atomic
 from .base import (MAX_FILE_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits, NotFound,
                    SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable)
 
@@ -61,6 +61,9 @@ log = logging.getLogger("k3.env")
 DEFAULT_TIERS: dict[str, Any] = {"process": "k3.env.process:ProcessTier", "vm": "k3.env.vm:VMTier"}
 DEFAULT_TIER = "process"
 MAX_FORK = 16
+MAX_METADATA_BYTES = 16 * 1024  # a sandbox's metadata (keys + values, UTF-8): every listing returns it
+MAX_METADATA_KEYS = 64
+MAX_ENV_BYTES = 1024 * 1024  # a sandbox's env (stored in its record, sent with every exec)
 FORMAT_VERSION = 1
 _CREATING = "creating"  # transient record state, on disk only while the tier creates the sandbox
 
@@ -76,29 +79,10 @@ def _new_id(prefix: str) -> str:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write JSON so that `path` is always either the old or the new complete file (never half-written)."""
-    path = Path(path)
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    _atomic.atomic_write_json(path, obj, indent=1, sort_keys=True)
 
 
-def _fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+_fsync_dir = _atomic.fsync_dir
 
 
 def _unlink(path: Path) -> None:
@@ -129,6 +113,14 @@ def _check_env(env: Any) -> dict[str, str] | None:
     return dict(env)
 
 
+def _check_size(what: str, d: dict[str, str], max_bytes: int, max_keys: int | None) -> None:
+    if max_keys is not None and len(d) > max_keys:
+        raise TooLarge(f"{what} has {len(d)} entries; at most {max_keys} are allowed")
+    n = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass")) for k, v in d.items())
+    if n > max_bytes:
+        raise TooLarge(f"{what} holds {n} bytes; at most {max_bytes} are allowed")
+
+
 def _check_limits(limits: Any) -> Limits:
     if limits is None:
         return Limits()
@@ -139,11 +131,14 @@ def _check_limits(limits: Any) -> Limits:
     else:
         raise BadRequest("limits must be an object")
     names = {f.name for f in fields(Limits)}
+    if "disk_mb" in d:
+        raise BadRequest("limits.disk_mb was renamed file_mb: it caps each file (uploads, and files commands write "
+                         "on the process tier), not the sandbox's disk; nothing caps a sandbox's total disk use")
     unknown = set(d) - names
     if unknown:
         raise BadRequest(f"unknown limits {sorted(unknown)}; valid: {sorted(names)}")
     out = Limits(**d)
-    for k in ("memory_mb", "pids", "disk_mb"):
+    for k in ("memory_mb", "pids", "file_mb"):
         v = getattr(out, k)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise BadRequest(f"limits.{k} must be a positive integer, got {v!r}")
@@ -208,7 +203,7 @@ class _Sandbox:
     def from_json(cls, d: dict) -> _Sandbox:
         d = dict(d)
         d.pop("version", None)
-        d["limits"] = Limits(**d.get("limits", {}))
+        d["limits"] = Limits.from_record(d.get("limits", {}))
         names = {f.name for f in fields(cls)} - {"lock", "recovered"}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -434,6 +429,8 @@ class SandboxManager:
         if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in metadata.items()):
             raise BadRequest("metadata must be an object of string → string")
+        _check_size("metadata", metadata, MAX_METADATA_BYTES, MAX_METADATA_KEYS)
+        _check_size("env", env or {}, MAX_ENV_BYTES, None)
         if base is not None and not isinstance(base, str):
             raise BadRequest("base must be a string")
         snap = None
@@ -668,11 +665,11 @@ class SandboxManager:
                                              stdin=bytes(stdin) if stdin is not None else None)
 
     def upload_limit(self, sandbox_id: str | None = None) -> int:
-        """Largest accepted upload: MAX_FILE_BYTES, or the sandbox's limits.disk_mb if smaller."""
+        """Largest accepted upload: MAX_FILE_BYTES, or the sandbox's limits.file_mb if smaller."""
         if sandbox_id is None:
             return MAX_FILE_BYTES
         rec = self._get(sandbox_id)
-        return min(MAX_FILE_BYTES, rec.limits.disk_mb * 1024 * 1024)
+        return min(MAX_FILE_BYTES, rec.limits.file_mb * 1024 * 1024)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         path = _check_path(path)

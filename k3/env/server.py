@@ -30,6 +30,10 @@ also keeps web pages from POSTing to a local server cross-site); a body or query
 schema is 422 ValidationError (with "errors": the field-level list); unknown routes 404; 401 Unauthorized;
 anything unexpected 500 InternalError.
 Every check happens before the manager changes anything, so a failed request changes nothing.
+
+Bodies are bounded while they stream in (Content-Length or chunked alike): a file upload by the sandbox's
+upload limit, every other body by MAX_JSON_BODY (413 TooLarge beyond, without reading the rest). Numbers must
+be finite (NaN/Infinity are 422). Bases are whatever the tier allows (the process tier: an allow-list).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import binascii
 import contextlib
 import hmac
 import logging
+import math
 from typing import Any
 
 from fastapi import Body, FastAPI, Query, Request
@@ -54,6 +59,8 @@ from .manager import SandboxManager
 
 log = logging.getLogger("k3.env.server")
 
+MAX_JSON_BODY = 16 * 1024 * 1024  # any request body but a file upload (exec stdin_b64 included)
+
 _HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                405: "MethodNotAllowed", 409: "InvalidState", 413: "TooLarge", 415: "UnsupportedMediaType",
                422: "ValidationError", 503: "Unavailable"}
@@ -65,9 +72,10 @@ class _Model(BaseModel):
 
 class LimitsIn(_Model):
     memory_mb: int | None = Field(None, gt=0)
-    cpus: float | None = Field(None, gt=0)
+    cpus: float | None = Field(None, gt=0, allow_inf_nan=False)
     pids: int | None = Field(None, gt=0)
-    disk_mb: int | None = Field(None, gt=0)
+    file_mb: int | None = Field(None, gt=0)
+    disk_mb: int | None = None  # the old name: passed on so the manager can say what it became
     network: bool | None = None
 
 
@@ -75,7 +83,7 @@ class CreateIn(_Model):
     tier: str | None = None
     base: str | None = None
     snapshot_id: str | None = None
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     auto_pause: bool = True
     limits: LimitsIn | None = None
     env: dict[str, str] | None = None
@@ -83,7 +91,7 @@ class CreateIn(_Model):
 
 
 class TimeoutIn(_Model):
-    timeout_s: float | None = Field(..., gt=0)
+    timeout_s: float | None = Field(..., gt=0, allow_inf_nan=False)
 
 
 class ForkIn(_Model):
@@ -92,7 +100,7 @@ class ForkIn(_Model):
 
 class ExecIn(_Model):
     cmd: str | list[str]
-    timeout: float = Field(60.0, gt=0)
+    timeout: float = Field(60.0, gt=0, allow_inf_nan=False)
     env: dict[str, str] | None = None
     cwd: str | None = None
     stdin_b64: str | None = None
@@ -100,6 +108,64 @@ class ExecIn(_Model):
 
 def _error(status: int, name: str, detail: Any, **extra) -> JSONResponse:
     return JSONResponse({"error": name, "detail": detail, **extra}, status_code=status)
+
+
+def _finite(x: Any) -> Any:
+    """`x` with every non-finite float as its string ('nan'): an error that echoes the bad input stays JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+class _BodyLimit:
+    """Pure ASGI middleware: reads a request body (every route but the file upload, which streams against its own
+    cap) up to `limit` bytes as it arrives, Content-Length or chunked, then hands it to the app; one byte more is
+    413 at once, so a client cannot make the server buffer more than `limit`."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or (scope["method"] == "PUT" and scope["path"].endswith("/files")):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            try:
+                n = int(declared)
+            except ValueError:
+                return await _error(400, "BadRequest", "invalid Content-Length")(scope, receive, send)
+            if n > self.limit:
+                return await self._too_large(scope, receive, send)
+        chunks, total, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            total += len(body)
+            if total > self.limit:
+                return await self._too_large(scope, receive, send)
+            chunks.append(body)
+            more = msg.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        resp = _error(413, "TooLarge", f"request body exceeds the limit of {self.limit} bytes")
+        resp.headers["connection"] = "close"  # the rest of the body is never read
+        await resp(scope, receive, send)
 
 
 def _validation_message(errors: list[dict]) -> str:
@@ -117,10 +183,11 @@ def _has_body(request: Request) -> bool:
     return "transfer-encoding" in request.headers
 
 
-def create_app(manager: SandboxManager, api_key: str | None = None, shutdown_manager: bool = False) -> FastAPI:
+def create_app(manager: SandboxManager, api_key: str | None = None, shutdown_manager: bool = False,
+               max_body: int = MAX_JSON_BODY) -> FastAPI:
     """The ASGI app. `api_key`: require `X-API-Key` on every route but /health. `shutdown_manager`: call
     `manager.shutdown()` (pause running sandboxes) when the ASGI server shuts down (`k3 sandbox serve` does);
-    otherwise the manager is left to whoever created it."""
+    otherwise the manager is left to whoever created it. `max_body`: the cap on every body but a file upload."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -147,6 +214,8 @@ def create_app(manager: SandboxManager, api_key: str | None = None, shutdown_man
                               f"request body must be JSON with Content-Type: application/json (got {ctype or 'none'})")
         return await call_next(request)
 
+    app.add_middleware(_BodyLimit, limit=max_body)  # outermost: before auth and routing see the body
+
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError):
         return _error(exc.status, type(exc).__name__, str(exc))
@@ -158,7 +227,8 @@ def create_app(manager: SandboxManager, api_key: str | None = None, shutdown_man
         if bad_json:
             ctx = bad_json[0].get("ctx") or {}
             return _error(400, "BadRequest", f"invalid JSON body: {ctx.get('error', bad_json[0].get('msg'))}")
-        return _error(422, "ValidationError", _validation_message(errors), errors=jsonable_encoder(errors))
+        return _error(422, "ValidationError", _finite(_validation_message(errors)),
+                      errors=_finite(jsonable_encoder(errors)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -30,6 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from .._atomic import atomic_write
+
 if TYPE_CHECKING:
     from ..config import K3TextConfig
 
@@ -242,7 +244,7 @@ class K3Tokenizer:
         d.mkdir(parents=True, exist_ok=True)
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
         lines = [f"{base64.b64encode(b).decode('ascii')} {r}\n" for b, r in by_rank]
-        _atomic_write(d / "tiktoken.model", "".join(lines))
+        atomic_write(d / "tiktoken.model", "".join(lines))
         cfg = {
             "tokenizer_class": "TikTokenTokenizer",
             "bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
@@ -253,7 +255,7 @@ class K3Tokenizer:
             "k3_tokenizer": {"name": self.name, "pat_str": self.pat_str, "eod_token": self.eod_token,
                              "vocab_size": self.vocab_size},
         }
-        _atomic_write(d / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+        atomic_write(d / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "K3Tokenizer":
@@ -344,17 +346,6 @@ def _read_tiktoken_model(path: Path) -> dict[bytes, int]:
     if not ranks:
         raise ValueError(f"{path}: empty tiktoken.model")
     return ranks
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---- training -------------------------------------------------------------------------------------------

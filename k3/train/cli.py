@@ -9,35 +9,64 @@ import sys
 
 from .config import TrainConfig, load_config_file
 
-_HELP = {
+_HELP = {  # every TrainConfig field; `k3 train --help` appends the default (and the choices where there are some)
     "preset": "model preset (k3-tiny: CPU demo; k3-small: one GPU)",
     "model_config": "a config.json or checkpoint dir instead of a preset",
     "init_from": "initial weights (a checkpoint dir in the HF layout)",
-    "data": "text / JSONL (text field) / Parquet files, dirs or globs; default: the built-in corpus",
-    "tokenizer": "tokenizer dir (tiktoken.model + tokenizer_config.json, or ours); default: BPE on the built-in corpus",
-    "seq_len": "base context length (curriculum stages are multiples of it)",
-    "batch_size": "rows per micro-batch at the base length",
-    "tokens_per_step": "tokens per optimizer step (constant across curriculum stages)",
+    "data": "text / JSONL (text field) / Parquet files, dirs or globs; a text file is cut into documents at blank "
+            "lines (one input.txt works); empty: the built-in corpus",
+    "text_field": "the JSONL field / Parquet column that holds the text",
+    "tokenizer": "tokenizer dir (tiktoken.model + tokenizer_config.json, or ours); empty: BPE on the built-in corpus",
+    "seq_len": "base context length (curriculum stages are multiples of it); empty: the preset's",
+    "batch_size": "rows per micro-batch at the base length; empty: tokens-per-step / seq-len",
+    "tokens_per_step": "tokens per optimizer step (constant across curriculum stages); empty: the preset's",
+    "grad_accum": "micro-batches per optimizer step",
     "curriculum": "'auto', 'none', or 'frac:mult,...' e.g. '0.85:1,0.15:8'",
-    "optimizer": "'muon' (Per-Head Muon + AdamW) or 'adamw'",
-    "balance": "router bias update: 'qb' (Quantile Balancing, histogram), 'qb-exact', 'sign' (DeepSeek-V3) or 'none'",
+    "long_context_frac": "share of long-stage rows drawn from the synthetic long-context task, in [0, 1]",
+    "steps": "optimizer steps of the whole run (the schedule's length)",
+    "optimizer": "Per-Head Muon + AdamW, or AdamW alone",
+    "lr": "peak learning rate; empty: the preset's",
+    "min_lr_ratio": "the cosine schedule ends at lr x this, in [0, 1]",
+    "warmup_frac": "share of steps spent warming up linearly, in [0, 1)",
+    "weight_decay": "decoupled weight decay",
+    "grad_clip": "clip the global gradient norm to this (0: off)",
     "qk_clip_tau": "QK-clip threshold on MLA logits (0: off)",
-    "stop_after": "stop after this many steps (resume later with the same command)",
-    "expert_parallel": "under torchrun: shard the routed experts over the ranks with MoonEP",
+    "balance": "router bias update: qb (Quantile Balancing, histogram), qb-exact, sign (DeepSeek-V3) or none",
+    "balance_gamma": "step size of the 'sign' balancing rule",
+    "mtp_weight": "weight of the multi-token-prediction loss (0: off)",
     "gradient_checkpointing": "recompute each decoder layer in the backward (long sequences, large batches)",
-    "out": "run directory (checkpoints, log.jsonl, tb/, training.png, summary.json)",
+    "expert_parallel": "under torchrun: shard the routed experts over the ranks with MoonEP",
+    "device": "cpu, cuda, cuda:N; empty: cuda when there is a GPU",
+    "seed": "seed of the weights, data order and sampling",
+    "out": "run directory (checkpoints, log.jsonl, tb/, training.png, summary.json); default: runs/<preset>",
+    "resume": "continue from out/latest when there is one (--no-resume refuses an out that holds a run)",
+    "stop_after": "stop after this many steps (resume later with the same command); empty: run to --steps",
+    "eval_every": "validation loss every N steps (0: only at the start and the end)",
+    "eval_batches": "validation micro-batches per evaluation",
+    "sample_every": "print a sampled continuation every N steps (0: only at the end)",
+    "sample_tokens": "tokens per sample",
+    "sample_prompt": "the sample's prompt",
+    "save_every": "checkpoint every N steps (0: only at the end); the last step is always saved",
+    "keep_checkpoints": "checkpoints kept (the newest; older ones are deleted)",
+    "tensorboard": "write TensorBoard event files under out/tb",
+    "progress": "show a progress bar",
 }
+_CHOICES = {"optimizer": ("muon", "adamw"), "balance": ("qb", "qb-exact", "sign", "none")}
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", dest="config_file", help="a TOML or YAML file of settings (flags override it)")
+    p.add_argument("--config", dest="config_file", help="a TOML, YAML or JSON file of settings (flags override it)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(dest=f.name, default=None, help=_HELP.get(f.name))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "" if default in (None, []) or f.name == "out" else f" (default: {default!r})"
+        kw = dict(dest=f.name, default=None, help=_HELP[f.name] + shown)  # None: the config file's value stays
+        if f.name in _CHOICES:
+            kw["choices"] = _CHOICES[f.name]
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif f.name == "data":
-            p.add_argument(flag, nargs="+", **kw)
+            p.add_argument(flag, nargs="+", metavar="PATH", **kw)
         else:
             typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             p.add_argument(flag, type=typ, **kw)
@@ -61,6 +90,10 @@ def cmd_train(args) -> int:
     except TrainingDiverged as e:
         print(f"k3 train: stopped: {e}", file=sys.stderr)
         return 3
+    if summary.get("already_finished"):
+        print(f"k3 train: the run already finished at step {summary['step']} (checkpoint {summary['checkpoint']}); "
+              "nothing to do. Raise --steps to train on, or give a new --out to start over.")
+        return 0
     if summary.get("finished"):
         print(f"\nvalidation loss {summary['first_val_loss']:.3f} → {summary['final_val_loss']:.3f} "
               f"(nats/token); checkpoint {summary['checkpoint']}; plot {summary['plot']}")

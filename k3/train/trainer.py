@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._atomic import atomic_write
 from .config import TrainConfig
 from .metrics import MetricsLog, plot_run, read_log
-from .state import (clean_staging, commit_checkpoint, latest_checkpoint, rng_state, set_rng_state, stage_checkpoint,
-                    staging_dir, state_file, write_state)
+from .state import (clean_staging, commit_checkpoint, latest_checkpoint, latest_step, load_state, rng_state,
+                    set_rng_state, stage_checkpoint, staging_dir, state_file, write_state)
 
 
 class TrainingDiverged(RuntimeError):
@@ -62,6 +64,7 @@ class Trainer:
         from .qkclip import QKClip
 
         self.cfg = cfg = cfg.resolved()
+        _check_inputs(cfg)  # missing/empty data or tokenizer: a clear error before anything is built or written
         self.rank, self.world, dev = init_distributed()
         self.device = torch.device(cfg.device) if cfg.device else (
             dev or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -260,7 +263,10 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Atomic checkpoint of every rank's state (a collective when distributed): rank 0 stages the model
-        (experts gathered under EP), every rank adds its trainer state, rank 0 commits."""
+        (experts gathered under EP), every rank adds its trainer state, rank 0 commits. The step `latest` already
+        names (a resumed run that trained no further) is not written again."""
+        if latest_step(self.run_dir) == self.step:
+            return latest_checkpoint(self.run_dir)
         ctx = nullcontext()
         if self.expert_parallel:
             from ..dist.moonep import gathered_experts
@@ -283,7 +289,7 @@ class Trainer:
         if not path.is_file():
             raise FileNotFoundError(f"{ck} has no {path.name}: it was written by fewer ranks than this run's "
                                     f"{self.world}")
-        st = torch.load(path, map_location="cpu", weights_only=False)
+        st = load_state(path)
         if st.get("world_size", 1) != self.world:
             raise ValueError(f"{ck} was written by {st.get('world_size', 1)} ranks; this run has {self.world}")
         self.opt.load_state_dict(st["optimizer"])
@@ -303,9 +309,11 @@ class Trainer:
         from tqdm import tqdm
         cfg = self.cfg
         resumed = self.try_resume()
+        if resumed and self.step >= cfg.steps:  # nothing left to do: no second final evaluation, no re-save
+            return finished_summary(self.run_dir, self.step)
         log = MetricsLog(self.run_dir, cfg.tensorboard, resume_step=self.step) if self.rank == 0 else _NullLog()
         if self.rank == 0:
-            (self.run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            atomic_write(self.run_dir / "train_config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.step + cfg.stop_after)
         bar = tqdm(total=cfg.steps, initial=self.step, desc="k3 train", unit="step", dynamic_ncols=True,
                    disable=not cfg.progress or self.rank != 0)
@@ -398,7 +406,7 @@ class Trainer:
             summary.update(first_val_loss=vals[0]["loss"] if vals else None, final_val_loss=v, sample=text,
                            checkpoint=str(latest_checkpoint(self.run_dir)),
                            plot=str(plot_run(self.run_dir)), params=self.model.num_parameters())
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
 
@@ -412,5 +420,61 @@ class _NullLog:
         pass
 
 
+def finished_summary(run_dir: str | os.PathLike, step: int) -> dict:
+    """What a finished run reports when asked to train again: its summary.json plus `already_finished`."""
+    p = Path(run_dir) / "summary.json"
+    try:
+        s = json.loads(p.read_text()) if p.is_file() else {}
+    except ValueError:
+        s = {}
+    s.update(step=step, finished=True, already_finished=True, resumed=True,
+             checkpoint=str(latest_checkpoint(run_dir)))
+    return s
+
+
+def _check_inputs(cfg: TrainConfig) -> None:
+    from ..data.sources import check_sources
+    if cfg.tokenizer and not Path(cfg.tokenizer).exists():
+        raise FileNotFoundError(f"tokenizer {cfg.tokenizer!r} does not exist")
+    for name in ("model_config", "init_from"):
+        v = getattr(cfg, name)
+        if v and not Path(v).exists():
+            raise FileNotFoundError(f"{name.replace('_', '-')} {v!r} does not exist")
+    if cfg.data:
+        check_sources(cfg.data, cfg.text_field)
+
+
+def preflight(cfg: TrainConfig) -> dict | None:
+    """Every check that needs no model, before anything is built or written: settings, data, tokenizer and the
+    state of `out`. Returns the finished run's summary when `out` already reached `steps` (nothing to do), None
+    when training should start or continue."""
+    cfg = cfg.resolved()
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={cfg.out!r} exists and is not a directory")
+    step = latest_step(out) if out.is_dir() else None
+    if step is not None:
+        if not cfg.resume:
+            raise ValueError(f"out={cfg.out!r} already holds a run (its latest checkpoint is step {step}): give a "
+                             "new --out to start over, or leave out --no-resume to continue it")
+        latest_checkpoint(out)  # a dangling `latest` is an error here, not after the model is built
+        if step >= cfg.steps:
+            return finished_summary(out, step)
+    _check_inputs(cfg)
+    return None
+
+
 def train(cfg: TrainConfig) -> dict:
-    return Trainer(cfg).fit()
+    """`k3 train`: preflight, then train. A run that fails before its first checkpoint leaves no `out` behind
+    (when it created it); a finished run is not trained again (the summary says `already_finished`)."""
+    done = preflight(cfg)
+    if done is not None:
+        return done
+    out = Path(cfg.out)
+    created = not out.exists()
+    try:
+        return Trainer(cfg).fit()
+    except BaseException:
+        if created and int(os.environ.get("RANK", "0")) == 0 and latest_step(out) is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise

@@ -1,61 +1,7 @@
-"""The "vm" tier: one QEMU microvm per sandbox (TCG unless a usable KVM exists), with full memory snapshots.
-
-Guest (built by scripts/setup_vm.sh into $K3_VM_DIR, default ~/.cache/k3/vm):
-- the Debian cloud kernel: `vmlinux` (uncompressed ELF, booted through PVH; ~1 s faster), else `vmlinuz`;
-- a BusyBox initramfs whose /init loads the virtio-mmio modules, mounts the root disk and switch_roots into
-  BusyBox init, which runs /k3/rc and respawns /k3/agent (sources: k3/env/guest/);
-- the default root disk `base.qcow2` (→ `base-<stamp>.qcow2`): ext4 with BusyBox, /k3 and the sandbox's files.
-
-Machine: `-machine microvm -cpu qemu64` (faster than `max` under TCG), RAM = limits.memory_mb (≥ 256), vCPUs
-= round(limits.cpus). microvm needs ACPI for the kernel to find its virtio-mmio devices (the cloud kernel has
-no virtio_mmio.device= support), and ACPI there is "hardware reduced": no PIT/HPET for the kernel to
-calibrate against, which hangs a TCG boot. The host's TSC frequency is therefore passed as `tsc_early_khz`
-(under TCG the guest reads the host TSC) with `tsc=reliable`. Devices: a virtio-blk root disk (qcow2 overlay),
-a virtio-serial port "k3.agent" (the exec agent), ttyS0 → `console.log`, QMP on a unix socket. No network
-(`-nic none`) unless limits.network: then QEMU user-mode networking (slirp: outbound TCP/UDP, guest 10.0.2.15,
-DNS 10.0.2.3, no inbound; note slirp maps 10.0.2.2 to the host's loopback, so host services listening on
-127.0.0.1 are reachable from such a guest).
-
-Agent protocol (k3/env/guest/agent, a BusyBox sh script): one JSON line per request and response over the
-virtio-serial port, ids echoed back (after a reconnect, stale responses are skipped); string fields the host
-sends are base64; bulk payloads (exec script and stdin, uploaded files, downloaded files, stdout/stderr) travel
-raw with their lengths in the JSON line, followed by a trailer line that verifies the stream is in step.
-exec runs `sh -c` in a new session with a clean environment, killed as a process group on timeout (exit 137).
-
-State on disk (the tier's state_dir):
-    sandboxes/<sid>/   vm.json (pid, sockets, disk layer, last snapshot), disk-<n>.qcow2, console.log,
-                       qemu.log, qmp.sock, agent.sock (sockets in /tmp/k3vm-<uid>/ if the path is too long)
-    snapshots/<id>/    mem (QEMU's migration stream: RAM + device state), disk.qcow2 (the sealed disk layer),
-                       meta.json
-
-Checkpoint: QMP `stop`; the active qcow2 overlay is hard-linked as the snapshot's disk and the VM switches to a
-new overlay over it (`blockdev-add` + `blockdev-snapshot`; the new overlay's header names the snapshot's path,
-so chains never point into a sandbox dir); `migrate` to an fd of `mem` (`getfd` + `fd:`) writes RAM and device
-state; `cont` if it was running. Disk layers are incremental (a qcow2 backing chain base ← s1 ← s2 …); the
-memory file is a full image each time (zero pages cost nothing: ~60–90 MB for a 256–512 MiB guest).
-Restore/fork: a fresh QEMU with the snapshot's machine shape, a new overlay over the snapshot's disk and
-`-incoming "exec:cat mem"`, then `cont`: processes continue exactly where they were, in every fork.
-delete_snapshot frees the memory file at once and the disk layer once no other layer builds on it.
-
-Recovery after a manager restart: QEMU runs in its own session and outlives the manager; `recover` re-attaches
-to its QMP/agent sockets (and stops it: recovered sandboxes come back paused). If the QEMU is gone, the sandbox
-is restored from its last checkpoint (changes after it are lost), else SandboxError.
-
-Not enforced inside the guest: limits.pids and limits.disk_mb (the root disk is a 4 GiB sparse ext4; uploads
-are capped by the manager). The base image is fixed ("default"); other bases are refused. A snapshot restores
-with the machine shape it was taken with (RAM, vCPUs, NIC, kernel, CPU model), whatever the new limits say.
-
-Environment: K3_VM_DIR (artefacts), K3_VM_ACCEL (default tcg; kvm only where KVM runs a stock guest, which
-PVM hosts do not), K3_VM_CPU (default qemu64), K3_VM_APPEND (extra kernel arguments).
-
-Measured on the 2-core dev VM (TCG, 512 MiB guest, medians): boot to a ready agent 3.7 s; exec `echo` 46 ms;
-4 KiB write/read 43/28 ms; 64 MiB write/read 2.8/0.6 s; pause/resume ~1 ms; checkpoint 0.10 s running,
-0.13 s paused (72 MB memory file); restore 0.38 s; fork of two (checkpoint + 2 restores) 0.8 s; kill 24 ms.
-"""
+"""The vm tier: one QEMU microvm per sandbox (see the package docstring for the design)."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -66,15 +12,18 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-from .base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
-                   NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable, command_argv)
+from ..._atomic import atomic_write_json
+from ..base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
+                    NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable, command_argv)
+
+
+from .channels import QMP, QMP_TIMEOUT_S, Agent, QMPError, _b64, _unb64
 
 log = logging.getLogger("k3.env.vm")
 
@@ -82,7 +31,6 @@ QEMU = "qemu-system-x86_64"
 QEMU_IMG = "qemu-img"
 MIN_MEMORY_MB = 256
 BOOT_TIMEOUT_S = 180.0  # TCG on a busy 2-core host: a boot normally takes 4–10 s
-QMP_TIMEOUT_S = 60.0
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_CWD = "/root"
 SETUP_HINT = "run scripts/setup_vm.sh"
@@ -151,237 +99,6 @@ def _pid_cmdline(pid: int) -> str:
         return ""
 
 
-# ---- QMP ---------------------------------------------------------------------------------------------
-class QMPError(SandboxError):
-    status = 500
-
-
-# QEMU's chardev sockets serve one client at a time: a second client waits until the first is gone. Across
-# processes the old manager is dead when a new one recovers; within one process (a manager shut down and
-# reopened) the old tier object's connections are still open, so a new connection to the same socket closes
-# the one this process already holds.
-_HOLDERS: dict[str, "_LineSocket"] = {}
-_HOLDERS_LOCK = threading.Lock()
-
-
-class _LineSocket:
-    """A unix stream socket read as lines, with deadlines (bytes in, bytes out)."""
-
-    def __init__(self, path: str, timeout: float):
-        self.path = path
-        with _HOLDERS_LOCK:
-            old = _HOLDERS.pop(path, None)
-        if old is not None:
-            old.close()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.settimeout(timeout)
-            self.sock.connect(path)
-        except BaseException:
-            self.sock.close()
-            raise
-        self.buf = bytearray()
-        self._scan = 0
-        with _HOLDERS_LOCK:
-            _HOLDERS[path] = self
-
-    def close(self) -> None:
-        with _HOLDERS_LOCK:
-            if _HOLDERS.get(self.path) is self:
-                del _HOLDERS[self.path]
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    def send(self, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        while view:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"send to {self.path} timed out")
-            self.sock.settimeout(left)
-            n = self.sock.send(view)
-            view = view[n:]
-
-    def readexact(self, n: int, deadline: float) -> bytes:
-        while len(self.buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"short read on {self.path}")
-            self.sock.settimeout(left)
-            chunk = self.sock.recv(max(1 << 20, n - len(self.buf)))
-            if not chunk:
-                raise ConnectionError(f"{self.path} closed")
-            self.buf += chunk
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
-        self._scan = 0
-        return out
-
-    def readline(self, deadline: float) -> bytes:
-        while True:
-            i = self.buf.find(b"\n", self._scan)
-            if i >= 0:
-                line = bytes(self.buf[:i + 1])
-                del self.buf[:i + 1]
-                self._scan = 0
-                return line
-            self._scan = len(self.buf)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no reply on {self.path}")
-            self.sock.settimeout(left)
-            chunk = self.sock.recv(1 << 20)
-            if not chunk:
-                raise ConnectionError(f"{self.path} closed")
-            self.buf += chunk
-
-
-class QMP:
-    """A minimal QMP client: capabilities negotiation, `execute`, events kept in `events`."""
-
-    def __init__(self, path: str, timeout: float = 10.0):
-        self.conn = _LineSocket(path, timeout)
-        self.events: list[dict] = []
-        self.lock = threading.Lock()
-        deadline = time.monotonic() + timeout
-        greeting = json.loads(self.conn.readline(deadline))
-        if "QMP" not in greeting:
-            raise QMPError(f"not a QMP greeting: {greeting}")
-        self.execute("qmp_capabilities", timeout=timeout)
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def execute(self, cmd: str, args: dict | None = None, timeout: float = QMP_TIMEOUT_S,
-                fds: list[int] | None = None):
-        """Run a command; `fds` go along as SCM_RIGHTS (for getfd)."""
-        msg = {"execute": cmd}
-        if args:
-            msg["arguments"] = args
-        with self.lock:
-            deadline = time.monotonic() + timeout
-            data = json.dumps(msg).encode() + b"\n"
-            if fds:
-                self.conn.sock.settimeout(timeout)
-                socket.send_fds(self.conn.sock, [data], fds)
-            else:
-                self.conn.send(data, deadline)
-            while True:
-                r = json.loads(self.conn.readline(deadline))
-                if "event" in r:
-                    self.events.append(r)
-                    del self.events[:-100]
-                    continue
-                if "error" in r:
-                    raise QMPError(f"QMP {cmd}: {r['error'].get('class')}: {r['error'].get('desc')}")
-                if "return" in r:
-                    return r["return"]
-
-
-# ---- agent -------------------------------------------------------------------------------------------
-class AgentError(SandboxError):
-    status = 500
-
-
-class Agent:
-    """Client of k3/env/guest/agent over the VM's virtio-serial chardev socket."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.conn: _LineSocket | None = None
-        self.next_id = int(time.time() * 1000) % 1_000_000_000  # distinct from ids a previous host used
-        self.lock = threading.Lock()
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-    def _connect(self) -> _LineSocket:
-        if self.conn is None:
-            self.conn = _LineSocket(self.path, 10.0)
-        return self.conn
-
-    def request(self, op: str, fields: dict | None = None, payload: bytes = b"", timeout: float = 60.0,
-                raw: tuple[str, ...] = (), probe_after: float | None = None) -> dict:
-        """Send one request; return its response header. `raw` names the header fields whose payloads
-        follow the line (padded to the header's "bs"), read into r["raw"][name]; then the trailer.
-
-        After `probe_after` seconds without an answer, a ping goes out every few seconds: the agent serves
-        requests in order, so an answered ping means this request was lost (the agent died and init
-        respawned it) and waiting longer is pointless."""
-        with self.lock:
-            self.next_id += 1
-            rid = self.next_id
-            hdr = {"id": rid, "op": op, **(fields or {})}
-            start = time.monotonic()
-            deadline = start + timeout
-            probe_at = start + probe_after if probe_after is not None else deadline
-            probes: set[int] = set()
-            try:
-                conn = self._connect()
-                conn.send(json.dumps(hdr, separators=(",", ":")).encode() + b"\n" + payload, deadline)
-                while True:
-                    try:
-                        line = conn.readline(min(deadline, probe_at))
-                    except TimeoutError:
-                        if time.monotonic() >= deadline:
-                            raise
-                        self.next_id += 1
-                        probes.add(self.next_id)
-                        conn.send(b'{"id":%d,"op":"ping"}\n' % self.next_id, deadline)
-                        probe_at = time.monotonic() + 3.0
-                        continue
-                    try:
-                        r = json.loads(line)
-                    except ValueError:
-                        continue  # noise, e.g. the rest of a payload a previous host stopped reading
-                    if not isinstance(r, dict):
-                        continue
-                    if r.get("id") in probes:
-                        raise ConnectionError(f"the guest agent restarted; the {op} request was lost")
-                    if r.get("id") == rid and "end" not in r:
-                        break
-                if r.get("ok") and raw:
-                    bs = int(r.get("bs") or 512)
-                    r["raw"] = {}
-                    for name in raw:
-                        n = int(r.get(name) or 0)
-                        r["raw"][name] = conn.readexact(-(-n // bs) * bs, deadline)[:n] if n else b""
-                    end = json.loads(conn.readline(deadline))
-                    if end != {"id": rid, "end": True}:
-                        raise ConnectionError(f"agent stream out of step after {op} (got {end!r:.200})")
-                return r
-            except (OSError, TimeoutError, ConnectionError, ValueError) as e:
-                self.close()  # unknown stream position: the next request starts clean (ids resync it)
-                raise AgentError(f"guest agent {op} failed: {type(e).__name__}: {e}") from e
-
-    def wait_ready(self, timeout: float, alive=lambda: True, console: Path | None = None) -> float:
-        """Ping until the agent answers; returns the guest uptime it reported."""
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if not alive():
-                tail = ""
-                with contextlib.suppress(OSError):
-                    tail = console.read_text(errors="replace")[-1500:] if console else ""
-                raise SandboxError(f"QEMU exited while waiting for the guest agent ({last}); console: {tail}")
-            try:
-                r = self.request("ping", timeout=min(1.0, max(0.05, deadline - time.monotonic())))
-                return float(r.get("uptime") or 0)
-            except AgentError as e:
-                last = e
-                time.sleep(0.05)
-        raise SandboxError(f"guest agent did not answer within {timeout:.0f} s ({last})")
-
-
-def _b64(s: str | bytes) -> str:
-    return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
-
-
-def _unb64(s: str | None) -> bytes:
-    return base64.b64decode(s or "")
-
 
 # ---- one VM ------------------------------------------------------------------------------------------
 class _VM:
@@ -399,9 +116,7 @@ class _VM:
         return self.info.get("pid")
 
     def save(self) -> None:
-        tmp = self.dir / ".vm.json.tmp"
-        tmp.write_text(json.dumps(self.info, indent=1, sort_keys=True))
-        os.replace(tmp, self.dir / "vm.json")
+        atomic_write_json(self.dir / "vm.json", self.info, indent=1, sort_keys=True)
 
     def alive(self) -> bool:
         if self.proc is not None:
@@ -797,7 +512,7 @@ class VMTier(Tier):
                     "disk_parent": qcow2_backing(snap_disk), "mem_bytes": mem.stat().st_size,
                     "timing_s": {"disk": round(t_disk - t0, 3), "mem": round(t_mem - t_disk, 3),
                                  "total": round(t_end - t0, 3)}}
-            (sd / "meta.json").write_text(json.dumps({"snapshot_id": snapshot_id, "sandbox_id": sid, **meta}))
+            atomic_write_json(sd / "meta.json", {"snapshot_id": snapshot_id, "sandbox_id": sid, **meta})
             vm.info["last_snapshot"] = {"id": snapshot_id, "mem": str(mem), "disk": str(snap_disk)}
             vm.save()
             return meta
@@ -1015,3 +730,4 @@ class VMTier(Tier):
             out.append(FileInfo(name=name, path=posixpath.join(path, name), is_dir=is_dir,
                                 size=0 if is_dir else int(m.group(1))))
         return sorted(out, key=lambda f: f.name)
+

@@ -1,78 +1,4 @@
-"""Process tier: Linux namespaces + overlayfs + cgroup-v1 limits and freezer (fast; needs root).
-
-Layout under `state_dir` (bases/, layers/ and sandboxes/ are mode 0700):
-
-    bases/default-<hash>/       the default base, built once (see below)
-    bases/<sha256>/             a tarball base, extracted once (device nodes dropped)
-    layers/<snapshot_id>/       a sealed, read-only layer (a former upper dir), shared by every sandbox and
-                                snapshot that stacks it; .<snapshot_id>.json lists its stack and a
-                                .<snapshot_id>.deleted file tombstones it
-    sandboxes/<sid>/            upper/, work/, root/ (mount point), run.json (what `recover` needs), init.log
-
-Sandbox = a long-lived *init*: a small Python program (`_INIT_PY`, run by the host's interpreter) started by
-`unshare --fork --pid --mount --uts --ipc [--net] --kill-child`, spawned ahead (a small pool of warm inits waits,
-modules imported, for a sandbox); the tier moves both processes into the sandbox's cgroups, then hands the init
-its config, and the init enters a new cgroup namespace rooted there. As host root, in its private mount
-namespace, it mounts the root: overlayfs (nodev) with the sealed layers newest first over the base, and the
-sandbox's own upper/work; then read-only binds (default base only), a fresh /proc (/proc/sys, /proc/irq,
-/proc/bus, /proc/fs, /proc/sysrq-trigger read-only; kcore, keys, timer_list… masked), a tmpfs /dev with
-null/zero/full/random/urandom/tty, a devpts instance and /dev/shm (no /sys). It pivot_roots into it, sets the
-hostname (the sid), brings `lo` up and finally moves itself into a new user namespace with the identity uid/gid
-map (written by the tier), where it forbids further cgroup namespaces (otherwise sandbox root could mount its own
-cgroup dirs and lift its limits). So sandbox processes are root with files owned by root, but their capabilities
-only count in that user namespace: no mknod, no mounts over the ones set up, no host sysctls, no ptrace or
-/proc/1/* of the init (non-dumpable, pid 1). All mounts live only in the init's mount namespace: none appears in
-the host's, and they vanish with the init's pid namespace (the init's death kills every sandbox process). Not a
-VM: no seccomp or LSM profile, the host kernel is shared.
-
-Default base: a skeleton root (mount points; /bin, /lib… symlinks or binds as on the host; a minimal /etc:
-passwd/group with root and nobody, hosts, ld.so and ssl config, alternatives) plus read-only, nodev binds
-of the host's /usr and of the running Python's prefix at its own path (so its compiled-in paths work; its
-bin/ leads PATH). Nothing else of the host is visible. A base may also be a directory (used as is, read
-only: only pass operator-approved paths), a tarball, or a name under bases/.
-
-exec: the tier hands the init, over a SEQPACKET socketpair (SCM_RIGHTS), stdin/stdout/stderr pipes and a
-per-exec status socket, then argv/env/cwd on that socket; the init forks, setsid()s, chdirs *inside* the
-sandbox root and execs, and reports the wait status. No host-side process ever runs with the caller's argv,
-env (LD_PRELOAD…) or cwd; the command is in every namespace and cgroup from birth; an exec costs one fork
-of the init. A string runs under `/bin/sh -c`; a missing binary gives 127 (126: not executable); death by
-signal N gives 128+N (137 for the OOM killer). exec returns when the command exits (background children
-that keep its stdout open do not hold it up); output beyond MAX_OUTPUT_BYTES per stream is dropped and
-noted at the end of stderr. On timeout the init SIGKILLs the command's session (process group and every
-process still in the session) and the result is exit_code 124 (TIMEOUT_EXIT), timed_out=True; a child that
-called setsid() itself escapes that and lives on until kill/checkpoint. exec on a paused sandbox raises
-InvalidState (it could only block).
-
-File API: on `/proc/<init>/root`, i.e. the view the sandbox has (read-only binds included), every path
-resolved by openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) from that root: `..` beyond / is refused
-(BadRequest), symlinks resolve inside the sandbox, absolute ones re-rooted. Works while paused. Written
-files are root-owned with the given mode; parents are created.
-
-Limits: cgroup v1 dirs `<controller>/k3sbx/<sid>-<state-dir tag>` for freezer, memory (memory.limit and
-memsw: no swap), pids, cpu (CFS quota) and cpuacct; the init and every exec are in them (what a warm init
-allocated before it joined, a few MB, stays charged where it was spawned: v1 does not move charges). pids.max is
-limits.pids + PIDS_OVERHEAD (the unshare and the init count too). disk_mb only caps one file upload: there
-is no quota on the upper dir. Network: limits.network False gives a net namespace with only `lo`; True
-skips the net namespace, so the sandbox shares the host's network, host loopback and abstract unix sockets
-included (connections to host services come from uid 0): only for trusted code.
-
-Checkpoints are filesystem-level (CRIU does not work on the target hosts). `checkpoint` stops every process
-of the sandbox (freeze, SIGKILL all, thaw), renames the upper dir to layers/<snapshot_id> (O(1): a
-checkpoint holds only what changed since the previous one; whiteouts and opaque/redirect xattrs move with
-it) and restarts the init over the longer stack with a fresh upper, frozen again if it was paused. So the
-sandbox keeps running, but its processes do not survive a checkpoint (background processes and in-flight
-execs are killed), nor a restore, fork or recover. Restores/forks put a fresh upper on the snapshot's
-layers, which are shared, never copied. Deleted snapshots are tombstoned; a layer goes once no live snapshot
-or sandbox stacks it.
-
-Lifetime: the tier holds the control socket of each init. If the tier's process dies, running inits see
-EOF and exit; paused ones stay frozen until `recover` or `kill` (which thaw and kill them). `close()`, also
-run when the ProcessTier is garbage collected, kills every sandbox and deletes its files. At interpreter
-exit the sandboxes' processes and cgroups are removed but their files kept, so a restarted manager can
-`recover` them (paused or running; processes restart) and should `kill` the rest. Warm inits of the pool go
-with close(), collection and interpreter exit, and exit on their own when the tier's process dies (EOF on
-their control socket). One ProcessTier per state_dir at a time.
-"""
+"""The process tier's sandboxes, warm inits and the tier itself (see the package docstring for the design)."""
 
 from __future__ import annotations
 
@@ -99,251 +25,21 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import _fs
-from .base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
-                   NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable, command_argv)
+from ..._atomic import atomic_write_json
+from .. import _fs
+from ..base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
+                    NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable, command_argv)
+from .bases import _BASE_TOP, _build_default_base, _py_prefix, allowed_base_path, base_roots_from_env
+from .cgroups import (CG_PARENT, CG_REQUIRED, CGROUP_ROOT, _cg_freeze, _cg_kill_all, _cg_remove,
+                      _controllers, _write)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-CG_PARENT = "k3sbx"
-CG_REQUIRED = ("freezer", "memory", "pids")
-CG_OPTIONAL = ("cpu", "cpuacct")
 PIDS_OVERHEAD = 2  # the unshare and the init
 OVERLAY_OPTIONS = {"index": "off", "redirect_dir": "on", "metacopy": "off"}
 TIMEOUT_EXIT = 124
 MAX_EXEC_REQUEST = 4 * 1024 * 1024  # argv + env of one exec (execve's own limit is about 2 MiB)
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
-_ENV_DIR = str(Path(__file__).resolve().parent)
-_BASE_TOP = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-_ETC_COPY = ("nsswitch.conf", "resolv.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ssl", "alternatives",
-             "os-release", "debian_version", "profile", "bash.bashrc", "shells", "localtime", "timezone",
-             "mime.types", "protocols", "services", "inputrc", "ca-certificates.conf", "environment")
-
-# The sandbox init, fed to `python -I -S -` on stdin (no config in it: it is spawned ahead, see _Pool). Imports
-# everything, says "p <host pid>" on the status fd and waits, warm, for its config on the control socket (sent
-# once the tier has moved it and its unshare parent into the sandbox's cgroups; EOF: exit). Then it enters a
-# cgroup namespace rooted there, sets up the root, says "ok" (or "err <message>"), waits for "g" (the tier has
-# written the uid/gid maps), then serves exec requests and reaps orphans until the control socket reaches EOF
-# (the tier closed it or died).
-_INIT_PY = r"""
-import os, sys, marshal, _signal, _socket, select, struct  # all imports before pivot_root
-sys.path.insert(0, @ENV_DIR@)
-import _fs
-status_fd, ctl = @STATUS_FD@, _socket.socket(fileno=@CTL_FD@)  # ctl: SOCK_SEQPACKET to the tier
-def say(msg):
-    os.write(status_fd, (msg.replace("\n", " ") + "\n").encode())
-pid = int(os.readlink("/proc/self"))  # /proc is still the host's: our host pid
-say("p %d" % pid)
-try:
-    msg, anc, _, _ = ctl.recvmsg(1 << 20, _socket.CMSG_SPACE(4))  # config + the fd of init.log
-except OSError:
-    os._exit(1)
-if not msg or len(anc) != 1 or anc[0][:2] != (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
-    os._exit(0)  # EOF: the tier closed the pool or died
-try:
-    log = struct.unpack("i", anc[0][2][:4])[0]
-    os.dup2(log, 1); os.dup2(log, 2); os.close(log)
-    c = marshal.loads(msg)
-    _fs.unshare(_fs.CLONE_NEWCGROUP)  # rooted at the sandbox's cgroups, which we are in by now
-    os.umask(0)
-    _fs.set_dumpable(False)  # sandbox processes may not ptrace or inspect /proc/1/*
-    _fs.mount(None, "/", None, _fs.MS_REC | _fs.MS_PRIVATE)
-    os.chdir(c["cwd"])  # overlay paths are relative to the state dir: /proc/mounts inside shows no host paths
-    _fs.mount_overlay(c["root"], c["lowers"], c["upper"], c["work"], c["options"])
-    root = os.open(c["root"], os.O_PATH | os.O_DIRECTORY)
-    NOSYM = _fs.RESOLVE_NO_SYMLINKS
-    def mkdir(p, mode=0o755):  # mount point inside the root; refuses symlinks (the sandbox may plant them)
-        return _fs.makedirs_in_root(root, p, mode, NOSYM)
-    def reopen(p):  # the root of what was just mounted on p
-        return _fs.open_in_root(root, p, os.O_PATH | os.O_DIRECTORY, resolve=NOSYM)
-    for src, dst in c["binds"]:
-        s = os.open(src, os.O_PATH | os.O_DIRECTORY)
-        try:
-            d = mkdir(dst)
-        except OSError:
-            continue  # mount point replaced by a symlink or file inside the sandbox: skip
-        _fs.bind_ro(s, d)
-        os.close(s); os.close(d)
-    d = mkdir("/dev")
-    _fs.mount("tmpfs", _fs.fd_path(d), "tmpfs", _fs.MS_NOSUID | _fs.MS_NOEXEC, "mode=755,size=65536k")
-    os.close(d); d = reopen("/dev")
-    for name, maj, mi in (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
-                          ("tty", 5, 0)):
-        os.mknod(name, 0o20666, os.makedev(maj, mi), dir_fd=d)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
-        os.symlink(target, name, dir_fd=d)
-    for name, fs, flags, data in (
-            ("pts", "devpts", _fs.MS_NOSUID | _fs.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"),
-            ("shm", "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "mode=1777,size=" + c["shm"])):
-        os.mkdir(name, 0o755, dir_fd=d)
-        f = os.open(name, os.O_PATH | os.O_DIRECTORY, dir_fd=d)
-        _fs.mount(fs, _fs.fd_path(f), fs, flags, data)
-        os.close(f)
-    null = os.open("null", os.O_PATH, dir_fd=d)
-    p = mkdir("/proc", 0o555)
-    _fs.mount("proc", _fs.fd_path(p), "proc", _fs.MS_NOSUID | _fs.MS_NODEV | _fs.MS_NOEXEC)
-    os.close(p); p = reopen("/proc")
-    for name in ("sys", "sysrq-trigger", "irq", "bus", "fs"):  # read-only, like Docker
-        try:
-            f = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=p)
-        except FileNotFoundError:
-            continue
-        _fs.bind_ro(f, f); os.close(f)
-    for name in ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kmsg", "acpi", "scsi"):
-        try:
-            f = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=p)
-        except FileNotFoundError:
-            continue
-        if os.path.isdir(_fs.fd_path(f)):
-            _fs.mount("tmpfs", _fs.fd_path(f), "tmpfs", _fs.MS_RDONLY, "size=0")
-        else:
-            _fs.mount(_fs.fd_path(null), _fs.fd_path(f), None, _fs.MS_BIND)
-        os.close(f)
-    for fd in (null, d, p):
-        os.close(fd)
-    sysctl_user = os.open("/proc/sys/user", os.O_PATH | os.O_DIRECTORY)  # the host's (writable) /proc
-    os.fchdir(root)
-    _fs.pivot_root(".", ".")
-    _fs.umount2(".", _fs.MNT_DETACH)
-    os.chdir("/"); os.close(root)
-    _fs.sethostname(c["hostname"])
-    if c["netns"]:
-        _fs.link_up("lo")
-    _fs.unshare(_fs.CLONE_NEWUSER)  # the tier writes the identity uid/gid map, then says go
-    say("ok")
-    if ctl.recv(1) != b"g":  # from now on: exec requests; EOF = exit
-        os._exit(1)
-    # No cgroup namespaces below ours: with one, sandbox root could mount its own cgroup dirs and lift its
-    # limits. The sysctl is per user namespace (looked up in ours now) and /proc/sys is read-only inside.
-    fd = os.open("max_cgroup_namespaces", os.O_WRONLY, dir_fd=sysctl_user)
-    os.write(fd, b"0"); os.close(fd); os.close(sysctl_user)
-    say("ready")
-except BaseException as e:
-    say("err %s: %s" % (type(e).__name__, e))
-    os._exit(1)
-os.close(status_fd)
-wake_r, wake_w = os.pipe()
-os.set_blocking(wake_r, False); os.set_blocking(wake_w, False)
-_signal.signal(17, lambda *a: None)  # SIGCHLD -> a byte on wake_w
-_signal.set_wakeup_fd(wake_w)
-execs, socks = {}, {}  # exec pid -> its status socket (None once the tier hung up); socket fd -> (socket, pid)
-poller = select.poll()
-poller.register(ctl.fileno(), select.POLLIN)
-poller.register(wake_r, select.POLLIN)
-
-def kill_session(sid):  # the exec's process group and anything else still in its session
-    try:
-        os.killpg(sid, 9)
-    except OSError:
-        pass
-    for p in os.listdir("/proc"):
-        if p.isdigit() and p != "1":
-            try:
-                with open("/proc/%s/stat" % p, "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[3]) == sid:
-                        os.kill(int(p), 9)
-            except (OSError, ValueError, IndexError):
-                pass
-
-def recv_exact(s, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return buf
-
-def spawn(s, fds):  # request on s: u64 length + marshal {argv, env, cwd}; fds: stdin, stdout, stderr
-    req = marshal.loads(recv_exact(s, struct.unpack("Q", recv_exact(s, 8))[0]))
-    argv = req["argv"]
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _signal.set_wakeup_fd(-1)
-            os.setsid()
-            for i, fd in enumerate(fds):
-                os.dup2(fd, i)
-            os.closerange(3, 1 << 20)
-            os.umask(0o022)
-            os.setgroups([]); os.setresgid(0, 0, 0); os.setresuid(0, 0, 0)
-            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the init is -1000; commands are not
-            os.write(fd, b"0"); os.close(fd)
-            os.chdir(req["cwd"])
-            os.execvpe(argv[0], argv, req["env"])
-        except OSError as e:
-            os.write(2, ("%s: %s\n" % (argv[0], e.strerror)).encode(errors="replace"))
-            os._exit(127 if e.errno in (2, 20) else 126)  # ENOENT/ENOTDIR: not found
-        finally:
-            os._exit(127)
-    execs[pid], socks[s.fileno()] = s, (s, pid)
-    poller.register(s.fileno(), select.POLLIN)
-
-while True:
-    ready = {fd for fd, _ in poller.poll()}
-    if wake_r in ready:
-        try:
-            os.read(wake_r, 4096)
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if not pid:
-                break
-            s = execs.pop(pid, None)  # anything else is an orphan we adopted
-            if s is not None:
-                poller.unregister(s.fileno())
-                del socks[s.fileno()]
-                try:
-                    s.sendall(b"x %d\n" % status)
-                except OSError:
-                    pass
-                s.close()
-    for fd in ready & socks.keys():
-        s, pid = socks[fd]
-        try:
-            data = s.recv(64)
-        except OSError:
-            data = b""
-        if data[:1] == b"k" or not data:  # timeout, or the tier gave up on this exec
-            kill_session(pid)
-        if not data:
-            poller.unregister(fd)
-            del socks[fd]
-            execs[pid] = None
-            s.close()
-    if ctl.fileno() in ready:
-        try:
-            msg, anc, _, _ = ctl.recvmsg(16, _socket.CMSG_SPACE(4 * 4))
-        except OSError:
-            break
-        if not msg:
-            break
-        fds = []
-        for level, kind, data in anc:
-            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                fds += struct.unpack("%di" % (len(data) // 4), data[:len(data) // 4 * 4])
-        if len(fds) != 4:
-            for fd in fds:
-                os.close(fd)
-            continue
-        s = _socket.socket(fileno=fds[3])
-        try:
-            spawn(s, fds[:3])
-        except Exception as e:
-            try:
-                s.sendall(b"e %s\n" % str(e).encode(errors="replace"))
-            except OSError:
-                pass
-            s.close()
-        finally:
-            for fd in fds[:3]:
-                os.close(fd)
-os._exit(0)
-"""
+_FS_DIR = str(Path(_fs.__file__).resolve().parent)  # the init imports _fs from here (before pivot_root)
+INIT_PROGRAM = str(Path(__file__).resolve().parent / "init.py")  # run by the host's interpreter as the init
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -352,15 +48,8 @@ def _check_id(kind: str, value: str) -> str:
     return value
 
 
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
-
 def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=1)
 
 
 def _proc_start(pid: int) -> int:
@@ -376,79 +65,6 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if path.exists() or path.is_symlink():
         shutil.rmtree(path)  # raise the real error
-
-
-# --- cgroups ------------------------------------------------------------------------------------------------
-def _controllers() -> list[str]:
-    return [c for c in CG_REQUIRED + CG_OPTIONAL if (CGROUP_ROOT / c / "cgroup.procs").exists()]
-
-
-def _cg_procs(d: Path) -> list[int]:
-    try:
-        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _cg_freeze(d: Path, frozen: bool, timeout: float = 10.0) -> None:
-    """Write FROZEN/THAWED to the freezer dir `d` and wait until the state is reached."""
-    want = "FROZEN" if frozen else "THAWED"
-    deadline, delay = time.monotonic() + timeout, 0.0002
-    while True:
-        _write(d / "freezer.state", want)
-        if (d / "freezer.state").read_text().strip() == want:
-            return
-        if time.monotonic() > deadline:
-            raise SandboxError(f"cgroup freezer did not reach {want}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-
-
-def _cg_kill_all(dirs: list[Path], timeout: float = 10.0) -> None:
-    """SIGKILL every process in the sandbox's cgroups: freeze (no forks racing the kill), kill, thaw, wait."""
-    fz = next((d for d in dirs if d.parent.parent.name == "freezer"), None)
-    if fz is None or not fz.exists():
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            _cg_freeze(fz, True, timeout=2.0)
-        except (SandboxError, OSError):
-            pass
-        procs = set(_cg_procs(fz))
-        for d in dirs:
-            procs.update(_cg_procs(d))
-        for pid in procs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            _cg_freeze(fz, False, timeout=2.0)
-        except FileNotFoundError:
-            return
-        t_end = min(deadline, time.monotonic() + 1.0)
-        while time.monotonic() < t_end and any(_cg_procs(d) for d in dirs):
-            time.sleep(0.0005)
-        if not any(_cg_procs(d) for d in dirs):
-            return
-        if time.monotonic() > deadline:
-            raise SandboxError(f"processes survive in {fz}")
-
-
-def _cg_remove(dirs: list[Path], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    for d in dirs:
-        while d.exists():
-            try:
-                d.rmdir()
-            except FileNotFoundError:
-                break
-            except OSError as e:
-                if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                    raise SandboxError(f"cannot remove cgroup {d}: {e}") from e
-                _cg_kill_all(dirs, timeout=1.0)
-                time.sleep(0.005)
 
 
 # --- runtime state of one sandbox -------------------------------------------------------------------------------
@@ -521,8 +137,8 @@ class _Sandbox:
 
 class _Warm:
     """A spawned, not yet configured init: `unshare --fork` (pid, mount, uts, ipc and, if netns, net namespaces;
-    the cgroup namespace comes later, see _INIT_PY) running `python -I -S -` with every module imported, waiting
-    for its config on `ctl`. Its env is only PATH and LANG, its argv has no config, its cwd is /."""
+    the cgroup namespace comes later, see init.py) running `python -I -S init.py` with every module imported,
+    waiting for its config on `ctl`. Its env is only PATH and LANG, its argv has no config, its cwd is /."""
 
     def __init__(self, proc: subprocess.Popen | None, st_r: int, ctl: socket.socket):
         self.proc, self.st_r, self.ctl, self.init_pid, self.init_start = proc, st_r, ctl, 0, 0
@@ -536,18 +152,15 @@ class _Warm:
         st_r, st_w = os.pipe()
         ctl, ctl_init = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [unshare, "--fork", "--pid", "--mount", "--uts", "--ipc", *(["--net"] if netns else []),
-               "--kill-child", "--propagation", "private", "--", os.path.realpath(sys.executable), "-I", "-S", "-"]
-        script = (_INIT_PY.replace("@ENV_DIR@", repr(_ENV_DIR)).replace("@STATUS_FD@", str(st_w))
-                  .replace("@CTL_FD@", str(ctl_init.fileno())).encode())
+               "--kill-child", "--propagation", "private", "--", os.path.realpath(sys.executable), "-I", "-S",
+               INIT_PROGRAM, _FS_DIR, str(st_w), str(ctl_init.fileno())]
         w = cls(None, st_r, ctl)
         try:
             w.proc = subprocess.Popen(  # spared by the OOM killer (-1000, inherited by the init)
                 ["/bin/sh", "-c", 'echo -1000 > /proc/self/oom_score_adj; exec "$@"', "k3-init", *cmd],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/",
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/",
                 pass_fds=(st_w, ctl_init.fileno()), start_new_session=True,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
-            w.proc.stdin.write(script)
-            w.proc.stdin.close()
         except BaseException:
             w.kill()
             raise
@@ -680,14 +293,18 @@ def _at_exit() -> None:
         table.close(keep_files=True)
 
 
+
 # --- the tier ----------------------------------------------------------------------------------------------------
 class ProcessTier(Tier):
     """Sandboxes as namespaced process trees over an overlayfs root; see the module docstring."""
 
     name = "process"
 
-    def __init__(self, state_dir: Path):
+    def __init__(self, state_dir: Path, base_roots: list[str] | None = None):
+        """`base_roots`: directories under which absolute-path bases are allowed (default: $K3_SANDBOX_BASE_ROOTS;
+        see bases.py); nothing else of the host can be a base."""
         super().__init__(state_dir)
+        self.base_roots = list(base_roots) if base_roots is not None else base_roots_from_env()
         ok, why = self.available()
         if not ok:
             raise Unavailable(why)
@@ -878,7 +495,8 @@ class ProcessTier(Tier):
                 os.close(_fs.open_in_root(root, wd, os.O_PATH | os.O_DIRECTORY))
             except OSError as e:
                 raise BadRequest(f"cwd {cwd!r}: {e.strerror}") from e
-        request = marshal.dumps({"argv": argv, "env": full_env, "cwd": wd})
+        request = marshal.dumps({"argv": argv, "env": full_env, "cwd": wd,
+                                 "fsize": sb.limits.file_mb * 1024 * 1024})  # RLIMIT_FSIZE of the command
         if len(request) > MAX_EXEC_REQUEST:
             raise TooLarge(f"command and environment exceed {MAX_EXEC_REQUEST} bytes")
         t0 = time.monotonic()
@@ -937,7 +555,7 @@ class ProcessTier(Tier):
     def write_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Create or replace a file (parents are created, mode 0755), owned by root, with `mode`."""
         sb = self._get(sid)
-        cap = min(MAX_FILE_BYTES, sb.limits.disk_mb * 1024 * 1024)
+        cap = min(MAX_FILE_BYTES, sb.limits.file_mb * 1024 * 1024)
         if len(data) > cap:
             raise TooLarge(f"{len(data)} bytes > {cap}")
         try:
@@ -1013,7 +631,7 @@ class ProcessTier(Tier):
         if not rec.get("base"):
             return None
         sb = _Sandbox(sid, sdir, rec["base"], rec.get("binds", []), rec.get("layers", []),
-                      Limits(**rec.get("limits", {})), rec.get("env", {}), self._cgroups_of(sid),
+                      Limits.from_record(rec.get("limits", {})), rec.get("env", {}), self._cgroups_of(sid),
                       State(rec.get("state", "running")))
         sb.init_pid, sb.init_start = rec.get("init_pid", 0), rec.get("init_start", 0)
         return sb
@@ -1133,11 +751,15 @@ class ProcessTier(Tier):
 
     # bases and layers ------------------------------------------------------------------------------------------
     def _resolve_base(self, base: str | None) -> tuple[str, list]:
-        """(base directory, read-only binds) for None/"default", a directory, a tarball, or a name under bases/."""
+        """(base directory, read-only binds) for None/"default", a name under bases/, or a directory or tarball
+        under one of the operator's base roots (the allow-list of bases.py; BadRequest for anything else)."""
         if base in (None, "", "default"):
             return self._default_base()
-        p = Path(base)
-        if not p.is_absolute():
+        if not isinstance(base, str) or "\0" in base:
+            raise BadRequest(f"base must be a string without NUL, got {base!r}")
+        if os.path.isabs(base):
+            p = allowed_base_path(base, self.base_roots, self.state_dir)
+        else:
             _check_id("base", base)
             p = self.state_dir / "bases" / base
         if p.is_dir():
@@ -1225,11 +847,8 @@ class ProcessTier(Tier):
                         (layers / meta).unlink(missing_ok=True)
 
 
+
 # --- helpers ------------------------------------------------------------------------------------------------------
-def _py_prefix() -> str:
-    return os.path.realpath(sys.base_prefix)
-
-
 def _under(path, parent) -> bool:
     return os.path.commonpath([os.path.abspath(path), os.path.abspath(parent)]) == os.path.abspath(parent)
 
@@ -1366,35 +985,3 @@ def _communicate(sock: socket.socket, stdin_w: int, out_r: int, err_r: int, data
         if dropped[fd]:
             err += f"\n[k3: {name} truncated: {dropped[fd]} bytes beyond {MAX_OUTPUT_BYTES} dropped]"
     return out, err, wstatus, timed_out
-
-
-def _build_default_base(d: Path, layout: list, binds: list) -> None:
-    d.mkdir(parents=True)
-    os.chmod(d, 0o755)
-    for sub, mode in (("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("tmp", 0o1777), ("root", 0o700),
-                      ("home", 0o755), ("run", 0o755), ("mnt", 0o755), ("opt", 0o755), ("srv", 0o755),
-                      ("var", 0o755), ("var/tmp", 0o1777), ("var/log", 0o755), ("usr", 0o755), ("etc", 0o755)):
-        (d / sub).mkdir(exist_ok=True)
-        os.chmod(d / sub, mode)
-    for name, target in layout:
-        if target is not None:
-            os.symlink(target, d / name)
-    for _, dst in binds:
-        (d / dst).mkdir(parents=True, exist_ok=True)
-    etc = d / "etc"
-    for name in _ETC_COPY:
-        src = Path("/etc") / name
-        try:
-            if src.is_symlink():
-                os.symlink(os.readlink(src), etc / name)
-            elif src.is_dir():
-                shutil.copytree(src, etc / name, symlinks=True)
-            elif src.is_file():
-                shutil.copy2(src, etc / name)
-        except OSError:
-            pass
-    (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    (etc / "group").write_text("root:x:0:\ntty:x:5:\nnogroup:x:65534:\n")
-    (etc / "hosts").write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
-    (etc / "hostname").write_text("sandbox\n")
