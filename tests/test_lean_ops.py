@@ -128,3 +128,56 @@ def test_chunk_kda_torch_segments_recompute_exactly(varlen):
     for a, b, c in zip(seg, whole, oracle):
         assert rel_rmse(b, a) <= 1e-12
         assert rel_rmse(c, a) <= 1e-9
+
+
+def _experts_per_token(x, idx, w, w1, w2, w3, beta=4.0, linear_beta=25.0):
+    """Independent oracle: Σ_k w[n, k] · expert_{idx[n, k]}(x[n]), one token and route at a time."""
+    from k3.ops.situ import situ_glu_reference
+    rows = []
+    for n in range(x.shape[0]):
+        acc = 0
+        for k in range(idx.shape[1]):
+            e = int(idx[n, k])
+            h = situ_glu_reference(w1[e] @ x[n], w3[e] @ x[n], beta, linear_beta)
+            acc = acc + w[n, k] * (w2[e] @ h)
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def test_experts_loop_recompute_matches_per_token_fp64():
+    """The CPU experts path (`ExpertsLoop`: recompute in the backward) equals a per-token oracle in values and in
+    the gradients of x, the routing weights and all expert weights (fp64); an unused expert gets zero grads."""
+    from k3.ops.moe import experts_forward
+    g = torch.Generator().manual_seed(7)
+    N, L, I, E, K = 23, 12, 10, 6, 2
+    x = torch.randn(N, L, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(N)])  # expert E-1 never routed
+    w = torch.rand(N, K, generator=g, dtype=torch.float64)
+    w1, w3 = (torch.randn(E, I, L, generator=g, dtype=torch.float64) * 0.3 for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=g, dtype=torch.float64) * 0.3
+    got, ggot = _grads(lambda a, b, c, d, e: experts_forward(a, idx, b, c, d, e), x, w, w1, w2, w3)
+    ref, gref = _grads(lambda a, b, c, d, e: _experts_per_token(a, idx, b, c, d, e), x, w, w1, w2, w3)
+    assert rel_rmse(got, ref) < 1e-12
+    for name, a, b in zip(["x", "weight", "w1", "w2", "w3"], ggot, gref):
+        assert rel_rmse(a, b) < 1e-12, name
+    assert ggot[2][E - 1].abs().max() == 0 and ggot[3][E - 1].abs().max() == 0
+
+
+def test_experts_loop_keeps_only_its_inputs():
+    """What the CPU experts path saves for the backward does not grow with the intermediate size or top-k
+    (x, routing weights, expert weights and the sort order only)."""
+    from k3.ops.moe import experts_forward
+    g = torch.Generator().manual_seed(8)
+
+    def saved(I, K):
+        N, L, E = 512, 16, 8
+        x = torch.randn(N, L, generator=g, requires_grad=True)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+        w = torch.rand(N, K, generator=g, requires_grad=True)
+        ws = [torch.randn(E, I, L, requires_grad=True), torch.randn(E, L, I, requires_grad=True),
+              torch.randn(E, I, L, requires_grad=True)]
+        weights = sum(t.numel() * 4 for t in ws)
+        return _saved_bytes(lambda: experts_forward(x, idx, w, *ws)) - weights
+    small, big = saved(8, 1), saved(64, 4)
+    assert small == 512 * 16 * 4 + 512 * 1 * 4 + 512 * 1 * 8      # x, routing weights, int64 order
+    assert big == 512 * 16 * 4 + 512 * 4 * 4 + 512 * 4 * 8

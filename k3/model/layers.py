@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -55,6 +56,13 @@ class SituMLP(nn.Module):
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda and torch.is_grad_enabled():
+            # memory-lean CPU training: keep only x for the backward and recompute the [.., 2I] / [.., I]
+            # intermediates there (deterministic on the CPU, so the gradients are the same)
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
         dt = (torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
               else self.gate_proj.weight.dtype)

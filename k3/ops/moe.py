@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .moe_recompute import experts_loop
 from .situ import gate_up_weight, situ_glu, situ_glu_fused
 
 PERMUTE_BACKENDS = ("auto", "torch", "triton")
@@ -225,7 +226,8 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
 
     x [N, L] → [N, L] in x's dtype, accumulated in fp32 (fp64 for fp64 inputs). `grouped` (default: CUDA
     bf16 activations) runs the sorted-rows pipeline (module docstring) with `torch._grouped_mm` GEMMs (per-expert
-    GEMMs for fp64, which it does not take), no host sync; else one loop step per used expert, host-side counts.
+    GEMMs for fp64, which it does not take), no host sync; else one loop step per used expert, host-side counts
+    (off CUDA as `moe_recompute.experts_loop`, which saves only its inputs for the backward).
     """
     if grouped is None:
         grouped = grouped_mm_available(x)
@@ -234,6 +236,9 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
         gmm = hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         ys = grouped_situ_ffn(dispatch_rows(x, pos), ends, w1, w2, w3, beta, linear_beta, use_grouped_mm=gmm)
         return combine_rows(ys, pos, topk_weight)
+    if not x.is_cuda and not torch.is_autocast_enabled(x.device.type):
+        # off CUDA: the same loop as one Function that recomputes each expert in the backward (memory-lean)
+        return experts_loop(x, topk_idx, topk_weight, w1, w2, w3, beta, linear_beta)
     N, K = topk_idx.shape
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.utils.checkpoint
 
 from .._triton import importable
 
@@ -157,7 +158,11 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
         return _fla_chunk_kda(q, k, v, f, beta_logit, A_log=A_log.reshape(-1), dt_bias=dt_bias,
                               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
                               lower_bound=lower_bound, **kw)
-    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    if not f.is_cuda and torch.is_grad_enabled() and backend != "reference":
+        # memory-lean CPU training: the gate keeps only f for its backward (not its two [.., H, K] intermediates)
+        g = torch.utils.checkpoint.checkpoint(kda_gate, f, A_log, dt_bias, lower_bound, use_reentrant=False)
+    else:
+        g = kda_gate(f, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(beta_logit.float())
     if backend == "reference" or f.dtype == torch.float64:
         g, beta = g.to(torch.promote_types(g.dtype, f.dtype)), beta.to(torch.promote_types(beta.dtype, f.dtype))
