@@ -64,7 +64,7 @@ class ScriptedEngine:
         self.fail_next = False
         self.default = [1, 2, 3]     # used when no script is queued
 
-    def submit(self, prompt, params, request_id=None):
+    def submit(self, prompt, params, request_id=None, group=None):
         with self.lock:
             self.prompts[request_id] = list(prompt)
             script = self.scripts.pop(0) if self.scripts else self.default

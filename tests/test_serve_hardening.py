@@ -169,7 +169,7 @@ class _PoisonEngine:
     def __init__(self):
         self.live, self.lock, self.aborted = {}, threading.Lock(), []
 
-    def submit(self, prompt, params, request_id=None):
+    def submit(self, prompt, params, request_id=None, group=None):
         with self.lock:
             self.live[request_id] = (list(prompt), params, [])
         return request_id

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -57,10 +56,6 @@ class EngineDriver:
         self._tracks: dict[str, _Track] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
-        try:
-            self._takes_group = "group" in inspect.signature(engine.submit).parameters
-        except (TypeError, ValueError):
-            self._takes_group = False
 
     # -- control (any thread)
     def start(self) -> None:
@@ -133,9 +128,8 @@ class EngineDriver:
                 cmd = self._cmds.popleft()
             if cmd[0] == "submit":
                 _, rid, prompt, params, group, fut = cmd
-                kw = {"group": group} if self._takes_group and group is not None else {}
                 try:
-                    self.engine.submit(prompt, params, request_id=rid, **kw)
+                    self.engine.submit(prompt, params, request_id=rid, group=group)
                 except Exception as e:  # noqa: BLE001 - reported to the request
                     with self._lock:
                         self._tracks.pop(rid, None)

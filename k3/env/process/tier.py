@@ -393,21 +393,20 @@ class ProcessTier(Tier):
         self._gc_layers()
 
     def pause(self, sid: str) -> None:
-        sb = self._get(sid)
-        with sb.lock:
-            if sb.state is State.PAUSED:
-                return
-            _cg_freeze(self._freezer(sb), True)
-            sb.state = State.PAUSED
-            sb.save()
+        self._set_frozen(sid, True)
 
     def resume(self, sid: str) -> None:
+        self._set_frozen(sid, False)
+
+    def _set_frozen(self, sid: str, frozen: bool) -> None:
+        """Freeze (pause) or thaw (resume) the sandbox's cgroup; a no-op when it is already in that state."""
         sb = self._get(sid)
+        want = State.PAUSED if frozen else State.RUNNING
         with sb.lock:
-            if sb.state is State.RUNNING:
+            if sb.state is want:
                 return
-            _cg_freeze(self._freezer(sb), False)
-            sb.state = State.RUNNING
+            _cg_freeze(self._freezer(sb), frozen)
+            sb.state = want
             sb.save()
 
     def checkpoint(self, sid: str, snapshot_id: str, parent: SnapshotInfo | None) -> dict:

@@ -428,17 +428,17 @@ class VMTier(Tier):
                 vm.proc.wait(timeout=10)
 
     def pause(self, sid: str) -> None:
-        vm = self._get(sid)
-        with vm.lock:
-            vm.qmp_cmd("stop")
-            vm.info["paused"] = True
-            vm.save()
+        self._set_paused(sid, True)
 
     def resume(self, sid: str) -> None:
+        self._set_paused(sid, False)
+
+    def _set_paused(self, sid: str, paused: bool) -> None:
+        """Stop (pause) or continue (resume) the guest's vCPUs through QMP and record it."""
         vm = self._get(sid)
         with vm.lock:
-            vm.qmp_cmd("cont")
-            vm.info["paused"] = False
+            vm.qmp_cmd("stop" if paused else "cont")
+            vm.info["paused"] = paused
             vm.save()
 
     def checkpoint(self, sid: str, snapshot_id: str, parent: SnapshotInfo | None) -> dict:
