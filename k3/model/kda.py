@@ -125,7 +125,8 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         HK = H * K
-        w_qkv, w_conv = self._qkv_weights()
+        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         q, k, v = short_conv_split(F.linear(x, w_qkv), w_conv, (HK, HK, HK), cu_seqlens=cu_seqlens,
                                    backend=self.elementwise_backend)
         f = self.f_b_proj(self.f_a_proj(x))
@@ -138,11 +139,6 @@ class KimiDeltaAttention(nn.Module):
                            self.o_norm.eps, backend=self.elementwise_backend)
         return self.o_proj(o.reshape(B, T, HK))
 
-    def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ‖ k ‖ v projection [3HK, D] and conv [3HK, 1, W] weights, concatenated at run time."""
-        return (torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-                torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]))
-
     def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
         """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`), the fused path's ops.
 
@@ -154,8 +150,10 @@ class KimiDeltaAttention(nn.Module):
         b = cache.batch
         N, H, K = x.shape[1], self.num_heads, self.head_dim
         HK = H * K
-        w_qkv, w_conv = self._qkv_weights()
-        y = F.linear(x[0], w_qkv)  # [N, 3HK]
+        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        # three projections, outputs joined: concatenating the [3HK, D] weights each step (as training's fused
+        # GEMM does once per step) would copy every projection weight on each decode step
+        y = torch.cat([self.q_proj(x[0]), self.k_proj(x[0]), self.v_proj(x[0])], dim=-1)  # [N, 3HK]
         win = cache.conv_windows()  # [n, 3HK, W-1]
         ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)
         ext[b.ext_win_rows] = win.transpose(1, 2).reshape(-1, 3 * HK).to(y.dtype)
