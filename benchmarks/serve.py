@@ -18,14 +18,18 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from k3 import K3Config, K3ForConditionalGeneration
-from k3.serve import Engine, EngineConfig, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_throughput's FLOP count
+from k3 import K3Config, K3ForConditionalGeneration  # noqa: E402
+from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200
+PEAK_BF16 = 989e12  # H200 dense bf16 FLOP/s (as benchmarks/train_throughput.py)
 
 
 class Clock:
@@ -85,6 +89,16 @@ def decode_bytes_per_token(model, ctx: int) -> dict:
     return dict(weights=w, states=states, mla_kv=kv, total=w + states + kv)
 
 
+def prefill_flops_per_token(cfg, length: int) -> float:
+    """Forward model FLOPs per prompt token of one `length`-token prefill: a third of the training count of
+    benchmarks/train_throughput.py (6·N_act + MLA + KDA, mean causal context (length + 1) / 2), less the MTP
+    layers and the LM head, which a prefill runs for one row only."""
+    from train_throughput import flops_per_token, mtp_active_params
+    t = cfg.text_config
+    f = flops_per_token(cfg, (length + 1) / 2)
+    return (f["total"] - 6 * (mtp_active_params(cfg) + t.hidden_size * t.vocab_size)) / 3
+
+
 def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab - 16, (n, length), generator=g).tolist()
@@ -139,6 +153,13 @@ def run(a) -> dict:
     for b in batches:
         eng.reset_prefix_cache()
         r = decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)
+        if eng.runner.use_graphs:  # the same decode without CUDA graphs (eager), before / after in one run
+            eng.runner.use_graphs = False
+            eng.reset_prefix_cache()
+            e = decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)
+            eng.runner.use_graphs = True
+            r["eager_step_ms"], r["eager_tokens_per_s"] = e["step_ms"], e["tokens_per_s"]
+            r["graph_speedup"] = e["step_ms"] / r["step_ms"]
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -147,11 +168,23 @@ def run(a) -> dict:
             r["hbm_fraction"] = r["tokens_per_s"] / r["hbm_limit_tokens_per_s"]
         res["decode"].append(r)
 
-    eng.reset_prefix_cache()
-    p = rand_prompts(1, long_prefill, V, 7)[0]
-    with Clock(cuda) as c:
-        eng.generate([p], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for warm in (long_prefill, shared + 64):  # compile / autotune the prefill shapes outside the timed runs
+        eng.reset_prefix_cache()
+        eng.generate(rand_prompts(1, warm, V, 70), one)
+    times = []
+    for rep in range(3):
+        eng.reset_prefix_cache()
+        p = rand_prompts(1, long_prefill, V, 7 + rep)[0]
+        with Clock(cuda) as c:
+            eng.generate([p], one)
+        times.append(c.s)
+    c.s = statistics.median(times)
     res["prefill"] = dict(tokens=long_prefill, seconds=c.s, tokens_per_s=long_prefill / c.s)
+    if cuda:
+        fl = prefill_flops_per_token(model.config, long_prefill)
+        res["prefill"].update(flops_per_token=fl, tflops=fl * long_prefill / c.s / 1e12,
+                              mfu=fl * long_prefill / c.s / PEAK_BF16)
 
     eng.reset_prefix_cache()
     prefix = rand_prompts(1, shared, V, 8)[0]
@@ -200,9 +233,12 @@ def table(res: dict) -> str:
     for r in res["decode"]:
         extra = f"   {100 * r['hbm_fraction']:.2f}% of the HBM limit ({r['hbm_limit_tokens_per_s']:.0f} tok/s)" \
             if "hbm_fraction" in r else ""
+        if "eager_step_ms" in r:
+            extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")
     p = res["prefill"]
-    lines.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s")
+    mfu = f", {p['tflops']:.0f} TFLOP/s, MFU {100 * p['mfu']:.1f}%" if "mfu" in p else ""
+    lines.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s{mfu}")
     t = res["ttft_shared_prefix"]
     lines.append(f"TTFT {t['cold']['prompt_tokens']}-token prompt: cold {1e3 * t['cold']['seconds']:.1f} ms, "
                  f"prefix hit ({t['prefix_hit']['cached_tokens']} cached) {1e3 * t['prefix_hit']['seconds']:.1f} ms "

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.conv import short_conv, short_conv_split
-from ..ops.kda import chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_gate
+from ..ops.conv import short_conv, short_conv_split, short_conv_step
+from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_gated,
+                      kda_gate)
 from ..ops.norm import rms_norm, rms_norm_gated
 from .layers import RMSNorm
 from .paged_cache import PagedLayerCache
@@ -146,7 +147,10 @@ class KimiDeltaAttention(nn.Module):
         layout, one more document boundary each) and `short_conv_split` runs over that with `cu_seqlens`, so
         the window needs no stateful conv kernel; the last W-1 rows of each extended document are its new
         window. KDA: `kda_decode_step` on the gathered states for the leading single-token documents,
-        `chunk_kda_gated` (the training kernel) over the others with their states as initial states."""
+        `chunk_kda_gated` (the training kernel) over the others with their states as initial states.
+        A pure decode batch (every document one token) instead updates each slot's conv window and state in
+        place (`short_conv_step`, `kda_decode_step_gated`): no gather / scatter of the states, no data-dependent
+        shape (the engine captures it in a CUDA graph)."""
         b = cache.batch
         N, H, K = x.shape[1], self.num_heads, self.head_dim
         HK = H * K
@@ -154,6 +158,14 @@ class KimiDeltaAttention(nn.Module):
         # three projections, outputs joined: concatenating the [3HK, D] weights each step (as training's fused
         # GEMM does once per step) would copy every projection weight on each decode step
         y = torch.cat([self.q_proj(x[0]), self.k_proj(x[0]), self.v_proj(x[0])], dim=-1)  # [N, 3HK]
+        backend = cache.pc.kda_backend or self.backend
+        if b.decode:  # one token per document: the conv windows and states are updated in place in the pool
+            q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots).split(HK, dim=-1)
+            o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K),
+                                      self.f_b_proj(self.f_a_proj(x[0])).view(N, H, K), self.b_proj(x[0]),
+                                      self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
+                                      backend="torch" if backend in ("torch", "reference") else "auto")
+            return self._output(x, o)
         win = cache.conv_windows()  # [n, 3HK, W-1]
         ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)
         ext[b.ext_win_rows] = win.transpose(1, 2).reshape(-1, 3 * HK).to(y.dtype)
@@ -163,7 +175,6 @@ class KimiDeltaAttention(nn.Module):
             ext[None], w_conv, (HK, HK, HK), cu_seqlens=b.ext_cu, backend=self.elementwise_backend))
         f = self.f_b_proj(self.f_a_proj(x[0])).view(N, H, K)
         beta_logit = self.b_proj(x[0])
-        backend = cache.pc.kda_backend or self.backend
         nd, s0 = b.num_decode, cache.states()
         o, s = [], []
         if nd:  # the leading single-token documents: one recurrent step each
@@ -182,6 +193,11 @@ class KimiDeltaAttention(nn.Module):
             s.append(sp)
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
         cache.set_states(s)
+        return self._output(x, o)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [1, N, D], o [N, H, V] → o_norm, output gate (one `rms_norm_gated`) and o_proj → [1, N, D]."""
+        N, H, K = o.shape
         o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, self.g_proj(x).view(1, N, H, K),
                            self.o_norm.eps, backend=self.elementwise_backend)
-        return self.o_proj(o.reshape(1, N, HK))
+        return self.o_proj(o.reshape(1, N, H * K))

@@ -137,6 +137,29 @@ class PackedBatch:
                    hist_off=dev(hist_off), hist_cu=hist_cu)
 
 
+    @classmethod
+    def for_decode(cls, starts: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, history: int,
+               page_size: int) -> "PackedBatch":
+        """A pure decode batch built ON THE DEVICE from device tensors, for a captured CUDA graph: n sequences
+        of one token each at positions `starts` [n] (long), KDA slots `slots` [n], MLA page tables `table`
+        [n, pages] (long). `history` (static) bounds every start + 1 (the padded MLA history length S).
+        Every field comes from tensor ops on the inputs (no host data), so a graph captured over this batch
+        replays correctly after new values are copied into `starts`, `slots` and `table`. The conv-window
+        ("extended") and prefill-history fields are unused by a decode forward and left empty."""
+        n, dev = starts.shape[0], starts.device
+        p = torch.arange(history, device=dev)
+        valid = p[None, :] <= starts[:, None]
+        col = (p // page_size).clamp_max(table.shape[1] - 1)  # past the table: invalid rows anyway
+        dec_page = torch.where(valid, table.gather(1, col.expand(n, history)), 0)
+        none = torch.empty(0, dtype=torch.long, device=dev)
+        ar = torch.arange(n + 1, device=dev)
+        return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=ar.to(torch.int32), slots=slots, rows=ar[:n],
+                   tok_page=table.gather(1, (starts // page_size)[:, None])[:, 0], tok_off=starts % page_size,
+                   ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none, num_decode=n,
+                   dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
+                   hist_page=None, hist_off=None, hist_cu=[0])
+
+
 class PagedCache:
     """The model's view of a paged pool for one packed forward: `layer(i)` gives layer i's `PagedLayerCache`.
 
@@ -186,6 +209,15 @@ class PagedLayerCache:
         """[n, 3·H·K, W-1]: each document's last W-1 projected q ‖ k ‖ v inputs (oldest first; zeros at start)."""
         w = self.pc.conv[:, self.j].index_select(0, self.batch.slots)  # [n, 3, C, W-1]
         return w.view(w.shape[0], -1, w.shape[-1])
+
+    def conv_pool(self) -> torch.Tensor:
+        """[P, 3·H·K, W-1]: this layer's conv windows of every slot (a view of the pool, updated in place)."""
+        c = self.pc.conv[:, self.j]
+        return c.view(c.shape[0], -1, c.shape[-1])
+
+    def state_pool(self) -> torch.Tensor:
+        """[P, H, K, V] fp32: this layer's recurrent state of every slot (a strided view of the pool)."""
+        return self.pc.state[:, self.j]
 
     def set_conv_windows(self, w: torch.Tensor) -> None:
         conv = self.pc.conv[:, self.j]

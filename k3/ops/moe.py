@@ -89,9 +89,10 @@ class RouterLogitsBf16(torch.autograd.Function):
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """x [N, D] · gate_weight [E, D]ᵀ in fp32 (autocast does not lower it): bf16 CUDA activations through
-    `RouterLogitsBf16` (no fp32 copy of x), anything else as F.linear on fp32 copies."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
+    """x [N, D] · gate_weight [E, D]ᵀ in fp32 (autocast does not lower it): bf16 CUDA activations in training
+    through `RouterLogitsBf16` (no fp32 copy of x kept for the backward), anything else (inference: one GEMM
+    instead of the split's ten kernels) as F.linear on fp32 copies."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and torch.is_grad_enabled():
         return RouterLogitsBf16.apply(x, gate_weight)
     with _no_autocast(x):
         return F.linear(x.float(), gate_weight.float())
@@ -270,13 +271,21 @@ def grouped_situ_ffn(x: torch.Tensor, cu_seqlens: torch.Tensor, w1: torch.Tensor
     `torch._grouped_mm` (default: CUDA bf16; no host sync) or a per-group loop (reads cu_seqlens on the host)."""
     if use_grouped_mm is None:
         use_grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-    w13 = gate_up_weight(w1, w3, x.dtype)
-    w2 = w2.to(x.dtype)
     if use_grouped_mm:
         offs = cu_seqlens.to(torch.int32).clone()
         offs[-1:].fill_(x.shape[0])  # a fill kernel (item assignment would copy a pageable host scalar: a sync)
-        gu = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-        return torch._grouped_mm(situ_glu_fused(gu, beta, linear_beta), w2.transpose(1, 2), offs=offs)
+        w2 = w2.to(x.dtype)
+        if not torch.is_grad_enabled() and w1.dtype == x.dtype and w3.dtype == x.dtype:
+            # inference (decode): two GEMMs on the weights as they are; concatenating w1 ‖ w3 would copy every
+            # expert's weights on each call, more bytes than a small batch's GEMMs read
+            h = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+                         torch._grouped_mm(x, w3.transpose(1, 2), offs=offs), beta, linear_beta)
+        else:
+            gu = torch._grouped_mm(x, gate_up_weight(w1, w3, x.dtype).transpose(1, 2), offs=offs)
+            h = situ_glu_fused(gu, beta, linear_beta)
+        return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    w13 = gate_up_weight(w1, w3, x.dtype)
+    w2 = w2.to(x.dtype)
     ends = cu_seqlens.tolist()
     parts, start = [], 0
     for gi, end in enumerate(ends):

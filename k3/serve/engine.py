@@ -49,6 +49,9 @@ class EngineConfig:
     kda_backend: KDA kernel backend of the engine's forwards ("auto": each KDA module's own `backend`;
         "torch" / "reference" also select the PyTorch decode step).
     record_logits: keep every sampled position's fp32 logits in `Engine.recorded_logits` (tests, debugging).
+    cuda_graphs: replay captured CUDA graphs for pure decode steps on CUDA (`runner.DecodeGraph`; reserves two
+        pool pages). The graphs hold the weights' addresses: update weights in place (`load_state_dict`,
+        `copy_`), never by assigning new tensors.
     """
     block_size: int = 6144
     hash_block_size: int = 512
@@ -65,6 +68,7 @@ class EngineConfig:
     detokenize: Callable[[list[int]], str] | None = None
     kda_backend: str = "auto"
     record_logits: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "hash_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -100,7 +104,7 @@ class Engine:
                       if cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.pool, self.cache, cfg.hash_block_size, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, cfg.checkpoint_interval, cfg.affinity_window)
-        self.runner = ModelRunner(model, self.pool, cfg.kda_backend)
+        self.runner = ModelRunner(model, self.pool, cfg.kda_backend, cfg.cuda_graphs)
         eos = tc.eos_token_id
         self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self.requests: dict[str, Sequence] = {}
@@ -154,9 +158,9 @@ class Engine:
             raise ValueError("stop strings need EngineConfig.detokenize")
         total = min(len(prompt) + params.max_tokens, self.max_model_len)
         need = -(-total // self.config.block_size) + 1
-        if need > self.pool.num_pages:
-            raise ValueError(f"a request of {total} tokens needs {need} pages but the pool has "
-                             f"{self.pool.num_pages}")
+        usable = self.pool.num_pages - len(self.runner.reserved_pages)
+        if need > usable:
+            raise ValueError(f"a request of {total} tokens needs {need} pages but the pool has {usable}")
         rid = request_id if request_id is not None else uuid.uuid4().hex
         gen = None
         if params.seed is not None:
@@ -324,6 +328,8 @@ class Engine:
         with self._lock:
             self.pool.check()
             refs = [0] * self.pool.num_pages
+            for p in self.runner.reserved_pages:
+                refs[p] += 1
             for seq in self.scheduler.running:
                 for p in seq.mla_pages + [seq.state_page] + ([seq.snap_page] if seq.snap_page is not None else []):
                     refs[p] += 1

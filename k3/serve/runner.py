@@ -5,16 +5,28 @@ its sequence's cached history: `PackedBatch` holds the index tensors (cu_seqlens
 MLA pages, conv-window layout, which rows want logits) and `PagedCache` lets the model's own KDA / MLA modules
 read and update the pool. The runner embeds the ids, runs `lm.model` and applies the LM head to the wanted
 rows only. No layer logic lives here (see k3/model/paged_cache.py).
+
+Pure decode steps of a bf16 model on CUDA replay CUDA graphs (`DecodeGraph`), captured lazily per (batch bucket, history
+bucket): the batch is padded to the bucket with entries that point at two scratch pages the runner reserves
+(a KDA slot and an MLA page), its metadata is built on the device from one int64 buffer (`PackedBatch.for_decode`),
+and one host→device copy of that buffer is all a step sends. Other steps (prefill chunks, mixed batches,
+batches or histories past the largest bucket) run eagerly.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache
-from .pool import PagePool
+from ..ops.moe import grouped_mm_available
+from .pool import PagePool, PoolExhausted
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MIN_HISTORY = 256          # smallest padded MLA history of a decode graph (then powers of two)
+MAX_GRAPH_ROWS = 1 << 22   # batch × history above this decodes eagerly (the padded history gather grows with it)
 
 
 @dataclass
@@ -32,8 +44,67 @@ def text_model(model):
     return model.language_model if hasattr(model, "language_model") else model
 
 
+class DecodeGraph:
+    """One captured decode forward for `batch` sequences with MLA histories up to `history` tokens.
+    Inputs live in one int64 device buffer: ids [B] | starts [B] | slots [B] | page table [B, pages]."""
+
+    def __init__(self, runner: "ModelRunner", batch: int, history: int, mempool):
+        ps = runner.pool.layout.block_size
+        self.batch, self.history, self.pages = batch, history, -(-history // ps)
+        B, W = batch, self.pages
+        self.host = torch.empty(3 * B + B * W, dtype=torch.long, pin_memory=True)
+        self.buf = torch.empty_like(self.host, device=runner.device)
+        self.ids, self.starts, self.slots = self.buf[:B], self.buf[B:2 * B], self.buf[2 * B:3 * B]
+        self.table = self.buf[3 * B:].view(B, W)
+        self.copied = torch.cuda.Event()
+        self.fill([], runner.scratch)
+
+        self.runner = runner
+        self.buf.copy_(self.host)
+        side = torch.cuda.Stream(runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
+            self.run()
+        torch.cuda.current_stream(runner.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.out = self.run()
+
+    def run(self) -> torch.Tensor:
+        """The captured work, eagerly: the decode forward over the device buffer's inputs → fp32 logits [B, V]."""
+        r = self.runner
+        r.cache.batch = PackedBatch.for_decode(self.starts, self.slots, self.table, self.history,
+                                               r.pool.layout.block_size)
+        try:
+            return r.logits(self.ids, None)
+        finally:
+            r.cache.batch = None
+
+    def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
+        """Write the step's inputs into the pinned host buffer; entries past len(seqs) are padding that reads
+        and writes only the scratch slot and page."""
+        B, W, n = self.batch, self.pages, len(seqs)
+        self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
+        h = self.host
+        h[:3 * B].view(3, B)[:, n:] = torch.tensor([[0], [0], [scratch[0]]])
+        table = h[3 * B:].view(B, W)
+        table[n:] = scratch[1]
+        if n:
+            h[:n] = torch.tensor([s.tokens[0] for s in seqs])
+            h[B:B + n] = torch.tensor([s.start for s in seqs])
+            h[2 * B:2 * B + n] = torch.tensor([s.state_page for s in seqs])
+            table[:n] = torch.tensor([(s.mla_pages + [scratch[1]] * W)[:W] for s in seqs])
+
+    def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> torch.Tensor:
+        self.fill(seqs, scratch)
+        self.buf.copy_(self.host, non_blocking=True)
+        self.copied.record()
+        self.graph.replay()
+        return self.out[:len(seqs)]
+
+
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, kda_backend: str = "auto"):
+    def __init__(self, model, pool: PagePool, kda_backend: str = "auto", cuda_graphs: bool = True):
         self.lm = text_model(model)
         self.cfg = self.lm.config
         self.pool = pool
@@ -43,6 +114,26 @@ class ModelRunner:
                                 mla_layers=[l.layer_idx for l in layers if not l.is_kda],
                                 kda_backend=None if kda_backend == "auto" else kda_backend)
         self.device = self.lm.lm_head.weight.device
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self._mempool = None
+        self.use_graphs = False  # set below when the scratch pages are reserved; benchmarks turn it off
+        self.scratch: tuple[int, int] | None = None  # (KDA slot, MLA page) the graphs' padding entries use
+        # capturable only where the MoE takes its sync-free grouped path (bf16 activations on CUDA); fp32 models
+        # decode eagerly (the per-expert loop reads expert counts on the host)
+        act = torch.empty(0, dtype=self.lm.model.embed_tokens.weight.dtype, device=self.device)
+        if cuda_graphs and grouped_mm_available(act) and pool.num_free >= 4:
+            try:
+                self.scratch = (pool.allocate(), pool.allocate())
+            except PoolExhausted:
+                self.scratch = None
+            else:
+                pool.zero_slot(self.scratch[0])
+                self.use_graphs = True
+
+    @property
+    def reserved_pages(self) -> list[int]:
+        """Pages the runner holds for itself (the graphs' scratch slot and page)."""
+        return [] if self.scratch is None else list(self.scratch)
 
     def batch(self, seqs: list[SeqInput]) -> PackedBatch:
         """The packed forward's metadata (decode sequences, one token each, should come first)."""
@@ -53,16 +144,39 @@ class ModelRunner:
                                  [s.want_logits for s in seqs], self.pool.layout.block_size,
                                  self.pool.layout.conv_width, self.device)
 
+    def logits(self, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits [R, V] of a packed forward over ids [N] (`cache.batch` set), at `rows` (None: all)."""
+        _, hn, _ = self.lm.model(self.lm.model.embed_tokens(ids)[None], cache=self.cache, rows=rows)
+        return self.lm.lm_head(hn)[0].float()
+
+    def graph_for(self, seqs: list[SeqInput]) -> DecodeGraph | None:
+        """The decode graph for this step (captured on first use), or None when it must run eagerly."""
+        if not self.use_graphs or any(len(s.tokens) != 1 or not s.want_logits for s in seqs):
+            return None
+        i = bisect.bisect_left(BATCH_BUCKETS, len(seqs))
+        if i == len(BATCH_BUCKETS):
+            return None
+        B = BATCH_BUCKETS[i]
+        S = max(MIN_HISTORY, 1 << (max(s.start for s in seqs)).bit_length())  # > every start
+        if B * S > MAX_GRAPH_ROWS:
+            return None
+        if (B, S) not in self.graphs:
+            self.graphs[B, S] = DecodeGraph(self, B, S, self._mempool)
+            self._mempool = self.graphs[B, S].graph.pool()
+        return self.graphs[B, S]
+
     @torch.no_grad()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Run one packed forward; returns fp32 logits [R, V] for the sequences with `want_logits`, in order."""
         if not seqs:
             raise ValueError("ModelRunner.forward: no sequences")
+        g = self.graph_for(seqs)
+        if g is not None:
+            return g(seqs, self.scratch)
         b = self.batch(seqs)
         ids = torch.tensor([t for s in seqs for t in s.tokens], device=self.device)
         self.cache.batch = b
         try:
-            _, hn, _ = self.lm.model(self.lm.model.embed_tokens(ids)[None], cache=self.cache, rows=b.rows)
+            return self.logits(ids, b.rows)
         finally:
             self.cache.batch = None
-        return self.lm.lm_head(hn)[0].float()

@@ -60,8 +60,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     lp = torch.log_softmax(logits, dim=-1).gather(-1, out[:, None])[:, 0]
     out = torch.where(bad, -1, out)
     lp = torch.where(bad, float("nan"), lp)
-    toks = out.tolist()
-    return toks, lp.tolist(), [i for i, t in enumerate(toks) if t < 0]
+    host = torch.stack([out.double(), lp.double()]).tolist()  # one device→host copy per step (ids < 2^53)
+    toks = [int(t) for t in host[0]]
+    return toks, host[1], [i for i, t in enumerate(toks) if t < 0]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

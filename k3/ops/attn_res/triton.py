@@ -51,6 +51,9 @@ SWEEP = {
             (4, 1024, 4, 1, 1), (8, 256, 4, 1, 2), (16, 256, 8, 1, 2), (16, 256, 4, 2, 1), (32, 256, 8, 2, 1)],
 }
 SETTINGS = ("block_r", "block_d", "num_warps", "num_stages", "unroll")
+# Few rows (decode, small batches): one row's loop over D is the latency chain, so fewer, wider D tiles and
+# more programs (a sweep candidate that does not spill).
+SMALL_ROWS, LAUNCH_SMALL_FWD = 512, dict(block_r=4, block_d=1024, num_warps=4, num_stages=1, unroll=1)
 
 
 @triton.jit
@@ -165,12 +168,22 @@ def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_p
             tl.store(dwp_ptr + pid.to(tl.int64) * D + dc, tl.sum(acc, 0), mask=dmask)
 
 
+_CAPTURED_TABLES: list[torch.Tensor] = []  # pinned sources of copies recorded in CUDA graphs (kept forever)
+
+
 def _table(ptrs: list[int], device: torch.device) -> torch.Tensor:
-    """int64 [N] pointer table on `device`: staged through pinned memory and copied without a host sync."""
+    """int64 [N] pointer table on `device`: staged through pinned memory and copied without a host sync.
+
+    Under CUDA graph capture the copy is recorded with the pinned buffer's address and repeated on every
+    replay, so that buffer is kept alive (the host allocator would otherwise hand it to a later pin, and a
+    replay would read someone else's pointers). The pointers themselves are the graph's static addresses."""
     t = torch.tensor(ptrs, dtype=torch.int64)
     if device.type != "cuda":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    t = t.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED_TABLES.append(t)
+    return t.to(device, non_blocking=True)
 
 
 def kernel_fits(sources: list[torch.Tensor]) -> str | None:
@@ -226,7 +239,7 @@ def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, *
     dtype, alpha, rstd and s (the scores) [N, R] fp32. launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
-    cfg = launch_config("fwd", D, **launch)
+    cfg = launch_config("fwd", D, **({**LAUNCH_SMALL_FWD, **launch} if R <= SMALL_ROWS else launch))
     h = torch.empty(R, D, dtype=flat[0].dtype, device=dev)
     alpha, rstd, s = torch.empty(3, N, R, dtype=torch.float32, device=dev).unbind(0)
     if R == 0:

@@ -16,7 +16,7 @@ from .._triton import device_reason, importable
 from .recompute import short_conv_torch
 from .reference import short_conv_reference
 
-__all__ = ["short_conv", "short_conv_split", "short_conv_reference", "short_conv_torch", "triton_available",
+__all__ = ["short_conv", "short_conv_split", "short_conv_step", "short_conv_reference", "short_conv_torch", "triton_available",
            "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -106,3 +106,23 @@ def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ..
         return tuple(p.contiguous() for p in y.split(sizes, -1))
     from .triton import short_conv_triton
     return short_conv_triton(x, weight, cu_seqlens, sizes)
+
+
+def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One new token for each of N sequences against a pool of conv windows (the serving engine's decode).
+
+    x [N, C]; weight [C, 1, W]; windows [P, C, W-1]: each slot's last W-1 inputs (oldest first), a view of the
+    engine's pool, updated IN PLACE at `slots` [N] (long, distinct) to include x. Returns SiLU(conv) [N, C] in
+    x's dtype, computed in fp32 (as the triton backend of `short_conv`; fp64 for fp64 inputs). Plain tensor ops with no host sync or
+    data-dependent shape, so it can be captured in a CUDA graph; equal to `short_conv` with `state` = the window.
+    """
+    N, C = x.shape
+    W = weight.shape[-1]
+    if weight.shape != (C, 1, W) or windows.dim() != 3 or tuple(windows.shape[1:]) != (C, W - 1):
+        raise ValueError(f"short_conv_step: need weight [{C}, 1, W] and windows [P, {C}, W-1], got "
+                         f"{tuple(weight.shape)} and {tuple(windows.shape)}")
+    full = torch.cat([windows.index_select(0, slots).to(x.dtype), x[:, :, None]], dim=-1)  # [N, C, W]
+    windows[slots] = full[..., 1:].to(windows.dtype)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = (full.to(acc) * weight.view(C, W).to(acc)).sum(-1)
+    return torch.nn.functional.silu(y).to(x.dtype)

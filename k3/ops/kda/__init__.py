@@ -26,7 +26,7 @@ from .gate import kda_gate, l2norm
 from .reference import recurrent_kda
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
-           "kda_decode_step", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS"]
+           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 TRITON_G_MIN = -5.0  # the Triton tiles need every per-token log decay >= this (K3's lower bound)
@@ -169,16 +169,21 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
     return (recurrent_kda if backend == "reference" else chunk_kda_torch)(q, k, v, g, beta, **kw)
 
 
+def _slots_contiguous(state) -> bool:
+    """Every slot [H, K, V] of a state pool is contiguous (the pool itself may be a strided per-layer view)."""
+    return state.dim() == 4 and state[0].is_contiguous() and state.stride(0) >= state[0].numel()
+
+
 def _use_triton_decode(backend, q, state, *grad_inputs):
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown decode backend {backend!r}; valid backends are auto, torch, triton")
     if backend == "torch":
         return False
     ok = (q.is_cuda or backend == "triton") and triton_available()
-    ok = ok and (state is None or (state.dtype == torch.float32 and state.is_contiguous()))
+    ok = ok and (state is None or (state.dtype == torch.float32 and _slots_contiguous(state)))
     ok = ok and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in grad_inputs))
     if backend == "triton" and not ok:
-        raise ValueError("decode backend 'triton' needs triton, an fp32 contiguous state and no autograd")
+        raise ValueError("decode backend 'triton' needs triton, an fp32 state with contiguous slots and no autograd")
     return ok
 
 
@@ -226,3 +231,25 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
     o = kda_decode_triton(q, k, v, g, beta, state, state_indices=state_indices, scale=scale,
                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return o, state
+
+
+def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, lower_bound,
+                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto"):
+    """One new token for each of N sequences from the raw gate pre-activation: the engine's decode step.
+
+    q, k, f [N, H, K]; v [N, H, V]; beta_logit [N, H]; A_log [H]; dt_bias [H·K]; state: fp32 pool [P, H, K, V]
+    (a layer's strided view of the engine's page-major pool is fine; each slot must be contiguous), updated IN
+    PLACE at `state_indices` [N] (distinct). g = kda_gate(f) and beta = sigmoid(beta_logit), as in
+    `chunk_kda_gated`. backend "auto": the Triton decode kernel with the gate and beta fused (CUDA, no
+    autograd), else (and for "torch" / "reference") `kda_gate` + the PyTorch step. Returns o [N, H, V].
+    """
+    if not _use_triton_decode("torch" if backend in ("torch", "reference") else backend, q, state,
+                              q, k, v, f, beta_logit):
+        g = kda_gate(f[None], A_log, dt_bias, lower_bound)[0]
+        o, _ = _decode_step_torch(q, k, v, g, torch.sigmoid(beta_logit.float()), state, scale,
+                                  use_qk_l2norm_in_kernel, state_indices, inplace=True)
+        return o
+    from .triton import kda_decode_triton
+    return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, scale=scale,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                             lower_bound=lower_bound, beta_logits=True)

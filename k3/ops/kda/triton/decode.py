@@ -10,7 +10,7 @@ from .._common import check_token_shapes
 
 @triton.jit
 def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, idx_ptr, cu_ptr,
-                      H, K, V, scale, lower_bound,
+                      H, K, V, slot_stride, sq, sk, sv, scale, lower_bound,
                       BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
                       L2: tl.constexpr, HAS_IDX: tl.constexpr):
     """Program (n, h, iv): tokens cu[n]..cu[n+1] of sequence n, state slot idx[n] (or n), columns iv*BV.."""
@@ -28,17 +28,17 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     km = kc < K
     vm = vc < V
     sm = km[:, None] & vm[None, :]
-    sp = s_ptr + (slot * H + h) * K * V + kc[:, None] * V + vc[None, :]
+    sp = s_ptr + slot * slot_stride + h * K * V + kc[:, None] * V + vc[None, :]
     S = tl.load(sp, mask=sm, other=0.0).to(tl.float32)
     if GATE:
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * K + kc, mask=km, other=0.0).to(tl.float32)
     for t in range(bos, eos):
-        offk = t * H * K + h * K + kc
-        q = tl.load(q_ptr + offk, mask=km, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + offk, mask=km, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offk, mask=km, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + t * H * V + h * V + vc, mask=vm, other=0.0).to(tl.float32)
+        offk = h * K + kc
+        q = tl.load(q_ptr + t * sq + offk, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * sk + offk, mask=km, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * H * K + offk, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * sv + h * V + vc, mask=vm, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + t * H + h).to(tl.float32)
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
@@ -71,7 +71,8 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
 
     q, k, g: [Ttot, H, K] packed new tokens; v: [Ttot, H, V]; beta: [Ttot, H]. cu_seqlens: int [N+1]
     token ranges per sequence (default: one token each). state: fp32 [P, H, K, V]; state_indices:
-    int [N] distinct slots (default: slot n for sequence n). With A_log given, g is the raw gate
+    int [N] distinct slots (default: slot n for sequence n); each slot's [H, K, V] must be contiguous, the slots
+    themselves may be strided (a layer's view of a page-major pool). With A_log given, g is the raw gate
     pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
     beta is passed through a sigmoid. Slots not indexed are not read or written. Returns o [Ttot, H, V].
     block_v / num_warps: launch settings (columns of the state per program, warps per program).
@@ -83,8 +84,9 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     if state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != (H, K, V):
         raise ValueError(f"kda_decode_triton: state must be fp32 [P,{H},{K},{V}] but got "
                          f"{state.dtype} {tuple(state.shape)}")
-    if not state.is_contiguous():
-        raise ValueError("kda_decode_triton: state must be contiguous (it is updated in place)")
+    if state[0].stride() != (K * V, V, 1) or state.stride(0) < H * K * V:
+        raise ValueError(f"kda_decode_triton: each state slot [H, K, V] must be contiguous and slots must not "
+                         f"overlap (it is updated in place), got strides {state.stride()}")
     if cu_seqlens is None:
         cu_seqlens = torch.arange(T + 1, device=q.device, dtype=torch.int32)
     N = cu_seqlens.numel() - 1
@@ -93,7 +95,10 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     if state_indices is None and state.shape[0] < N:
         raise ValueError(f"kda_decode_triton: state has {state.shape[0]} slots for {N} sequences")
     scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # q, k, v may be row slices of a wider tensor (the decode conv's joined output): rows strided, each row's
+    # [H, K] contiguous; g and beta contiguous
+    q, k, v = (x if x.stride()[1:] == (x.shape[2], 1) else x.contiguous() for x in (q, k, v))
+    g, beta = g.contiguous(), beta.contiguous()
     o = torch.empty(T, H, V, device=q.device, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
@@ -102,7 +107,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     kda_decode_kernel[grid](
         q, k, v, g, beta, A_log.contiguous() if gate else None,
         dt_bias.contiguous() if (gate and dt_bias is not None) else (torch.zeros(H * K, device=q.device) if gate else None),
-        o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, scale, float(lower_bound),
+        o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, state.stride(0), q.stride(0), k.stride(0), v.stride(0), scale, float(lower_bound),
         BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
         HAS_IDX=state_indices is not None, num_warps=num_warps)
     return o

@@ -1,0 +1,197 @@
+"""The engine's decode step as captured in CUDA graphs: the in-place pool ops (`short_conv_step`,
+`kda_decode_step_gated` on a strided per-layer view), the device-side decode metadata
+(`PackedBatch.for_decode`) against the host builder, a batch padded with scratch entries against the unpadded
+one, and (CUDA) graph replay against eager execution."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from k3.model.paged_cache import PackedBatch, PagedCache
+from k3.ops.conv import short_conv, short_conv_step
+from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_short_conv_step_equals_short_conv_with_state(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    P, C, W, N = 9, 24, 4, 4
+    pool = torch.randn(P, 2, C, W - 1, generator=g, dtype=dtype)  # two "layers": the step sees a strided view
+    before = pool.clone()
+    w = torch.randn(C, 1, W, generator=g, dtype=dtype)
+    x = torch.randn(N, C, generator=g, dtype=dtype)
+    slots = torch.tensor([7, 2, 5, 0])
+    y = short_conv_step(x, w, pool[:, 1], slots)
+    ref, new = short_conv(x[:, None], w, before[slots, 1], output_final_state=True, backend="reference")
+    assert (y - ref[:, 0]).abs().max() <= tol
+    assert torch.equal(pool[slots, 1], new)  # windows advanced in place
+    others = [p for p in range(P) if p not in slots.tolist()]
+    assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
+
+
+def _gated_inputs(N, H, K, dtype, g, device="cpu"):
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype).to(device)  # noqa: E731
+    return r(N, H, K), r(N, H, K), r(N, H, K), r(N, H, K), r(N, H), r(H) * 0.3, r(H * K) * 0.5
+
+
+def test_kda_decode_step_gated_updates_a_strided_pool_in_place():
+    """One token per sequence from the pool's states, against the chunked path with initial states (fp64)."""
+    g = torch.Generator().manual_seed(1)
+    P, H, K, N = 7, 2, 16, 3
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float64, g)
+    pool = torch.randn(P, 3, H, K, K, generator=g, dtype=torch.float64)
+    before = pool.clone()
+    slots = torch.tensor([4, 0, 6])
+    o = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, pool[:, 2], slots, -5.0, backend="torch")
+    ro, rs = chunk_kda_gated(q[:, None], k[:, None], v[:, None], f[:, None], bl[:, None], A_log, dt_bias,
+                             initial_state=before[slots, 2], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             lower_bound=-5.0, backend="reference")
+    assert (o - ro[:, 0]).abs().max() <= 1e-12 and (pool[slots, 2] - rs).abs().max() <= 1e-12
+    others = [p for p in range(P) if p not in slots.tolist()]
+    assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, :2], before[:, :2])
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_kda_decode_step_gated_triton_equals_torch():
+    g = torch.Generator().manual_seed(2)
+    P, H, K, N = 11, 4, 64, 5
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, "cuda")
+    pool = torch.randn(P, 2, H, K, K, generator=g).cuda()
+    ref_pool = pool.clone()
+    slots = torch.tensor([9, 3, 0, 10, 5], device="cuda")
+    o = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, pool[:, 1], slots, -5.0)
+    ro = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, ref_pool[:, 1], slots, -5.0, backend="torch")
+    assert (o - ro).abs().max() <= 1e-4 and (pool - ref_pool).abs().max() <= 1e-4
+
+
+def test_packed_batch_decode_on_device_equals_the_host_builder():
+    rng = random.Random(3)
+    ps, n, S = 8, 5, 64
+    starts = [rng.randrange(S) for _ in range(n)]
+    tables = [rng.sample(range(100), S // ps) for _ in range(n)]
+    slots = list(range(50, 50 + n))
+    host = PackedBatch.build([1] * n, starts, slots, [t[:s // ps + 1] for t, s in zip(tables, starts)],
+                             [True] * n, ps, 3, "cpu")
+    dev = PackedBatch.for_decode(torch.tensor(starts), torch.tensor(slots), torch.tensor(tables), S, ps)
+    assert dev.decode and host.decode and dev.num_docs == n
+    for name in ("cu_seqlens", "slots", "rows", "tok_page", "tok_off"):
+        assert torch.equal(getattr(dev, name), getattr(host, name)), name
+    w = host.dec_valid.shape[1]
+    assert torch.equal(dev.dec_valid[:, :w], host.dec_valid) and not dev.dec_valid[:, w:].any()
+    for name in ("dec_page", "dec_off"):
+        assert torch.equal(getattr(dev, name)[:, :w][host.dec_valid], getattr(host, name)[host.dec_valid]), name
+
+
+def _pool(model, pages, page):
+    lm = model.language_model
+    cfg, layers = lm.config, lm.model.decoder_layers
+    la = cfg.linear_attn_config
+    kda = [l.layer_idx for l in layers if l.is_kda]
+    mla = [l.layer_idx for l in layers if not l.is_kda]
+    H, K, W = la.num_heads, la.head_dim, la.short_conv_kernel_size
+    g = torch.Generator().manual_seed(9)  # garbage everywhere: nothing may read what it did not write
+    return PagedCache(torch.randn(pages, len(kda), H, K, K, generator=g),
+                      torch.randn(pages, len(kda), 3, H * K, W - 1, generator=g),
+                      torch.randn(pages, len(mla), page, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g),
+                      kda, mla)
+
+
+@torch.no_grad()
+def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
+    """Three sequences prefilled, then one decode step two ways: the host-built batch of exactly those three,
+    and the graph's batch — device-built, padded to 8 with entries on a scratch slot and page (which hold
+    garbage) and a padded history. Same logits, same pool afterwards."""
+    model = make_tiny(seed=4)
+    lm, ps = model.language_model, 8
+    rng = random.Random(4)
+    a = _pool(model, 40, ps)
+    for s in (a.state, a.conv):
+        s[[1, 2, 3]] = 0  # the three sequences' fresh KDA slots
+    seqs = [[rng.randrange(4000) for _ in range(L)] for L in (13, 5, 21)]
+    tables = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+
+    def run(cache, batch, ids):
+        cache.batch = batch
+        _, hn, _ = lm.model(lm.model.embed_tokens(torch.tensor(ids))[None], cache=cache, rows=batch.rows)
+        return lm.lm_head(hn)[0]
+
+    run(a, PackedBatch.build([len(s) for s in seqs], [0] * 3, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"),
+        [t for s in seqs for t in s])
+    b = _pool(model, 40, ps)
+    for src, dst in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        dst.copy_(src)
+    new = [rng.randrange(4000) for _ in seqs]
+    starts = [len(s) for s in seqs]
+    ref = run(a, PackedBatch.build([1] * 3, starts, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"), new)
+    pad = 5
+    B = 3 + pad
+    got = run(b, PackedBatch.for_decode(torch.tensor(starts + [0] * pad), torch.tensor([1, 2, 3] + [39] * pad),
+                                    torch.tensor(tables + [[38] * 3] * pad), 32, ps), new + [0] * pad)
+    assert got.shape[0] == B
+    assert (got[:3] - ref).abs().max() <= 1e-5
+    real = [1, 2, 3] + [p for t in tables for p in t]
+    for x, y in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        assert (x[real] - y[real]).abs().max() <= 1e-5
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_graph_replay_equals_eager():
+    """A bf16 engine (the graphs need the MoE's sync-free grouped path): sequences of several lengths are
+    prefilled, then each decode step's graph is replayed and also run eagerly on the same inputs and pool
+    (restored in between): logits and every pool byte bitwise equal. Several batch and history buckets."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve.runner import SeqInput
+
+    model = make_tiny(seed=6).cuda().to(torch.bfloat16).eval()
+    eng = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=128, max_num_batched_tokens=512))
+    assert eng.runner.use_graphs
+    rng = random.Random(6)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 300))] for _ in range(11)]
+    rids = [eng.submit(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) for p in prompts]
+    while any(not eng.requests[r].output for r in rids):
+        eng.step()
+    checked = set()
+    for n in (11, 5, 1, 3):
+        seqs = [eng.requests[r] for r in rids[:n]]
+        inputs = [SeqInput(tokens=[s.tokens[-1]], start=s.num_tokens - 1, state_page=s.state_page,
+                           mla_pages=s.mla_pages, want_logits=True) for s in seqs]
+        g = eng.runner.graph_for(inputs)
+        before = eng.pool.storage.clone()
+        g.fill(inputs, eng.runner.scratch)
+        g.buf.copy_(g.host)
+        eager = g.run()[:n].clone()
+        after_eager = eng.pool.storage.clone()
+        eng.pool.storage.copy_(before)
+        replayed = g(inputs, eng.runner.scratch).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(eager, replayed) and torch.isfinite(replayed).all()
+        assert torch.equal(after_eager, eng.pool.storage)
+        checked.add((g.batch, g.history))
+    assert len(checked) >= 3
+    for r in rids:
+        eng.abort(r)
+    eng.check_pool()
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_graph_engine_runs_every_bucket():
+    """A bf16 engine with graphs serves a mixed load (requests finishing at different lengths, prefill chunks
+    between decode steps) with every request complete and the pool consistent; the graph path really ran."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+
+    model = make_tiny(seed=7).cuda().to(torch.bfloat16).eval()
+    eng = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=256, max_num_batched_tokens=96))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 300))] for _ in range(23)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0, ignore_eos=True) for _ in prompts]
+    outs = eng.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert len(eng.runner.graphs) >= 3
+    eng.check_pool()
