@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny
+from conftest import make_tiny, rel_rmse
 from k3.model.paged_cache import PackedBatch, PagedCache
 from k3.ops.conv import short_conv, short_conv_step
 from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
@@ -31,6 +31,29 @@ def test_short_conv_step_equals_short_conv_with_state(dtype, tol):
     assert torch.equal(pool[slots, 1], new)  # windows advanced in place
     others = [p for p in range(P) if p not in slots.tolist()]
     assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_short_conv_step_triton_equals_the_reference(dtype, tol):
+    """The one-kernel form (Triton's interpreter on CPU) against the PyTorch ops: outputs, and windows that
+    advance in place at the given slots only; x a strided row slice as the KDA layer passes it."""
+    if not torch.cuda.is_available():
+        from k3.ops.conv import triton_available
+        from k3.ops.moe_triton import interpreted
+        if not (triton_available() and interpreted()):
+            pytest.skip("needs CUDA or Triton's interpreter")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    P, C, W, N = 6, 200, 4, 3
+    pool = torch.randn(P, 2, C, W - 1, generator=g).to(dev, dtype)
+    ref_pool = pool.clone()
+    w = torch.randn(C, 1, W, generator=g).to(dev)
+    x = torch.randn(N, 3 * C, generator=g).to(dev, dtype)[:, C:2 * C]
+    slots = torch.tensor([5, 1, 2], device=dev)
+    y = short_conv_step(x, w, pool[:, 1], slots, backend="triton")
+    ref = short_conv_step(x, w, ref_pool[:, 1], slots, backend="reference")
+    assert rel_rmse(ref, y) <= tol  # fp32 sums in another order; bf16: one output rounding (2^-8 relative)
+    assert torch.equal(pool, ref_pool)  # the window shift copies values: exact
 
 
 def _gated_inputs(N, H, K, dtype, g, device="cpu"):

@@ -108,19 +108,28 @@ def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ..
     return short_conv_triton(x, weight, cu_seqlens, sizes)
 
 
-def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
+                    backend: str = "auto") -> torch.Tensor:
     """One new token for each of N sequences against a pool of conv windows (the serving engine's decode).
 
     x [N, C]; weight [C, 1, W]; windows [P, C, W-1]: each slot's last W-1 inputs (oldest first), a view of the
     engine's pool, updated IN PLACE at `slots` [N] (long, distinct) to include x. Returns SiLU(conv) [N, C] in
     x's dtype, computed in fp32 (as the triton backend of `short_conv`; fp64 for fp64 inputs). Plain tensor ops with no host sync or
     data-dependent shape, so it can be captured in a CUDA graph; equal to `short_conv` with `state` = the window.
+    backend: "auto" (the one-kernel Triton form, `triton_step.py`, on CUDA), "triton" or "reference" (these
+    PyTorch ops, the oracle).
     """
     N, C = x.shape
     W = weight.shape[-1]
     if weight.shape != (C, 1, W) or windows.dim() != 3 or tuple(windows.shape[1:]) != (C, W - 1):
         raise ValueError(f"short_conv_step: need weight [{C}, 1, W] and windows [P, {C}, W-1], got "
                          f"{tuple(weight.shape)} and {tuple(windows.shape)}")
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"short_conv_step: unknown backend {backend!r}; valid backends are auto, triton, reference")
+    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in _TRITON_DTYPES
+                               and windows[0].is_contiguous() and triton_available()):
+        from .triton_step import short_conv_step_triton
+        return short_conv_step_triton(x, weight, windows, slots)
     full = torch.cat([windows.index_select(0, slots).to(x.dtype), x[:, :, None]], dim=-1)  # [N, C, W]
     windows[slots] = full[..., 1:].to(windows.dtype)
     acc = torch.promote_types(x.dtype, torch.float32)
