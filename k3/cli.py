@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     add_sandbox(sub)
     from .serve.cli import add_parser as add_serve
     add_serve(sub)
+    from .post.cli import add_parser as add_post
+    add_post(sub)
     args = p.parse_args(argv)
     try:
         return args.func(args)

@@ -47,7 +47,7 @@ from .tokenizer import decode_stable, safe_decode
 
 __all__ = ["CLOSE", "END_OF_MSG", "IMAGE_PLACEHOLDER", "OPEN", "SEP", "THINKING_EFFORTS", "ChatFormatError",
            "ChatStreamParser", "Delta", "ParsedMessage", "ToolCall", "decode_stable", "encode", "encode_segments",
-           "parse", "render", "safe_decode", "segments"]
+           "parse", "render", "safe_decode", "segments", "train_mask", "encode_with_mask"]
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 THINKING_EFFORTS = ("low", "high", "max")
@@ -422,3 +422,60 @@ def encode_segments(tokenizer: Tokenizer, segs: Sequence[Segment]) -> list[int]:
 def encode(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
     """Token ids of the conversation, each piece encoded separately as the official encoder does."""
     return encode_segments(tokenizer, segments(messages, tools, **options))
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+def train_mask(segs: Sequence[Segment]) -> list[bool]:
+    """Per piece of `segments(...)`: True where supervised fine-tuning puts its loss, i.e. the body of every
+    assistant message (think, response, tool calls) and its closing `<|close|>message<|sep|><|end_of_msg|>`
+    (so the model learns to stop); False for the header `<|open|>message role="assistant" …<|sep|>`, every
+    other message and an unclosed trailing message (the generation prompt).
+
+    Read from the piece structure alone: markers are the only special pieces, a tag name always follows
+    <|open|> / <|close|>, and content is never a special piece, so no content can shift these boundaries."""
+    mask = [False] * len(segs)
+    i, n = 0, len(segs)
+    while i < n:
+        if segs[i] != (OPEN, True) or i + 1 >= n or segs[i + 1] != ("message", False):
+            i += 1
+            continue
+        j = i + 2  # the header's attribute pieces, up to its <|sep|>
+        role = None
+        while j < n and segs[j] != (SEP, True):
+            if segs[j] == (" role", False) and j + 2 < n and segs[j + 1] == ('="', False):
+                role = segs[j + 2][0]
+            j += 1
+        body, depth = j + 1, 0
+        k = body
+        while k < n:  # find this message's own <|close|>message<|sep|><|end_of_msg|>
+            text, special = segs[k]
+            if special and text == OPEN:
+                depth += 1
+            elif special and text == CLOSE:
+                if depth == 0:
+                    break
+                depth -= 1
+            k += 1
+        if k >= n:  # unclosed: the generation prompt
+            break
+        end = k + 4 if k + 3 < n and segs[k + 3] == (END_OF_MSG, True) else k + 3
+        if role == "assistant":
+            for q in range(body, end):
+                mask[q] = True
+        i = end
+    return mask
+
+
+def encode_with_mask(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                     **options: Any) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask): the ids are exactly `encode(...)`'s; the mask marks the tokens of the pieces
+    `train_mask` selects (assistant bodies and their closing markers)."""
+    segs = segments(messages, tools, **options)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for seg, m in zip(segs, train_mask(segs)):
+        piece = encode_segments(tokenizer, [seg])
+        ids += piece
+        mask += [m] * len(piece)
+    return ids, mask

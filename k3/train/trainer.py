@@ -55,6 +55,8 @@ def init_distributed() -> tuple[int, int, torch.device | None]:
 
 
 class Trainer:
+    progress_desc = "k3 train"  # the progress bar's label (subclasses: "k3 sft")
+
     def __init__(self, cfg: TrainConfig):
         from ..config import K3Config
         from ..io.tokenizer import K3Tokenizer, default_tokenizer
@@ -315,7 +317,7 @@ class Trainer:
         if self.rank == 0:
             atomic_write(self.run_dir / "train_config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.step + cfg.stop_after)
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="k3 train", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=self.progress_desc, unit="step", dynamic_ncols=True,
                    disable=not cfg.progress or self.rank != 0)
         first_val = self.evaluate() if self.step == 0 else None
         if first_val is not None and self.rank == 0:
