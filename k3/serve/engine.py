@@ -23,7 +23,7 @@ import torch
 from ..ops.kda import BACKENDS as KDA_BACKENDS
 from .pool import PagePool, PoolLayout
 from .prefix_cache import PrefixCache
-from .request import RequestOutput, SamplingParams, Sequence
+from .request import PausedRequest, RequestOutput, SamplingParams, Sequence
 from .runner import ModelRunner, SeqInput, text_model
 from .sampling import sample_rows
 from .stop import first_stop
@@ -112,7 +112,7 @@ class Engine:
         self._lock = threading.RLock()  # engine state (scheduler, pool, cache): held by step / abort
         self._inbox_lock = threading.Lock()  # `requests` and the submission inbox
         self._inbox: list[Sequence] = []
-        self.num_finished = self.num_aborted = 0
+        self.num_finished = self.num_aborted = self.num_paused = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.num_steps = 0
 
@@ -195,6 +195,67 @@ class Engine:
             seq.finished, seq.finish_reason = True, "abort"
             self.num_aborted += 1
             return seq.to_output()
+
+    def pause(self, request_id: str) -> PausedRequest:
+        """Take a request out with its model state, to be continued exactly by `resume` (RL partial rollout).
+
+        A running request's KDA slot and the MLA rows of its computed positions are copied to host memory and
+        its device pages freed; a waiting one (not admitted, or preempted) keeps no state and is recomputed on
+        resume. Its tokens, log-probs and sampler generator travel in the returned `PausedRequest`. Raises
+        KeyError for an unknown or finished request."""
+        with self._lock:
+            self._drain_inbox()
+            with self._inbox_lock:
+                seq = self.requests.pop(request_id, None)
+            if seq is None:
+                raise KeyError(f"unknown or finished request id {request_id!r}")
+            if seq.restore is not None:  # resumed but not admitted since: still the same state
+                paused = seq.restore
+            elif seq in self.scheduler.running and seq.num_computed > 0:
+                n, B = seq.num_computed, self.pool.layout.block_size
+                kda = self.pool.to_host(seq.state_page, self.pool.layout.slot_bytes)
+                mla = torch.cat([self.pool.mla[p, :, :min(B, n - i * B)]
+                                 for i, p in enumerate(seq.mla_pages[:-(-n // B)])], dim=1).cpu()
+                paused = PausedRequest(seq, n, kda, mla)
+            else:
+                paused = PausedRequest(seq, 0, None, None)
+            seq.restore = None
+            self.scheduler.remove(seq)
+            self.num_paused += 1
+            return paused
+
+    def resume(self, paused: PausedRequest) -> str:
+        """Continue a paused request from its saved state (no recomputation); returns its request id. The
+        tokens it produces are those an uninterrupted run would have produced (same weights, same sampler
+        state), and the finished output holds every token, before and after the pause."""
+        if not isinstance(paused, PausedRequest):
+            raise ValueError(f"resume takes a PausedRequest (from Engine.pause), got {type(paused).__name__}")
+        seq = paused.seq
+        if paused.num_computed:
+            need = 1 + -(-paused.num_computed // self.pool.layout.block_size)
+            if paused.mla_rows.shape[1] != paused.num_computed or need > self.pool.num_pages:
+                raise ValueError(f"paused request {seq.request_id!r} does not fit this engine's pool")
+        seq.restore = paused if paused.num_computed else None
+        seq.finished, seq.finish_reason, seq.stop_reason = False, None, None
+        with self._inbox_lock:
+            if seq.request_id in self.requests:
+                raise ValueError(f"request id {seq.request_id!r} is already in flight")
+            self.requests[seq.request_id] = seq
+            self._inbox.append(seq)
+        return seq.request_id
+
+    def update_weights(self, source) -> None:
+        """Copy new weights (a module with this model's parameter names, or its state dict) into the engine's
+        model IN PLACE — dtype converted, addresses kept, so captured CUDA graphs stay valid — and forget the
+        prefix cache (computed with the old weights). Paused requests keep their old-weight states (partial
+        rollout's off-policy segment). A no-op copy when `source` is the engine's own model."""
+        with self._lock:
+            if source is not self.model:
+                sd = source.state_dict() if isinstance(source, torch.nn.Module) else source
+                with torch.no_grad():
+                    self.model.load_state_dict(sd, strict=True)
+            if self.cache is not None:
+                self.cache.clear()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (device and host tier). Call after changing the model's weights
@@ -302,7 +363,7 @@ class Engine:
         prefix_cache_queries / hits: prompt tokens looked up / served from the cache, counted at every
         admission (a request re-admitted after preemption counts again); prefix_cache_checkpoints / blocks:
         cached KDA checkpoints / fine MLA keys; prefix_cache_evictions; host_cache_bytes; preemptions;
-        checkpoints_saved; num_finished / num_aborted / num_steps; prompt_tokens_total (submitted) and
+        checkpoints_saved; num_finished / num_aborted / num_paused / num_steps; prompt_tokens_total (submitted) and
         generation_tokens_total."""
         with self._lock:
             s, c = self.scheduler, self.cache
@@ -319,7 +380,8 @@ class Engine:
                 prefix_cache_evictions=0 if c is None else c.evictions,
                 host_cache_bytes=0 if c is None or c.host is None else c.host.used,
                 preemptions=s.num_preemptions, checkpoints_saved=s.checkpoints_saved,
-                num_finished=self.num_finished, num_aborted=self.num_aborted, num_steps=self.num_steps,
+                num_finished=self.num_finished, num_aborted=self.num_aborted, num_paused=self.num_paused,
+                num_steps=self.num_steps,
                 prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             )
 

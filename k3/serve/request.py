@@ -105,6 +105,8 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    restore: "PausedRequest | None" = None  # pool state to copy in at the next admission (Engine.resume)
+    cacheable: bool = True      # False for a restored sequence: its state may come from older weights
 
     @property
     def tokens(self) -> list[int]:
@@ -122,3 +124,35 @@ class Sequence:
             new_token_ids=list(new), logprobs=list(self.logprobs) if self.params.logprobs else None,
             finished=self.finished, finish_reason=self.finish_reason,
             num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
+
+
+@dataclass(eq=False)
+class PausedRequest:
+    """A request taken out of the engine with its model state (`Engine.pause`), to be continued exactly by
+    `Engine.resume`: the KDA slot bytes (fp32 states and conv windows of every KDA layer) and the MLA latent
+    rows of positions [0, num_computed) of every MLA layer, in host memory. `prompt`, `output` and `logprobs`
+    are the request's so far; its sampler generator travels with it."""
+    seq: Sequence
+    num_computed: int
+    kda_slot: torch.Tensor | None      # uint8 [slot bytes] (None: nothing computed yet)
+    mla_rows: torch.Tensor | None      # [n_mla, num_computed, C + R] in the pool dtype
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.seq.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return list(self.seq.output)
+
+    @property
+    def logprobs(self) -> list[float]:
+        return list(self.seq.logprobs)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kda_slot, self.mla_rows) if t is not None)

@@ -70,7 +70,7 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """Give back a sequence's pages; its decode snapshot becomes a cached checkpoint."""
         if seq.snap_page is not None:
-            kept = (self.cache is not None and seq.snap_pos // self.h <= seq.num_registered
+            kept = (self.cache is not None and seq.cacheable and seq.snap_pos // self.h <= seq.num_registered
                     and self.cache.register_checkpoint(seq.hashes[seq.snap_pos // self.h - 1], seq.snap_page))
             if kept:
                 self.checkpoints_saved += 1
@@ -92,8 +92,32 @@ class Scheduler:
         extend_hashes(seq.hashes, seq.tokens, self.h)
         return self.cache.lookup(seq.hashes, seq.num_tokens)
 
+    def _restore(self, seq: Sequence) -> bool:
+        """Copy a paused sequence's state (`seq.restore`, host memory) into fresh pages. False if out of pages."""
+        r = seq.restore
+        n = r.num_computed
+        pages = []
+        for _ in range(1 + -(-n // self.B)):
+            p = self.alloc()
+            if p is None:
+                for q in pages:
+                    self.pool.decref(q)
+                return False
+            pages.append(p)
+        state, seq.mla_pages = pages[0], pages[1:]
+        self.pool.from_host(r.kda_slot, state)
+        for i, p in enumerate(seq.mla_pages):
+            rows = r.mla_rows[:, i * self.B:(i + 1) * self.B]
+            self.pool.mla[p, :, :rows.shape[1]].copy_(rows)
+        seq.state_page, seq.num_computed, seq.ckpt_positions, seq.restore = state, n, [], None
+        seq.cacheable = False  # nothing it computes goes into the prefix cache (its history may be older weights')
+        return True
+
     def _admit(self, seq: Sequence) -> bool:
-        """Restore the deepest prefix hit into fresh pages for seq. False (nothing changed) if out of pages."""
+        """Restore the deepest prefix hit into fresh pages for seq (or its paused state, `_restore`). False
+        (nothing changed) if out of pages."""
+        if seq.restore is not None:
+            return self._restore(seq)
         hit = self._lookup(seq)
         if hit.host_keys:
             if not self.cache.fetch(hit.host_keys, self.alloc):
@@ -286,7 +310,7 @@ class Scheduler:
         for w in work:
             seq = w.seq
             seq.num_computed += w.n
-            if cache is None:
+            if cache is None or not seq.cacheable:
                 continue
             X = seq.num_computed
             while seq.num_registered < len(seq.hashes) and (seq.num_registered + 1) * h <= X:
