@@ -4,10 +4,11 @@ It applies queued submit / abort commands between `engine.step()` calls and hand
 that request's asyncio queue (`(tag, RequestOutput)`, or `(tag, exception)` when the request failed), so
 the event loop never blocks on the model.
 
-A failing request fails alone: when `engine.step()` raises a `SamplingError` (rows with non-finite logits)
-only the requests those rows belong to are failed (the engine recomputes the others), and an output with
-finish_reason "error" fails only its request. Any other exception from the engine fails every request in
-flight (nothing tells whose it was); the thread keeps serving either way.
+A failing request fails alone: the engine itself isolates a request whose logits are not finite or whose
+forward raises (it re-runs the suspects of a failed batch one per step) and reports it as an output with
+finish_reason "error", which fails only that request here; a `SamplingError` raised by `engine.step()`
+fails only the requests of its rows. Any other exception from the engine (a bug outside the forward) fails
+every request in flight, since nothing tells whose it was; the thread keeps serving either way.
 """
 
 from __future__ import annotations

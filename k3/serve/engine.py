@@ -12,6 +12,7 @@ lock) that the next step drains, so a server may submit from request handlers wh
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -28,6 +29,9 @@ from .runner import ModelRunner, SeqInput, text_model
 from .sampling import sample_rows
 from .stop import first_stop
 from .scheduler import Scheduler
+
+log = logging.getLogger("k3.serve.engine")
+MAX_FORWARD_FAILURES = 3  # forwards a sequence may be part of that fail before it is failed itself
 
 
 @dataclass
@@ -284,12 +288,14 @@ class Engine:
                       for w in work]
             try:
                 logits = self.runner.forward(inputs)
-            except BaseException:
+            except BaseException as e:
                 # some layers may have advanced these sequences' KDA slots: recompute them from scratch
                 for w in work:
                     if w.seq in self.scheduler.running:
                         self.scheduler.preempt(w.seq)
-                raise
+                if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit
+                    raise
+                return self._forward_failed([w.seq for w in work], e)
             self.scheduler.after_forward(work)
             done = [w.seq for w in work if w.sample]
             if not done:
@@ -321,6 +327,27 @@ class Engine:
                     self.num_finished += 1
                 outs.append(seq.to_output())
             return outs
+
+    def _forward_failed(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        """A forward raised: find whose it was without failing the others. A forward of one sequence (or one
+        that failed MAX_FORWARD_FAILURES times) fails that request alone (finish_reason "error"); the
+        sequences of a larger failed batch become suspects, which the scheduler then runs one per step
+        (`Scheduler.suspects`), so a request that breaks the model fails alone and every other continues."""
+        log.warning("engine forward of %d sequence(s) failed: %s: %s", len(seqs), type(error).__name__, error)
+        outs = []
+        for seq in seqs:
+            seq.failures += 1
+            if len(seqs) > 1 and seq.failures < MAX_FORWARD_FAILURES:
+                self.scheduler.suspects.add(seq)
+                continue
+            self.scheduler.suspects.discard(seq)
+            self.scheduler.remove(seq)
+            seq.finished, seq.finish_reason = True, "error"
+            seq.stop_reason = f"the model forward failed on this request: {type(error).__name__}: {error}"
+            with self._inbox_lock:
+                self.requests.pop(seq.request_id, None)
+            outs.append(seq.to_output())
+        return outs
 
     def _check_stop(self, seq: Sequence, t: int) -> None:
         p = seq.params

@@ -107,6 +107,7 @@ class Sequence:
     stop_reason: int | str | None = None
     restore: "PausedRequest | None" = None  # pool state to copy in at the next admission (Engine.resume)
     cacheable: bool = True      # False for a restored sequence: its state may come from older weights
+    failures: int = 0           # failed forwards it was part of (Engine._forward_failed)
 
     @property
     def tokens(self) -> list[int]:

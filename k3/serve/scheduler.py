@@ -46,6 +46,7 @@ class Scheduler:
         self._served: dict[object, int] = {}  # group → admission tick of its latest admitted sequence
         self._tick = 0
         self.num_preemptions = 0
+        self.suspects: set[Sequence] = set()  # in a failed batch: each runs alone in its next step
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0     # of which served from the cache
         self.checkpoints_saved = 0
@@ -256,7 +257,32 @@ class Scheduler:
         self._push_waiting_front(seq)
 
     # ---- the step ---------------------------------------------------------------------------------------
+    def _solo(self) -> list[Work] | None:
+        """After a failed forward: the next suspect (see `Engine._forward_failed`) alone in a step (running
+        sequences wait one step, their state intact). None when no suspect is waiting or it cannot be admitted
+        (it is then scheduled normally)."""
+        self.suspects = {s for s in self.suspects if s in self.waiting}
+        seq = next((s for s in self.waiting if s in self.suspects), None)
+        if seq is None:
+            return None
+        self.suspects.discard(seq)
+        self.waiting.remove(seq)
+        if not self._admit(seq):
+            self._return(seq)
+            return None
+        end = self._chunk_end(seq, self.budget)
+        if not self._grow(seq, end):
+            self.release(seq)
+            self._return(seq)
+            return None
+        bisect.insort(self.running, seq, key=lambda s: s.order)
+        return [Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens)]
+
     def schedule(self) -> list[Work]:
+        if self.suspects:
+            solo = self._solo()
+            if solo is not None:
+                return solo
         budget = self.budget
         work: list[Work] = []
         i = 0
@@ -349,6 +375,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted), releasing its pages."""
+        self.suspects.discard(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.release(seq)
