@@ -283,7 +283,7 @@ class Engine:
                 return []
             self.num_steps += 1
             work.sort(key=lambda w: w.n != 1)  # decodes first (the runner's packed layout)
-            inputs = [SeqInput(tokens=w.seq.tokens[w.start:w.start + w.n], start=w.start,
+            inputs = [SeqInput(tokens=w.seq.token_slice(w.start, w.n), start=w.start,
                                state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample)
                       for w in work]
             try:

@@ -113,6 +113,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """tokens[start:start + n] without building the whole prompt + output list (a decode step needs one)."""
+        P = len(self.prompt)
+        if start >= P:
+            return self.output[start - P:start - P + n]
+        if start + n <= P:
+            return self.prompt[start:start + n]
+        return self.prompt[start:] + self.output[:start + n - P]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

@@ -39,16 +39,19 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                          f"{len(generators)}")
     dev = logits.device
     bad = nonfinite_rows(logits)
-    logits = torch.where(bad[:, None], torch.zeros((), device=dev, dtype=logits.dtype), logits)
-    out = torch.empty(n, dtype=torch.long, device=dev)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
-    if greedy:
-        gi = torch.tensor(greedy, device=dev)
-        out[gi] = logits[gi].argmax(-1)
-    if rand:
+    if not rand:  # the common decode batch: one argmax over the logits as they are (no gathered copy)
+        out = logits.argmax(-1)
+    else:
+        out = torch.empty(n, dtype=torch.long, device=dev)
+        if greedy:
+            gi = torch.tensor(greedy, device=dev)
+            out[gi] = logits[gi].argmax(-1)
         ri = torch.tensor(rand, device=dev)
-        probs = filter_probs(logits[ri], [params[i].temperature for i in rand], [params[i].top_k for i in rand],
+        sub = logits[ri]
+        sub = torch.where(bad[ri][:, None], torch.zeros((), device=dev, dtype=sub.dtype), sub)  # failed rows
+        probs = filter_probs(sub, [params[i].temperature for i in rand], [params[i].top_k for i in rand],
                              [params[i].top_p for i in rand])
         shared = [j for j, i in enumerate(rand) if generators[i] is None]
         if shared:
@@ -57,7 +60,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         for j, i in enumerate(rand):
             if generators[i] is not None:
                 out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, out[:, None])[:, 0]
+    # log p(token) = logit - logsumexp: one reduction pass, no [n, V] log-softmax written
+    lp = logits.gather(-1, out[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     out = torch.where(bad, -1, out)
     lp = torch.where(bad, float("nan"), lp)
     host = torch.stack([out.double(), lp.double()]).tolist()  # one device→host copy per step (ids < 2^53)
