@@ -218,3 +218,26 @@ def test_cuda_graph_engine_runs_every_bucket():
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert len(eng.runner.graphs) >= 3
     eng.check_pool()
+
+
+def test_joined_weight_cache_follows_in_place_updates():
+    """Inference reuses one joined tensor (same storage: graphs that captured it stay valid) and rebuilds it in
+    place when a part changes; with autograd it is built per call and gradients reach the parts."""
+    from torch import nn
+
+    from k3.model.layers import joined_weight, refresh_joined_weights
+
+    m = nn.Module()
+    a, b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(2, 4))
+    with torch.no_grad():
+        w = joined_weight(m, "ab", [a, b], torch.float32)
+        assert torch.equal(w, torch.cat([a, b])) and joined_weight(m, "ab", [a, b], torch.float32) is w
+        a.add_(1.0)  # an optimizer step / load_state_dict: the version counter moves
+        w2 = joined_weight(m, "ab", [a, b], torch.float32)
+        assert w2.data_ptr() == w.data_ptr() and torch.equal(w2, torch.cat([a, b]))
+        b.mul_(2.0)
+    refresh_joined_weights(m)  # what Engine.update_weights calls before graphs replay
+    assert torch.equal(m._joined_weights["ab"][1], torch.cat([a, b]).detach())
+    y = joined_weight(m, "ab", [a, b], torch.float32).sum()  # with autograd: not the cache
+    y.backward()
+    assert torch.equal(a.grad, torch.ones_like(a)) and torch.equal(b.grad, torch.ones_like(b))

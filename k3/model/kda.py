@@ -22,7 +22,7 @@ from ..ops.conv import short_conv, short_conv_split, short_conv_step
 from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_gated,
                       kda_gate)
 from ..ops.norm import rms_norm, rms_norm_gated
-from .layers import RMSNorm
+from .layers import RMSNorm, joined_weight
 from .paged_cache import PagedLayerCache
 
 A_LOG_PAD = 128  # the release stores A_log padded to a multiple of 128 entries (only the first H are used)
@@ -154,18 +154,20 @@ class KimiDeltaAttention(nn.Module):
         b = cache.batch
         N, H, K = x.shape[1], self.num_heads, self.head_dim
         HK = H * K
-        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-        # three projections, outputs joined: concatenating the [3HK, D] weights each step (as training's fused
-        # GEMM does once per step) would copy every projection weight on each decode step
-        y = torch.cat([self.q_proj(x[0]), self.k_proj(x[0]), self.v_proj(x[0])], dim=-1)  # [N, 3HK]
+        w_conv = joined_weight(self, "conv", [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight],
+                               self.q_conv1d.weight.dtype)
+        # the six projections of x as one GEMM over their joined weights (cached for inference)
+        w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                            self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype)
+        y, fa, beta_logit, gate = F.linear(x[0], w).split([3 * HK, K, H, HK], dim=-1)
+        f = self.f_b_proj(fa).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
         if b.decode:  # one token per document: the conv windows and states are updated in place in the pool
             q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots).split(HK, dim=-1)
-            o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K),
-                                      self.f_b_proj(self.f_a_proj(x[0])).view(N, H, K), self.b_proj(x[0]),
+            o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
                                       backend="torch" if backend in ("torch", "reference") else "auto")
-            return self._output(x, o)
+            return self._output(o, gate)
         win = cache.conv_windows()  # [n, 3HK, W-1]
         ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)
         ext[b.ext_win_rows] = win.transpose(1, 2).reshape(-1, 3 * HK).to(y.dtype)
@@ -173,8 +175,6 @@ class KimiDeltaAttention(nn.Module):
         cache.set_conv_windows(ext[b.ext_last_rows].transpose(1, 2))
         q, k, v = (t[0].index_select(0, b.ext_tok_rows).view(N, H, K) for t in short_conv_split(
             ext[None], w_conv, (HK, HK, HK), cu_seqlens=b.ext_cu, backend=self.elementwise_backend))
-        f = self.f_b_proj(self.f_a_proj(x[0])).view(N, H, K)
-        beta_logit = self.b_proj(x[0])
         nd, s0 = b.num_decode, cache.states()
         o, s = [], []
         if nd:  # the leading single-token documents: one recurrent step each
@@ -193,11 +193,11 @@ class KimiDeltaAttention(nn.Module):
             s.append(sp)
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
         cache.set_states(s)
-        return self._output(x, o)
+        return self._output(o, gate)
 
-    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x [1, N, D], o [N, H, V] → o_norm, output gate (one `rms_norm_gated`) and o_proj → [1, N, D]."""
+    def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [N, H, V], gate = g_proj(x) [N, H·V] → o_norm, output gate (one `rms_norm_gated`), o_proj → [1, N, D]."""
         N, H, K = o.shape
-        o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, self.g_proj(x).view(1, N, H, K),
+        o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, gate.reshape(1, N, H, K),
                            self.o_norm.eps, backend=self.elementwise_backend)
         return self.o_proj(o.reshape(1, N, H * K))

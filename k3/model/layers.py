@@ -31,6 +31,45 @@ def no_init_weights():
             setattr(nn.init, n, f)
 
 
+def joined_weight(owner: nn.Module, name: str, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat(parts) (rows of linear weights) in `dtype`, so several projections of one input run as one GEMM.
+
+    With autograd (training) it is built per call (gradients flow to the parts). Without it (inference: the
+    engine, generate, evaluation) it is cached on `owner` and rebuilt IN PLACE when a part changes (its
+    version counter or storage), so a decode step reads the weights once instead of copying them, and a
+    CUDA graph that captured the cached tensor stays valid; `refresh_joined_weights` rebuilds every cache
+    eagerly (after a weight update, before graphs replay)."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return torch.cat([p.to(dtype) for p in parts])
+    key = (dtype, *((p.data_ptr(), p._version) for p in parts))
+    cache = owner.__dict__.setdefault("_joined_weights", {})
+    hit = cache.get(name)
+    if hit is None or hit[0] != key:
+        w = _build_joined(parts, dtype, None if hit is None else hit[1])
+        cache[name] = (key, w, parts, dtype)
+    return cache[name][1]
+
+
+def _build_joined(parts, dtype, out):
+    rows = sum(p.shape[0] for p in parts)
+    if out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != dtype:
+        out = torch.empty(rows, *parts[0].shape[1:], dtype=dtype, device=parts[0].device)
+    r = 0
+    with torch.no_grad():
+        for p in parts:
+            out[r:r + p.shape[0]].copy_(p)
+            r += p.shape[0]
+    return out
+
+
+def refresh_joined_weights(model: nn.Module) -> None:
+    """Rebuild every `joined_weight` cache of `model` in place from its parts' current values."""
+    for m in model.modules():
+        for name, (_, w, parts, dtype) in list(m.__dict__.get("_joined_weights", {}).items()):
+            key = (dtype, *((p.data_ptr(), p._version) for p in parts))
+            m.__dict__["_joined_weights"][name] = (key, _build_joined(parts, dtype, w), parts, dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -45,8 +84,8 @@ class SituMLP(nn.Module):
     """`gate_proj` / `up_proj` / `down_proj` with SiTU-GLU: the dense layer-0 MLP and the shared experts.
 
     gate_proj and up_proj run as one GEMM (their weights concatenated at run time, in the autocast dtype when
-    autocast is on; the parameters and checkpoint names stay separate) whose [.., 2I] output the fused
-    SiTU-GLU reads in place."""
+    autocast is on — cached without autograd, `joined_weight`; the parameters and checkpoint names stay
+    separate) whose [.., 2I] output the fused SiTU-GLU reads in place."""
 
     def __init__(self, hidden: int, intermediate: int, beta: float = 4.0, linear_beta: float = 25.0):
         super().__init__()
@@ -66,5 +105,8 @@ class SituMLP(nn.Module):
         dev = x.device.type
         dt = (torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
               else self.gate_proj.weight.dtype)
-        gu = F.linear(x, gate_up_weight(self.gate_proj.weight, self.up_proj.weight, dt))
+        parts = [self.gate_proj.weight, self.up_proj.weight]
+        w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
+             else joined_weight(self, "gate_up", parts, dt))
+        gu = F.linear(x, w)
         return self.down_proj(situ_glu_fused(gu, self.beta, self.linear_beta))

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..model.layers import refresh_joined_weights
 from ..ops.kda import BACKENDS as KDA_BACKENDS
 from .pool import PagePool, PoolLayout
 from .prefix_cache import PrefixCache
@@ -258,6 +259,7 @@ class Engine:
                 sd = source.state_dict() if isinstance(source, torch.nn.Module) else source
                 with torch.no_grad():
                     self.model.load_state_dict(sd, strict=True)
+            refresh_joined_weights(self.model)  # joined projection weights the captured graphs read
             if self.cache is not None:
                 self.cache.clear()
 
