@@ -111,15 +111,16 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 # ---- token permutation -------------------------------------------------------------------------------
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_idx [N, K] → (pos [N, K] int64, ends [E] int64): the (token, expert) entries sorted by expert
-    (stable: token order within an expert); entry (n, k) goes to row pos[n, k]; expert e owns rows
-    [ends[e−1], ends[e]). No host sync."""
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int, out_int32: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_idx [N, K] → (pos [N, K] int64, ends [E] int64, or int32 with `out_int32`: the grouped GEMM's
+    offsets): the (token, expert) entries sorted by expert (stable: token order within an expert); entry
+    (n, k) goes to row pos[n, k]; expert e owns rows [ends[e−1], ends[e]), so ends[-1] = N·K. No host sync."""
     flat = topk_idx.reshape(-1)
     sorted_e, order = torch.sort(flat, stable=True)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
     ends = torch.searchsorted(sorted_e, torch.arange(num_experts, device=flat.device, dtype=sorted_e.dtype),
-                              right=True)
+                              right=True, out_int32=out_int32)
     return pos.view(topk_idx.shape), ends
 
 
@@ -233,9 +234,10 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
     if grouped is None:
         grouped = grouped_mm_available(x)
     if grouped:
-        pos, ends = sort_by_expert(topk_idx, w1.shape[0])
         gmm = hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        ys = grouped_situ_ffn(dispatch_rows(x, pos), ends, w1, w2, w3, beta, linear_beta, use_grouped_mm=gmm)
+        pos, ends = sort_by_expert(topk_idx, w1.shape[0], out_int32=gmm)
+        ys = grouped_situ_ffn(dispatch_rows(x, pos), ends, w1, w2, w3, beta, linear_beta, use_grouped_mm=gmm,
+                              covers_all_rows=True)
         return combine_rows(ys, pos, topk_weight)
     if not x.is_cuda and not torch.is_autocast_enabled(x.device.type):
         # off CUDA: the same loop as one Function that recomputes each expert in the backward (memory-lean)
@@ -262,18 +264,22 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
 
 def grouped_situ_ffn(x: torch.Tensor, cu_seqlens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
-                     use_grouped_mm: bool | None = None) -> torch.Tensor:
+                     use_grouped_mm: bool | None = None, covers_all_rows: bool = False) -> torch.Tensor:
     """SiTU-GLU experts over row groups: x [N, L], cu_seqlens [G] inclusive ends, w1/w3 [G, I, L], w2 [G, L, I].
 
     Rows after cu_seqlens[-1] must be zero (they run through the last group and stay zero). Weights are taken
     in x's dtype (fp32 master weights are converted here, w1 ‖ w3 into one [G, 2I, L] tensor in the same pass),
     so the gate and up projections are one GEMM whose [N, 2I] output the fused SiTU-GLU reads in place. With
-    `torch._grouped_mm` (default: CUDA bf16; no host sync) or a per-group loop (reads cu_seqlens on the host)."""
+    `torch._grouped_mm` (default: CUDA bf16; no host sync) or a per-group loop (reads cu_seqlens on the host).
+    `covers_all_rows`: the caller guarantees cu_seqlens[-1] = N, so int32 offsets are used without a copy."""
     if use_grouped_mm is None:
         use_grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
     if use_grouped_mm:
-        offs = cu_seqlens.to(torch.int32).clone()
-        offs[-1:].fill_(x.shape[0])  # a fill kernel (item assignment would copy a pageable host scalar: a sync)
+        if covers_all_rows and cu_seqlens.dtype == torch.int32:
+            offs = cu_seqlens  # the caller guarantees cu_seqlens[-1] = N (sort_by_expert's ends): used as is
+        else:
+            offs = cu_seqlens.to(torch.int32).clone()
+            offs[-1:].fill_(x.shape[0])  # a fill kernel (item assignment would copy a pageable host scalar: a sync)
         w2 = w2.to(x.dtype)
         if not torch.is_grad_enabled() and w1.dtype == x.dtype and w3.dtype == x.dtype:
             # inference (decode): two GEMMs on the weights as they are; concatenating w1 ‖ w3 would copy every
