@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     add_serve(sub)
     from .post.cli import add_parser as add_post
     add_post(sub)
+    from .post.rl_cli import add_parser as add_rl
+    add_rl(sub)
     args = p.parse_args(argv)
     try:
         return args.func(args)

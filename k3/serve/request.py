@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -162,6 +162,32 @@ class PausedRequest:
     @property
     def logprobs(self) -> list[float]:
         return list(self.seq.logprobs)
+
+    def state_dict(self) -> dict:
+        """Plain tensors, lists and strings (`torch.save(..., weights_only=True)` loads it): to keep a paused
+        request in a checkpoint (RL carries its partial rollouts across a restart)."""
+        s = self.seq
+        return {"request_id": s.request_id, "prompt": list(s.prompt), "output": list(s.output),
+                "logprobs": list(s.logprobs), "params": asdict(s.params), "eos": list(s.eos), "group": s.group,
+                "generator": None if s.generator is None else s.generator.get_state(),
+                "generator_device": None if s.generator is None else str(s.generator.device),
+                "num_computed": self.num_computed, "kda_slot": self.kda_slot, "mla_rows": self.mla_rows}
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "PausedRequest":
+        """The paused request `state_dict` saved (its sampler generator state restored), for `Engine.resume`."""
+        params = dict(d["params"])
+        params["stop_token_ids"] = tuple(params.get("stop_token_ids", ()))
+        params["stop"] = tuple(params.get("stop", ()))
+        gen = None
+        if d["generator"] is not None:
+            gen = torch.Generator(device=d["generator_device"])
+            gen.set_state(d["generator"])
+        seq = Sequence(request_id=d["request_id"], prompt=list(d["prompt"]), params=SamplingParams(**params),
+                       eos=tuple(d["eos"]), generator=gen, group=d["group"])
+        seq.output, seq.logprobs = list(d["output"]), list(d["logprobs"])
+        seq.emitted = len(seq.output)
+        return cls(seq, d["num_computed"], d["kda_slot"], d["mla_rows"])
 
     @property
     def host_bytes(self) -> int:
