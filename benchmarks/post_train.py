@@ -51,7 +51,7 @@ def evaluate(ck: Path, domain: str, n: int, args, manager=None, effort: str = "h
     ck = resolve_checkpoint(ck)
     model = K3ForConditionalGeneration.from_pretrained(ck).to(args.device).eval()
     tok = K3Tokenizer.from_pretrained(ck)
-    eng = Engine(model, EngineConfig(max_num_seqs=max(n, 1), max_model_len=4096))
+    eng = Engine(model, EngineConfig(max_num_seqs=max(n, 1), max_model_len=4096, gpu_memory_fraction=0.25))
     make = None
     if manager is not None:
         from k3.env import Sandbox

@@ -187,7 +187,9 @@ class RLTrainer(Trainer):
         if getattr(emodel, "gradient_checkpointing_disable", None):
             emodel.gradient_checkpointing_disable()
         n = cfg.prompts * cfg.samples
-        self.engine = Engine(emodel, EngineConfig(max_num_seqs=max(n, cfg.budget_samples * 8, cfg.eval_prompts, 1),
+        # the pool takes a quarter of the free GPU memory: the learner's forward / backward needs the rest
+        self.engine = Engine(emodel, EngineConfig(gpu_memory_fraction=0.25,
+                                                  max_num_seqs=max(n, cfg.budget_samples * 8, cfg.eval_prompts, 1),
                                                   max_model_len=min(emodel.config.text_config.max_position_embeddings,
                                                                     cfg.seq_len + cfg.max_total_tokens + 1024)))
         self.manager = None
