@@ -183,9 +183,8 @@ class RLTrainer(Trainer):
             cfg.engine_dtype or "", torch.bfloat16 if self.device.type == "cuda" else None)
         emodel = copy.deepcopy(self.model).eval().requires_grad_(False)
         if dtype is not None:
-            emodel.to(dtype)
-        if getattr(emodel, "gradient_checkpointing_disable", None):
-            emodel.gradient_checkpointing_disable()
+            emodel.cast(dtype)  # the serving dtype; the release's fp32 parameters (gates, norms, convs) stay fp32
+        emodel.gradient_checkpointing_enable(False)
         n = cfg.prompts * cfg.samples
         # the pool takes a quarter of the free GPU memory: the learner's forward / backward needs the rest
         self.engine = Engine(emodel, EngineConfig(gpu_memory_fraction=0.25,
