@@ -401,3 +401,26 @@ def test_router_logits_is_fp32_under_autocast():
     # fp32-level agreement: measured 1.5e-6 on the H200 (cuBLAS's split-K fp32 reductions), against the plain fp32
     # GEMM's own error; a bf16 router would be ~2e-3 off
     assert rel_rmse(ref, z) <= max(4e-6, 4 * rel_rmse(ref, plain)), (rel_rmse(ref, z), rel_rmse(ref, plain))
+
+
+@pytest.mark.parametrize("E,k,renorm,bias", [(32, 4, True, True), (8, 2, False, False), (896, 16, True, True)])
+def test_route_kernel_equals_the_reference_route(E, k, renorm, bias):
+    """The inference router kernel (Triton; the interpreter on CPU) against `route`'s PyTorch ops: the same
+    experts in the same order, weights and scores to fp32 rounding; a NaN row still gives in-range experts."""
+    from k3.ops.route_triton import route_topk_triton
+
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(E + k)
+    N, D = 7, 24
+    x = torch.randn(N, D, generator=g).to(dev)
+    gw = torch.randn(E, D, generator=g).to(dev)
+    b = (torch.randn(E, generator=g) * 0.1).to(dev) if bias else None
+    with torch.enable_grad():  # the reference path (with autograd route takes the PyTorch ops)
+        ref_idx, ref_w, ref_s = moe_ops.route(x, gw, b, k, renorm, 2.5)
+    logits = moe_ops.router_logits(x, gw)
+    idx, w, s = route_topk_triton(logits, b, k, renorm, 2.5)
+    assert torch.equal(idx, ref_idx)
+    assert (w - ref_w.detach()).abs().max() <= 1e-5 and (s - ref_s.detach()).abs().max() <= 1e-6
+    logits[3] = float("nan")
+    idx, _, _ = route_topk_triton(logits, b, k, renorm, 2.5)
+    assert int(idx.min()) >= 0 and int(idx.max()) < E

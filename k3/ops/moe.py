@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ._triton import importable
 from .moe_recompute import experts_loop
 from .situ import gate_up_weight, situ_glu, situ_glu_fused
 
@@ -100,7 +101,12 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
           renormalize: bool = True, scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, D] → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32)."""
+    """x [N, D] → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32). Inference on CUDA takes
+    the one-kernel selection (`route_triton.py`; these ops are its reference), training these ops (the
+    weights need autograd)."""
+    if x.is_cuda and not torch.is_grad_enabled() and route_triton_available():
+        from .route_triton import route_topk_triton
+        return route_topk_triton(router_logits(x, gate_weight), bias, top_k, renormalize, scaling_factor)
     scores = torch.sigmoid(router_logits(x, gate_weight))
     choice = scores if bias is None else scores + bias.float()
     idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
@@ -108,6 +114,11 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return idx, w * scaling_factor, scores
+
+
+def route_triton_available() -> bool:
+    """True when the Triton router kernel imports (tried once)."""
+    return importable(__name__.rsplit(".", 1)[0] + ".route_triton")
 
 
 # ---- token permutation -------------------------------------------------------------------------------
