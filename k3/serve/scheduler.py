@@ -298,7 +298,7 @@ class Scheduler:
             work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
             budget -= end - seq.num_computed
             i += 1
-        pending = self._pending_keys() if self.cache is not None else set()
+        pending = self._pending_keys() if self.cache is not None and self.waiting else set()
         if self.waiting and budget > 0 and len(self.running) < min(self.max_num_seqs, self.budget):
             self._fair_order()
         while self.waiting and budget > 0 and len(self.running) < min(self.max_num_seqs, self.budget):
