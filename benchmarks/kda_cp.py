@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from k3.dist._launch import spawn_gloo  # noqa: E402
-from k3.dist.kda_cp import chunk_kda_cp  # noqa: E402
+from k3.parallel._launch import spawn_gloo  # noqa: E402
+from k3.parallel.kda_cp import chunk_kda_cp  # noqa: E402
 from k3.ops.kda import chunk_kda, kda_gate  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ replacement it would be capped at E/K − 1 = 3 for E = 64, K = 16); σ is solve
 on rank 0 and broadcast. Both methods run forward + backward of the routed-expert part of a LatentMoE
 (latent width H, SiTU-GLU experts of width --ffn, bf16) on the same inputs and weights:
 
-- MoonEP (`k3.dist.moonep`, reference backend): plan, dispatch (all-gathered rows expanded into NvS static
+- MoonEP (`k3.parallel.moonep`, reference backend): plan, dispatch (all-gathered rows expanded into NvS static
   slots), prefetch (static all-to-all of E/R expert slots), grouped GEMM over 2·E/R groups, combine;
 - MoonEP with `prefetch="sparse"`: the same, but prefetch / reduce_grad move only the planned experts;
 - naive: counts all-to-all, splits to the host (sync), permute by expert, all_to_all_single with splits,
@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3.dist.moonep import MoonEPRuntime, grouped_situ_ffn, plan, plan_counts  # noqa: E402
+from k3.parallel.moonep import MoonEPRuntime, grouped_situ_ffn, plan, plan_counts  # noqa: E402
 
 TARGETS = (0.2, 1.0, 5.0, 10.0, 20.0)
 
@@ -379,7 +379,7 @@ def run(a) -> dict | None:
         if cuda:
             torch.cuda.empty_cache()
     dist.barrier()
-    from k3.dist.moonep.planner import _TRITON
+    from k3.parallel.moonep.planner import _TRITON
     result["config"]["triton_planner"] = _TRITON["status"]
     if rank == 0:
         result["planner"] = planner_timing(a, device)

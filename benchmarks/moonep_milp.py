@@ -1,7 +1,7 @@
 """MoonEP's greedy planner vs the integer-program optimum of max remote experts per rank (small cases).
 
 For lognormal loads (σ ∈ {0.5, 1.5, 3}) and a few pathological ones, compare the greedy plan's largest number
-of remote experts on one rank with the optimum of `k3.dist.moonep.milp.milp_min_max_remote`
+of remote experts on one rank with the optimum of `k3.parallel.moonep.milp.milp_min_max_remote`
 (scipy.optimize.milp / HiGHS), and the Theorem-2 lower bound where it applies. CPU only.
 
     python benchmarks/moonep_milp.py --out moonep_milp.json
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3.dist.moonep import plan_counts  # noqa: E402
-from k3.dist.moonep.milp import lognormal_counts, max_remote_experts, milp_cases, milp_min_max_remote  # noqa: E402
+from k3.parallel.moonep import plan_counts  # noqa: E402
+from k3.parallel.moonep.milp import lognormal_counts, max_remote_experts, milp_cases, milp_min_max_remote  # noqa: E402
 
 
 def cases(smoke: bool):

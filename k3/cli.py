@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     add_post(sub)
     from .post.rl_cli import add_parser as add_rl
     add_rl(sub)
+    from .parallel.plan import add_parser as add_plan
+    add_plan(sub)
     args = p.parse_args(argv)
     try:
         return args.func(args)

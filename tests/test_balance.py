@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from k3.dist._launch import spawn_gloo
+from k3.parallel._launch import spawn_gloo
 from k3.train.qkclip import QKClip
 from k3.train.balance import (BalanceController, MarginHistogram, expert_loads, maxvio, qb_margins, qb_update,
                               qb_update_hist, route_topk, sign_update)

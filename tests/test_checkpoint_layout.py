@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3 import K3Config
-from k3.io.checkpoint import checkpoint_tensors
+from k3.model.state_dict import checkpoint_tensors
 
 INDEX = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kimi-k3" / "model.safetensors.index.json.gz"
 
@@ -168,7 +168,7 @@ def _a_log_keys(path: Path) -> list[str]:
 def test_official_a_log_padding_saved_and_loaded(tmp_path):
     from safetensors import safe_open
 
-    from k3.io.checkpoint import a_log_length, load_pretrained, save_pretrained
+    from k3.model.state_dict import a_log_length, load_pretrained, save_pretrained
     model = _two_head_model()
     assert a_log_length(model.config) == 8 and a_log_length(K3Config.preset("k3")) == 128
     path = save_pretrained(model, tmp_path / "ckpt", max_shard_size="200KB")
@@ -209,7 +209,8 @@ def test_official_a_log_padding_saved_and_loaded(tmp_path):
 @pytest.mark.parametrize("bad,match", [("tail", "entries past num_heads=2 must be 0"),
                                        ("short", r"expected \[L\] with L >= num_heads=2")])
 def test_bad_a_log_is_rejected(tmp_path, bad, match):
-    from k3.io.checkpoint import CheckpointError, load_pretrained, save_pretrained
+    from k3.io.checkpoint import CheckpointError
+    from k3.model.state_dict import load_pretrained, save_pretrained
     path = save_pretrained(_two_head_model(), tmp_path / "ckpt")
     key = _a_log_keys(path)[1]
 
@@ -226,7 +227,8 @@ def test_bad_a_log_is_rejected(tmp_path, bad, match):
 
 
 def test_save_refuses_nonzero_a_log_padding(tmp_path):
-    from k3.io.checkpoint import CheckpointError, save_pretrained
+    from k3.io.checkpoint import CheckpointError
+    from k3.model.state_dict import save_pretrained
     model = _two_head_model()
     with torch.no_grad():
         model.language_model.model.layers[0].self_attn.A_log[3] = 1.0
@@ -236,7 +238,7 @@ def test_save_refuses_nonzero_a_log_padding(tmp_path):
 
 
 def test_optional_mtp_shared_head_loads(tmp_path):
-    from k3.io.checkpoint import load_pretrained, save_pretrained
+    from k3.model.state_dict import load_pretrained, save_pretrained
     model = _two_head_model()
     path = save_pretrained(model, tmp_path / "ckpt")
     t = model.config.text_config

@@ -55,7 +55,7 @@ def test_vision_null_is_text_only(tmp_path):
     d["vision_config"] = None
     cfg = K3Config.from_dict(d)
     assert cfg.vision_config is None and cfg.to_dict()["vision_config"] is None
-    from k3.io.checkpoint import checkpoint_tensors
+    from k3.model.state_dict import checkpoint_tensors
     assert not any(k.startswith(("vision_tower", "mm_projector")) for k in checkpoint_tensors(cfg))
 
 

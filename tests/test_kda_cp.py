@@ -14,8 +14,8 @@ import torch
 
 from conftest import rel_rmse
 from k3.config import K3Config
-from k3.dist._launch import spawn_gloo, spawn_group
-from k3.dist.kda_cp import chunk_kda_cp, kda_layer_forward_cp, plan_kda_cp
+from k3.parallel._launch import spawn_gloo, spawn_group
+from k3.parallel.kda_cp import chunk_kda_cp, kda_layer_forward_cp, plan_kda_cp
 from k3.model.kda import KimiDeltaAttention
 from k3.ops.kda import chunk_kda, kda_gate, l2norm, recurrent_kda
 

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny, rel_rmse
 from k3 import K3Cache, K3Config, K3ForConditionalGeneration
-from k3.io.checkpoint import CheckpointError, checkpoint_tensors
+from k3.io.checkpoint import CheckpointError
+from k3.model.state_dict import checkpoint_tensors
 from k3.io.mxfp4 import mxfp4_fake_quantize
 
 

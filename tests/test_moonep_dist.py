@@ -46,7 +46,7 @@ def _moe(seed: int):
 
 def _check_model(rank: int, R: int, imbalance: str, S: int = 6) -> dict:
     """EP LatentMoE on this rank's S tokens vs the full layer on all R·S tokens."""
-    from k3.dist.moonep import ExpertParallel, full_state_dict
+    from k3.parallel.moonep import ExpertParallel, full_state_dict
 
     ref = _moe(0)
     E, K = ref.cfg.num_experts, ref.top_k
@@ -96,7 +96,7 @@ def _check_functional(rank: int, R: int, routing: str, S: int = 7, K: int = 4) -
     "+sparse" uses the sparse prefetch / reduce_grad."""
     routing, _, prefetch = routing.partition("+")
     prefetch = prefetch or "static"
-    from k3.dist.moonep import ExpertParallel
+    from k3.parallel.moonep import ExpertParallel
     from k3.ops.moe import experts_forward
 
     E, L, I = 4 * R, 16, 8
@@ -134,7 +134,7 @@ def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
     loss and all gradients (expert grads arrive summed over ranks; data-parallel grads all-reduced) match
     the single-process model on the whole batch."""
     from k3 import K3Config, K3ForConditionalGeneration
-    from k3.dist.moonep import clip_grad_norm_, enable_expert_parallel, full_state_dict, sync_data_parallel_grads
+    from k3.parallel.moonep import clip_grad_norm_, enable_expert_parallel, full_state_dict, sync_data_parallel_grads
 
     cfg = K3Config.preset("k3-tiny")
     cfg.vision_config = None
@@ -192,7 +192,7 @@ def _check_full_model(rank: int, R: int, _: str, T: int = 12) -> dict:
 def _check_autocast(rank: int, R: int, _: str, S: int = 16, K: int = 3) -> dict:
     """Under bf16 autocast the EP path computes (and prefetches) in bf16 like F.linear would, returns the
     input dtype, and stays within bf16 rounding of the autocast single-process result."""
-    from k3.dist.moonep import ExpertParallel
+    from k3.parallel.moonep import ExpertParallel
     from k3.ops.moe import experts_forward
 
     E, L, I = 4 * R, 32, 16

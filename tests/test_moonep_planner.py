@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.dist.moonep import num_slots, phase_a, plan, plan_counts
-from k3.dist.moonep.milp import lognormal_counts, max_remote_experts, milp_cases, milp_min_max_remote
+from k3.parallel.moonep import num_slots, phase_a, plan, plan_counts
+from k3.parallel.moonep.milp import lognormal_counts, max_remote_experts, milp_cases, milp_min_max_remote
 
 
 # ---- an independent, loop-by-loop reference of the greedy (lists, no tensors) ---------------------------
@@ -237,7 +237,7 @@ def test_theorem2_instance(R, epn):
     assert int(alloc[:, 0].sum()) == C
 
 
-# ---- integer program: the optimum of min_P max_r m_r(P) (k3.dist.moonep.milp) ----------------------------
+# ---- integer program: the optimum of min_P max_r m_r(P) (k3.parallel.moonep.milp) ----------------------------
 def test_milp_lower_bound():
     """The planner never beats the integer optimum, stays ≤ E/R, and we record the ratio."""
     ratios = []
@@ -252,8 +252,8 @@ def test_milp_lower_bound():
 
 TRITON_CHECK = """
 import torch
-from k3.dist.moonep.planner import plan_counts
-from k3.dist.moonep.planner_triton import plan_counts_triton
+from k3.parallel.moonep.planner import plan_counts
+from k3.parallel.moonep.planner_triton import plan_counts_triton
 cases = [(4, 2, 10, 0.0), (2, 4, 24, 1.0), (8, 3, 40, 3.0), (4, 5, 7, 2.0), (16, 2, 30, 1.5), (2, 1, 5, 0.0),
          (3, 4, 9, 6.0), (8, 1, 3, 8.0)]
 n = 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.dist._launch import spawn_gloo
+from k3.parallel._launch import spawn_gloo
 from k3.train.config import TrainConfig
 from k3.train.metrics import read_log
 from k3.train.trainer import Trainer

@@ -1,7 +1,9 @@
-"""Checkpoint I/O (HF safetensors layout of the release) and MXFP4 packing."""
+"""Safetensors checkpoint files (shards, index, headers), MXFP4 packing, tokenizer and chat format.
+The K3 names/layout adapter (`save_pretrained`, `load_pretrained`, `checkpoint_tensors`) is the model's:
+`k3.model.state_dict`; `io` never imports `model`."""
 
-from .checkpoint import CheckpointError, checkpoint_tensors, load_pretrained, save_pretrained
+from .checkpoint import CheckpointError, read_headers, write_sharded
 from .mxfp4 import mxfp4_fake_quantize, mxfp4_pack, mxfp4_unpack
 
-__all__ = ["CheckpointError", "checkpoint_tensors", "load_pretrained", "mxfp4_fake_quantize", "mxfp4_pack",
-           "mxfp4_unpack", "save_pretrained"]
+__all__ = ["CheckpointError", "mxfp4_fake_quantize", "mxfp4_pack", "mxfp4_unpack", "read_headers",
+           "write_sharded"]

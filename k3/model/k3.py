@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config, K3TextConfig
-from ..io.checkpoint import FP32_SUFFIXES
 from ..ops.linear_ce import autocast_cast, linear_cross_entropy
 from ..ops.varlen import check_cu_seqlens, doc_ids
 from .cache import K3Cache
@@ -21,6 +20,7 @@ from .decoder import KimiLinearModel
 from .kda import KimiDeltaAttention
 from .layers import RMSNorm, no_init_weights
 from .moe import MoEGate, StackedExperts
+from .state_dict import FP32_SUFFIXES
 
 
 
@@ -255,10 +255,10 @@ class K3ForConditionalGeneration(nn.Module):
         return generate(self, *args, **kwargs)
 
     def save_pretrained(self, directory: str | os.PathLike, **kwargs):
-        from ..io.checkpoint import save_pretrained
+        from .state_dict import save_pretrained
         return save_pretrained(self, directory, **kwargs)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "K3ForConditionalGeneration":
-        from ..io.checkpoint import load_pretrained
+        from .state_dict import load_pretrained
         return load_pretrained(directory, **kwargs)

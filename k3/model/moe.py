@@ -9,10 +9,10 @@ On CUDA with bf16 activations (training under autocast) the router stays fp32 wi
 input, and the experts run as grouped GEMMs with w1 ‖ w3 fused, Triton SiTU-GLU and a Triton combine, no host
 sync (`k3.ops.moe`); elsewhere a per-expert loop.
 
-Expert parallel: `LatentMoE(cfg, expert_parallel=group)` (a process group, or a
-`k3.dist.moonep.ExpertParallel`) keeps only the rank's home experts E/R in `experts.w1/w2/w3` and runs
-MoonEP; `k3.dist.moonep.enable_expert_parallel(model, group)` converts a full model in place and
-`k3.dist.moonep.gathered_experts(model)` gives the full layout back for saving.
+Expert parallel is applied from outside (the model never imports `k3.parallel`):
+`k3.parallel.moonep.enable_expert_parallel(model, group)` hands every LatentMoE an EP executor through
+`set_expert_parallel(ep)`, which keeps only the rank's home experts E/R in `experts.w1/w2/w3` and routes them
+through MoonEP; `k3.parallel.moonep.gathered_experts(model)` gives the full layout back for saving.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class StackedExperts(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, cfg: K3TextConfig, expert_parallel=None):
+    def __init__(self, cfg: K3TextConfig):
         super().__init__()
         D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
         self.cfg = cfg
@@ -60,17 +60,13 @@ class LatentMoE(nn.Module):
                                if cfg.num_shared_experts > 0 else None)
         self.record_routing = False  # keep (topk_idx, scores) of the last forward, e.g. for balancing
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.expert_parallel = None  # a k3.dist.moonep.ExpertParallel when the experts are sharded
-        if expert_parallel is not None:
-            self.set_expert_parallel(expert_parallel)
+        self.expert_parallel = None  # an EP executor (k3.parallel.moonep.ExpertParallel) when sharded
 
     @torch.no_grad()
-    def set_expert_parallel(self, expert_parallel) -> None:
-        """Shard the routed experts over an EP group (a process group or an ExpertParallel): keep rows
-        [rank·E/R, (rank+1)·E/R) of w1/w2/w3 (the same values on every rank before the call)."""
-        from ..dist.moonep import ExpertParallel  # lazy: the model layer does not need torch.distributed
-
-        ep = expert_parallel if isinstance(expert_parallel, ExpertParallel) else ExpertParallel(expert_parallel)
+    def set_expert_parallel(self, ep) -> None:
+        """Shard the routed experts for an EP executor `ep` (anything with `.rank`, `.num_local(E)` and the
+        call signature of `experts_forward` plus `num_experts`, e.g. `k3.parallel.moonep.ExpertParallel`):
+        keep rows [rank·E/R, (rank+1)·E/R) of w1/w2/w3 (the same values on every rank before the call)."""
         n = ep.num_local(self.cfg.num_experts)
         if self.experts.w1.shape[0] != self.cfg.num_experts:
             raise ValueError(f"experts hold {self.experts.w1.shape[0]} rows, expected all {self.cfg.num_experts}")

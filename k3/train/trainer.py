@@ -86,7 +86,7 @@ class Trainer:
         self._barrier()
         self.resume_from = latest_checkpoint(self.run_dir) if cfg.resume else None
         if self.resume_from is not None:  # weights first: before expert sharding and the optimizer
-            from ..io.checkpoint import load_pretrained
+            from ..model.state_dict import load_pretrained
             with torch.no_grad():
                 self.model.load_state_dict(load_pretrained(
                     self.resume_from, dtype=next(self.model.parameters()).dtype).state_dict())
@@ -94,7 +94,7 @@ class Trainer:
         if cfg.expert_parallel:
             if self.world < 2:
                 raise ValueError("expert_parallel needs several ranks: launch with torchrun --nproc_per_node=N")
-            from ..dist.moonep import enable_expert_parallel
+            from ..parallel.moonep import enable_expert_parallel
             enable_expert_parallel(self.model, group=None)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -271,7 +271,7 @@ class Trainer:
             return latest_checkpoint(self.run_dir)
         ctx = nullcontext()
         if self.expert_parallel:
-            from ..dist.moonep import gathered_experts
+            from ..parallel.moonep import gathered_experts
             ctx = gathered_experts(self.model)
         with ctx:
             if self.rank == 0:
@@ -344,12 +344,12 @@ class Trainer:
                     ntok += b["input_ids"].numel()
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
                 if self.world > 1:
-                    from ..dist.moonep import sync_data_parallel_grads
+                    from ..parallel.moonep import sync_data_parallel_grads
                     dist.all_reduce(tot_loss)
                     tot_loss /= self.world
                     sync_data_parallel_grads(self.model)  # mean over ranks; sharded expert grads are not summed twice
                 if self.expert_parallel:
-                    from ..dist.moonep import clip_grad_norm_
+                    from ..parallel.moonep import clip_grad_norm_
                     gnorm = clip_grad_norm_(self.model, max_norm)
                 else:
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
