@@ -238,6 +238,16 @@ def test_joined_weight_cache_follows_in_place_updates():
         b.mul_(2.0)
     refresh_joined_weights(m)  # what Engine.update_weights calls before graphs replay
     assert torch.equal(m._joined_weights["ab"][1], torch.cat([a, b]).detach())
+    a.data, b.data = a.data.double(), b.data.double()  # moved / converted (as .cuda() does): a new tensor
+    with torch.no_grad():
+        w3 = joined_weight(m, "ab", [a, b], torch.float64)
+        assert w3.dtype == torch.float64 and torch.equal(w3, torch.cat([a, b]))
+    m2 = nn.Linear(4, 3)
+    with torch.no_grad():
+        joined_weight(m2, "w", [m2.weight], torch.float32)
+        m2.to("cuda" if torch.cuda.is_available() else "meta")  # a moved model: the cache follows
+        assert joined_weight(m2, "w", [m2.weight], torch.float32).device == m2.weight.device
+    a.data, b.data = a.data.float(), b.data.float()
     y = joined_weight(m, "ab", [a, b], torch.float32).sum()  # with autograd: not the cache
     y.backward()
     assert torch.equal(a.grad, torch.ones_like(a)) and torch.equal(b.grad, torch.ones_like(b))

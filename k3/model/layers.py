@@ -52,7 +52,8 @@ def joined_weight(owner: nn.Module, name: str, parts: list[torch.Tensor], dtype:
 
 def _build_joined(parts, dtype, out):
     rows = sum(p.shape[0] for p in parts)
-    if out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != dtype:
+    if out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != dtype \
+            or out.device != parts[0].device:  # a moved model (`.cuda()`) gets a new tensor
         out = torch.empty(rows, *parts[0].shape[1:], dtype=dtype, device=parts[0].device)
     r = 0
     with torch.no_grad():
