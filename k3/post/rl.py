@@ -34,11 +34,11 @@ from typing import Callable
 import torch
 
 from .._atomic import atomic_write
-from ..train.config import TrainConfig
 from ..train.metrics import MetricsLog, read_log
-from ..train.state import latest_checkpoint, latest_step, resolve_checkpoint
+from ..train.state import latest_checkpoint, latest_step
 from ..train.trainer import Trainer, TrainingDiverged, finished_summary, preflight
 from . import tasks
+from .config import PostTrainConfig
 from .effort import EFFORTS, BudgetTable, EffortBudget, base_budget
 from .rollout import RolloutRunner, Trajectory, derive_seed, from_state, to_state
 
@@ -79,10 +79,10 @@ def token_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
 # ---------------------------------------------------------------------------------------------- config
 
 @dataclass
-class RLConfig(TrainConfig):
-    """TrainConfig with RL's defaults, plus the rollout, budget and objective settings."""
+class RLConfig(PostTrainConfig):
+    """TrainConfig with RL's defaults, plus the rollout, budget and objective settings; `checkpoint`: the SFT
+    (cold-start) checkpoint dir or a run dir (its latest)."""
 
-    checkpoint: str = ""          # SFT (cold-start) checkpoint dir or a run dir (its latest)
     domain: str = "general"
     effort: str = "max"
     prompts: int = 4              # N: groups in flight per iteration
@@ -109,11 +109,7 @@ class RLConfig(TrainConfig):
     eval_prompts: int = 8         # held-out tasks for the pass rate (0: no evaluation)
     engine_dtype: str | None = None  # None: bfloat16 on CUDA, the policy's dtype on CPU
     # RL defaults of TrainConfig's fields
-    preset: str = "checkpoint"
     seq_len: int | None = 1024
-    batch_size: int | None = 1
-    curriculum: str = "none"
-    long_context_frac: float = 0.0
     steps: int = 20
     lr: float | None = 1e-4
     warmup_frac: float = 0.0
@@ -125,11 +121,7 @@ class RLConfig(TrainConfig):
     save_every: int = 10
 
     def resolved(self) -> "RLConfig":
-        if not self.checkpoint:
-            raise ValueError("checkpoint: expected a checkpoint directory or a run directory")
-        if not Path(self.checkpoint).exists():
-            raise FileNotFoundError(f"checkpoint {self.checkpoint!r} does not exist")
-        ck = resolve_checkpoint(self.checkpoint)
+        ck = self.checkpoint_dir()
         if self.domain not in tasks.DOMAINS:
             raise ValueError(f"domain {self.domain!r} is not one of {', '.join(tasks.DOMAINS)}")
         if self.effort not in EFFORTS:
@@ -150,12 +142,7 @@ class RLConfig(TrainConfig):
             raise FileNotFoundError(f"budgets {self.budgets!r} does not exist (expected a JSON file such as "
                                     "a k3 rl run's budgets.json)")
         EffortBudget.for_effort(self.effort, self.tau, self.budget_cap)  # checks tau / cap
-        c = super().resolved()
-        c.init_from = str(ck)
-        if c.tokenizer is None and (ck / "tiktoken.model").is_file():
-            c.tokenizer = str(ck)
-        c.tokens_per_step = c.batch_size * c.seq_len
-        return c
+        return self.from_checkpoint(ck)
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
@@ -494,13 +481,8 @@ def plot_rl(run_dir: Path) -> Path:
 
 
 def _check_out(cfg: RLConfig) -> None:
-    out = Path(cfg.out)
-    if out.is_dir() and latest_step(out) is not None:
-        tc = out / "train_config.json"
-        try:
-            saved = json.loads(tc.read_text()) if tc.is_file() else {}
-        except ValueError:
-            saved = {}
+    saved = cfg.saved_run_config()
+    if saved is not None:
         if "samples" not in saved or "domain" not in saved:
             raise ValueError(f"out={cfg.out!r} holds a run of another command, not a `k3 rl` run: give a new --out")
         if saved["domain"] != cfg.domain or saved["effort"] != cfg.effort:

@@ -25,8 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from ..io import chat
 from ..serve.request import PausedRequest, SamplingParams
 from .tasks import Task, TaskError, ToolExecutor, count_tokens, prepare, verify

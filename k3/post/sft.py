@@ -22,27 +22,22 @@ import torch
 
 from .._atomic import atomic_write
 from ..io.chat import THINKING_EFFORTS
-from ..train.config import TrainConfig
-from ..train.state import latest_step, resolve_checkpoint
+from ..train.state import latest_step
 from ..train.trainer import Trainer, preflight
+from .config import PostTrainConfig
 from .sft_data import Example, LoadStats, PackedSFT, example_options, load_examples
 
 
 @dataclass
-class SFTConfig(TrainConfig):
+class SFTConfig(PostTrainConfig):
     """TrainConfig with SFT's defaults, plus where the weights and conversations come from."""
 
-    checkpoint: str = ""  # a checkpoint dir (config.json) or a `k3 train` run dir (its latest checkpoint)
     sft_data: str = ""  # JSONL of conversations
     val_data: str | None = None  # held-out JSONL (validation loss on its assistant tokens); None: none
     effort: str | None = None  # reasoning effort for examples that name none (None: the chat default, max)
     drop_long: bool = False  # drop conversations longer than seq_len instead of truncating them
     # SFT defaults of TrainConfig's fields
-    preset: str = "checkpoint"
     seq_len: int | None = 2048
-    batch_size: int | None = 1
-    curriculum: str = "none"
-    long_context_frac: float = 0.0
     steps: int = 100
     lr: float | None = 3e-4
     warmup_frac: float = 0.03
@@ -56,11 +51,7 @@ class SFTConfig(TrainConfig):
     def resolved(self) -> "SFTConfig":
         """TrainConfig.resolved, plus: the checkpoint exists (a run dir resolves to its latest), the data
         file exists, the effort is known; `init_from` / `tokenizer` point at the checkpoint."""
-        if not self.checkpoint:
-            raise ValueError("checkpoint: expected a checkpoint directory or a `k3 train` run directory")
-        if not Path(self.checkpoint).exists():
-            raise FileNotFoundError(f"checkpoint {self.checkpoint!r} does not exist")
-        ck = resolve_checkpoint(self.checkpoint)
+        ck = self.checkpoint_dir()
         if not self.sft_data:
             raise ValueError("data: expected a JSONL file of conversations")
         for name in ("sft_data", "val_data"):
@@ -70,11 +61,7 @@ class SFTConfig(TrainConfig):
                                         "(expected a JSONL file of conversations)")
         if self.effort is not None and self.effort not in (*THINKING_EFFORTS, "none"):
             raise ValueError(f"effort={self.effort!r}: expected one of {', '.join(THINKING_EFFORTS)} or 'none'")
-        c = super().resolved()
-        c.init_from = str(ck)
-        if c.tokenizer is None and (ck / "tiktoken.model").is_file():
-            c.tokenizer = str(ck)
-        c.tokens_per_step = c.batch_size * c.seq_len  # one stage, `batch_size` rows of `seq_len`
+        c = self.from_checkpoint(ck)
         c.stages()
         return c
 
@@ -166,13 +153,8 @@ class SFTTrainer(Trainer):
 def _check_out(cfg: SFTConfig) -> None:
     """`out` may hold an earlier run of `k3 sft` (resumed), not a `k3 train` run (its trainer state would be
     read as this run's)."""
-    out = Path(cfg.out)
-    if out.is_dir() and latest_step(out) is not None:
-        tc = out / "train_config.json"
-        try:
-            saved = json.loads(tc.read_text()) if tc.is_file() else {}
-        except ValueError:
-            saved = {}
+    saved = cfg.saved_run_config()
+    if saved is not None:
         if "sft_data" not in saved:
             raise ValueError(f"out={cfg.out!r} holds a `k3 train` run, not a `k3 sft` run: give a new --out "
                              "(and that run as --checkpoint)")

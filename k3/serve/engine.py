@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -187,15 +186,20 @@ class Engine:
             self.scheduler.waiting.extend(self._inbox)
             self._inbox.clear()
 
+    def _take(self, request_id: str) -> Sequence:
+        """Remove a request from the in-flight table (step lock held); KeyError if unknown or finished."""
+        self._drain_inbox()
+        with self._inbox_lock:
+            seq = self.requests.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"unknown or finished request id {request_id!r}")
+        return seq
+
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; returns its partial tokens (and log-probs) with finish_reason "abort".
         Raises KeyError for an unknown or already finished request."""
         with self._lock:
-            self._drain_inbox()
-            with self._inbox_lock:
-                seq = self.requests.pop(request_id, None)
-            if seq is None:
-                raise KeyError(f"unknown or finished request id {request_id!r}")
+            seq = self._take(request_id)
             self.scheduler.remove(seq)
             seq.finished, seq.finish_reason = True, "abort"
             self.num_aborted += 1
@@ -209,11 +213,7 @@ class Engine:
         resume. Its tokens, log-probs and sampler generator travel in the returned `PausedRequest`. Raises
         KeyError for an unknown or finished request."""
         with self._lock:
-            self._drain_inbox()
-            with self._inbox_lock:
-                seq = self.requests.pop(request_id, None)
-            if seq is None:
-                raise KeyError(f"unknown or finished request id {request_id!r}")
+            seq = self._take(request_id)
             if seq.restore is not None:  # resumed but not admitted since: still the same state
                 paused = seq.restore
             elif seq in self.scheduler.running and seq.num_computed > 0:
