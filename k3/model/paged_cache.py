@@ -139,7 +139,7 @@ class PackedBatch:
 
     @classmethod
     def for_decode(cls, starts: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, history: int,
-               page_size: int) -> "PackedBatch":
+                   page_size: int) -> "PackedBatch":
         """A pure decode batch built ON THE DEVICE from device tensors, for a captured CUDA graph: n sequences
         of one token each at positions `starts` [n] (long), KDA slots `slots` [n], MLA page tables `table`
         [n, pages] (long). `history` (static) bounds every start + 1 (the padded MLA history length S).

@@ -28,6 +28,7 @@ from typing import Callable
 from ..io import chat
 from ..serve.request import PausedRequest, SamplingParams
 from .tasks import Task, TaskError, ToolExecutor, count_tokens, prepare, verify
+from .tasks.base import final_answer
 
 
 def derive_seed(*parts) -> int:
@@ -68,10 +69,7 @@ class Trajectory:
 
     @property
     def final_answer(self) -> str:
-        for m in reversed(self.messages):
-            if m.get("role") == "assistant":
-                return m.get("content") or ""
-        return ""
+        return final_answer(self.messages)
 
 
 @dataclass

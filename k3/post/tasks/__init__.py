@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import agent, coding, general
-from .base import DOMAINS, SPLITS, WORKDIR, Reward, Task, TaskError, check_request, split_of
+from .base import DOMAINS, SPLITS, WORKDIR, Reward, Task, TaskError, check_request, final_answer, split_of
 from .budget import count_tokens
 from .data import add_data_args, cmd_data, main_data, read_jsonl, write_jsonl
 from .sandbox_io import prepare
@@ -51,10 +51,7 @@ class Conversation:
     @property
     def final_answer(self) -> str:
         """The content of the last assistant message ("" if none)."""
-        for m in reversed(self.messages):
-            if m.get("role") == "assistant":
-                return m.get("content") or ""
-        return ""
+        return final_answer(self.messages)
 
 
 def generate(domain: str, split: str, n: int, seed: int) -> list[Task]:

@@ -121,6 +121,14 @@ _ANSWER_LINE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*:\s*(.*?)\s*$")
 _NUMBER = re.compile(r"[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?")
 
 
+def final_answer(messages: list[dict]) -> str:
+    """The content of the last assistant message of a conversation ("" if none): what `verify` checks."""
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            return m.get("content") or ""
+    return ""
+
+
 def extract_answer(response: str) -> str:
     """The final answer of a response: the text after the last `Answer:` line, else the whole response."""
     hits = _ANSWER_LINE.findall(response or "")
