@@ -1,0 +1,126 @@
+"""Where a prefill's time goes: k3-small bf16 engine, one cold 8,192-token prefill and one prefix-hit tail
+(16K cached + 64 new tokens). For each: wall time, summed GPU kernel time, the host→device synchronisations
+with the Python line that caused each (`torch.cuda.set_sync_debug_mode`), and the host's Python hot spots
+(cProfile, top by own time).
+
+    python benchmarks/probe/prefill_profile.py --out prefill_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serve import build, rand_prompts  # noqa: E402
+
+from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def sync_sites(fn) -> dict:
+    """Run fn with CUDA sync debugging on; return {call site: count} of the synchronising calls (the first
+    frame inside k3/ or benchmarks/ below the warning)."""
+    sites = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/k3/" in f.filename]
+        where = frames[-1] if frames else None
+        sites[f"{where.filename.split('/k3/')[-1]}:{where.lineno} {where.line}" if where else str(message)] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    return dict(sites.most_common())
+
+
+def gpu_time_ms(fn) -> tuple[float, int]:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return sum(e.self_device_time_total for e in evs) / 1e3, sum(e.count for e in evs)
+
+
+def hot_spots(fn, n: int = 35) -> str:
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(n)
+    return s.getvalue()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="prefill_profile.json")
+    a = ap.parse_args()
+    model = build("k3-small", "cuda", torch.bfloat16)
+    V = model.config.text_config.vocab_size
+    eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
+                                     max_num_seqs=32, gpu_memory_fraction=0.5, enable_prefix_caching=True))
+    prefix = rand_prompts(1, 16384, V, 8)[0]
+    tails = iter(rand_prompts(40, 64, V, 9))
+    seeds = iter(range(100, 200))
+
+    def cold():
+        eng.reset_prefix_cache()
+        eng.generate([rand_prompts(1, 8192, V, next(seeds))[0]], ONE)
+
+    def hit():
+        eng.generate([prefix + next(tails)], ONE)
+
+    for _ in range(2):
+        cold()
+    eng.reset_prefix_cache()
+    for _ in range(3):
+        hit()  # the first computes the prefix, the others hit
+    res = {}
+    for name, fn in (("cold_8192", cold), ("hit_16384_plus_64", hit)):
+        r = res[name] = {}
+        r["wall_ms"] = sorted(timed(fn) for _ in range(3))[1]
+        r["gpu_ms"], r["kernels"] = gpu_time_ms(fn)
+        r["syncs"] = sync_sites(fn)
+        r["n_syncs"] = sum(r["syncs"].values())
+        r["cprofile"] = hot_spots(fn)
+        print(f"== {name}: wall {r['wall_ms']:.1f} ms, GPU {r['gpu_ms']:.1f} ms in {r['kernels']} kernels, "
+              f"{r['n_syncs']} syncs")
+        for k, v in list(r["syncs"].items())[:25]:
+            print(f"   {v:5d}  {k}")
+        print("\n".join(r["cprofile"].splitlines()[:60]))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
