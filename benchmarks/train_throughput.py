@@ -99,6 +99,11 @@ def bench(cfg, args, device) -> dict:
             m.backend = args.kda_backend
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
+    if args.compile:  # regional compile: each decoder layer's body (one compiled graph per layer kind)
+        torch._dynamo.config.cache_size_limit = 64
+        for m in model.modules():
+            if type(m).__name__ in ("KimiDecoderLayer", "MTPLayer") and hasattr(m, "forward_attn_res"):
+                m.forward_attn_res = torch.compile(m.forward_attn_res, dynamic=False)
     opt = build_optimizer(model, OptimConfig(lr=1e-3))
     clip = QKClip(model, 100.0)
     bal = BalanceController(model, method="qb")
@@ -182,6 +187,7 @@ def bench(cfg, args, device) -> dict:
     tps = tokens / (med / 1e3)
     peak_flops = PEAK_BF16.get(args.gpu_name, None)
     res = {"label": args.label, "batch": args.batch, "seq_len": args.seq_len, "grad_ckpt": args.grad_ckpt,
+           "compile": args.compile,
            "step_ms": med, "step_ms_all": times, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
            "mfu": (f["total"] * tps / peak_flops) if peak_flops else None,
            "mfu_with_mtp_head": ((f["total"] + f["mtp_head"]) * tps / peak_flops) if peak_flops else None,
@@ -216,6 +222,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--phase-steps", type=int, default=2, help="extra synced steps for the per-phase breakdown")
     ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional compile)")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on CPU, 2 steps")

@@ -293,8 +293,16 @@ def test_states_at_offsets():
                                  initial_state=x["h0"][n:n + 1].double().to(DEV), output_final_state=True)
         assert rmse(ref[0], st[m]) <= 1e-5, p
     assert torch.equal(st[3], ht[2]) and torch.equal(st[1], ht[0])
-    with pytest.raises(ValueError, match="multiple of 16"):
-        chunk_kda_gated(*_gated_args(x), cu_seqlens=cu_t, backend="triton", states_at=torch.tensor([20]))
+    # the other backends run the pieces between the positions in turn: same outputs, states and final states
+    for backend in ("torch", "reference"):
+        o2, ht2, st2 = chunk_kda_gated(*_gated_args(x), initial_state=x["h0"].to(DEV), output_final_state=True,
+                                       cu_seqlens=cu_t, backend=backend, states_at=torch.tensor(pos))
+        assert rmse(o2, o) <= 1e-5 and rmse(st2, st) <= 1e-5 and rmse(ht2, ht) <= 1e-5, backend
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            chunk_kda_gated(*_gated_args(x), cu_seqlens=cu_t, backend=backend, states_at=torch.tensor([20]))
+        with pytest.raises(ValueError, match="twice"):
+            chunk_kda_gated(*_gated_args(x), cu_seqlens=cu_t, backend=backend, states_at=torch.tensor([16, 16]))
 
 
 # ---------------------------------------------------------------- decode entry points
@@ -338,8 +346,6 @@ def test_dispatch_and_errors():
         chunk_kda_gated(*a, backend="triton", lower_bound=-6.0)
     with pytest.raises(ValueError, match="A_log"):
         chunk_kda_gated(*a[:5], torch.zeros(3, device=DEV), a[6], backend="triton")
-    with pytest.raises(ValueError, match="states_at"):
-        chunk_kda_gated(*a, backend="torch", states_at=torch.tensor([16]))
     big = torch.randn(1, 4, 1, 256, device=DEV)
     with pytest.raises(ValueError, match="up to 128"):
         chunk_kda(big, big, big, -torch.rand_like(big), torch.rand(1, 4, 1, device=DEV), backend="triton")

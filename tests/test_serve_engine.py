@@ -212,17 +212,21 @@ def test_bad_requests_are_rejected(model):
         EngineConfig(kda_backend="fast")
 
 
-def run_random_load(model, seconds: float, seed: int = 0) -> dict:
+def run_random_load(model, seconds: float, seed: int = 0, min_requests: int = 30) -> dict:
     """Random submissions (shared prefixes, branching), aborts and a pool small enough to force
-    preemptions; checks accounting at every step and that each request ends exactly once."""
+    preemptions, for `seconds` and at least `min_requests` submissions (so a slow or loaded machine still
+    sees preemptions, aborts and hits); checks accounting at every step and that each request ends exactly once."""
     rng = random.Random(seed)
     eng = tiny_engine(model, num_pages=20, max_num_batched_tokens=48, max_num_seqs=8, record_logits=False,
                       host_cache_bytes=1 << 20)  # the host tier fills up and drops its own LRU entries too
     systems = prompts(3, seed + 100, 8, 20)
     submitted, finished, final = set(), {}, {}
     t0, i = time.monotonic(), 0
-    while time.monotonic() - t0 < seconds or eng.has_unfinished():
-        if time.monotonic() - t0 < seconds and rng.random() < 0.5 and len(submitted) - len(finished) < 12:
+    def submitting():
+        return time.monotonic() - t0 < seconds or len(submitted) < min_requests
+
+    while submitting() or eng.has_unfinished():
+        if submitting() and rng.random() < 0.5 and len(submitted) - len(finished) < 12:
             p = rng.choice(systems) + [rng.randrange(4000) for _ in range(rng.randrange(1, 30))]
             sp = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0, 0.8]),
                                 seed=rng.choice([None, i]), logprobs=True)

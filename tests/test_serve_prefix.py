@@ -239,3 +239,35 @@ def test_identical_prompts_wait_for_the_first_ones_checkpoint(model):
     assert all(o.token_ids == outs[0].token_ids for o in outs[:4])
     for o in outs[1:4]:
         check_exact(model, eng, p, o)
+
+
+def test_checkpoints_inside_a_chunk_are_stored_without_cutting_it(model, monkeypatch):
+    """A wanted KDA checkpoint a multiple of 16 tokens into a prefill chunk is written by the forward itself
+    (`states_at`): one forward instead of two. Its slot holds what a forward cut at that position leaves (fp32
+    state and conv window, against the old cut path), and a later request restores it exactly."""
+    import k3.serve.scheduler as sched
+
+    rng = random.Random(8)
+    p = rand_tokens(rng, 35)  # wanted checkpoints: {(35-1)//4·4, 35//4·4} = {32}, 32 = 2·16 tokens in
+    key = None
+    slot = {}
+    for cut in (False, True):
+        if cut:  # the old behaviour: every checkpoint position ends a chunk
+            monkeypatch.setattr(sched, "STATES_AT_MULTIPLE", 10 ** 9)
+        eng = engine(model)
+        eng.generate([p], SamplingParams(max_tokens=1, temperature=0))
+        assert eng.num_steps == (2 if cut else 1)
+        hashes = []
+        extend_hashes(hashes, p, H)
+        key = hashes[32 // H - 1]
+        page = eng.cache.ckpt[key]
+        slot[cut] = (eng.pool.state[page].clone(), eng.pool.conv[page].clone())
+        if not cut:
+            branch = p[:33] + rand_tokens(rng, 5)
+            out = eng.generate([branch], SamplingParams(max_tokens=4, temperature=0))[0]
+            assert out.num_cached_tokens == 32
+            check_exact(model, eng, branch, out)
+            assert eng.pool.num_free + len(eng.cache.lru) >= eng.pool.num_pages - 2  # no slot leaked
+    (s_in, c_in), (s_cut, c_cut) = slot[False], slot[True]
+    assert (s_in - s_cut).abs().max() <= 1e-5 * s_cut.abs().max() and s_cut.abs().max() > 0
+    assert (c_in - c_cut).abs().max() <= 1e-6 * c_cut.abs().max() and c_cut.abs().max() > 0

@@ -184,13 +184,15 @@ class KimiDeltaAttention(nn.Module):
                                      backend="torch" if backend in ("torch", "reference") else "auto")
             o.append(od)
             s.append(sd)
-        if nd < b.num_docs:  # the others: chunked, from their states
-            op, sp = chunk_kda_gated(q[None, nd:], k[None, nd:], v[None, nd:], f[None, nd:], beta_logit[None, nd:],
-                                     self.A_log[:H], self.dt_bias, initial_state=s0[nd:], output_final_state=True,
-                                     cu_seqlens=b.chunk_cu_seqlens, use_qk_l2norm_in_kernel=True,
-                                     lower_bound=self.lower_bound, backend=backend)
-            o.append(op[0])
-            s.append(sp)
+        if nd < b.num_docs:  # the others: chunked, from their states (and the states at checkpoints inside)
+            out = chunk_kda_gated(q[None, nd:], k[None, nd:], v[None, nd:], f[None, nd:], beta_logit[None, nd:],
+                                  self.A_log[:H], self.dt_bias, initial_state=s0[nd:], output_final_state=True,
+                                  cu_seqlens=b.chunk_cu_seqlens, use_qk_l2norm_in_kernel=True,
+                                  lower_bound=self.lower_bound, backend=backend, states_at=b.ckpt_pos)
+            if b.ckpt_pos is not None:
+                cache.write_checkpoints(ext[b.ckpt_win_rows].transpose(1, 2), out[2])
+            o.append(out[0][0])
+            s.append(out[1])
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
         cache.set_states(s)
         return self._output(o, gate)

@@ -32,6 +32,9 @@ class PackedBatch:
     `ext_win_rows` [n·(W-1)], `ext_tok_rows` [N], `ext_last_rows` [n, W-1]. MLA: the first `num_decode`
     documents are single tokens read in the absorbed form from `dec_page`, `dec_off`, `dec_valid` [nd, S];
     the others read their history rows `hist_page`, `hist_off` (document after document, bounds `hist_cu`).
+    KDA checkpoints inside prefill chunks (the prefix cache's states, without cutting the forward there):
+    `ckpt_pos` (host) [M] packed positions among the chunked documents' tokens (`chunk_cu_seqlens`' frame),
+    `ckpt_pages` [M] the slots they go to, `ckpt_win_rows` [M, W-1] the extended rows of their conv windows.
     """
     lens: list[int]
     starts: list[int]
@@ -51,6 +54,9 @@ class PackedBatch:
     hist_page: torch.Tensor | None
     hist_off: torch.Tensor | None
     hist_cu: list[int]
+    ckpt_pos: torch.Tensor | None = None
+    ckpt_pages: torch.Tensor | None = None
+    ckpt_win_rows: torch.Tensor | None = None
 
     @property
     def num_docs(self) -> int:
@@ -73,11 +79,14 @@ class PackedBatch:
 
     @classmethod
     def build(cls, lens: list[int], starts: list[int], slots: list[int], page_tables: list[list[int]],
-              want_logits: list[bool], page_size: int, conv_width: int, device) -> "PackedBatch":
+              want_logits: list[bool], page_size: int, conv_width: int, device,
+              checkpoints: list[list[tuple[int, int]]] | None = None) -> "PackedBatch":
         """Documents j = 0..n-1 of `lens[j]` new tokens at positions [starts[j], starts[j] + lens[j]) of a
         sequence whose KDA slot is `slots[j]` and whose MLA pages are `page_tables[j]` (page i holds positions
         [i·page_size, (i+1)·page_size)); `conv_width` = kernel size - 1. Leading single-token documents are the
-        decodes (the engine puts them first)."""
+        decodes (the engine puts them first). `checkpoints[j]`: (offset, slot) pairs asking for document j's KDA
+        state and conv window after its first `offset` new tokens (0 < offset < lens[j], a multiple of
+        `STATES_AT_MULTIPLE`) to be written to `slot`."""
         n = len(lens)
         if not n or not (len(starts) == len(slots) == len(page_tables) == len(want_logits) == n):
             raise ValueError(f"PackedBatch.build: need n >= 1 documents and one start, slot, page table and "
@@ -124,6 +133,19 @@ class PackedBatch:
             hp = torch.arange(int(hcu[-1])) - hcu[:-1][hdoc]
             hist_page, hist_off, hist_cu = table[nd + hdoc, hp // Ps], hp % Ps, hcu.tolist()
 
+        ckpt_pos = ckpt_pages = ckpt_win = None
+        ck = [(j, o, sl) for j, c in enumerate(checkpoints or []) for o, sl in c]
+        if ck:
+            from ..ops.kda import STATES_AT_MULTIPLE as M
+            bad = [(j, o) for j, o, _ in ck if not (j < n and 0 < o < lens[j] and o % M == 0)]
+            if bad:
+                raise ValueError(f"PackedBatch.build: checkpoint (document, offset) {bad[:4]} must lie inside its "
+                                 f"document's new tokens at a multiple of {M}")
+            js, offs = torch.tensor([j for j, _, _ in ck]), torch.tensor([o for _, o, _ in ck])
+            ckpt_pos = cu[js] - nd + offs  # among the chunked documents' tokens (the decodes come first)
+            ckpt_pages = torch.tensor([sl for _, _, sl in ck], dtype=torch.long)
+            ckpt_win = ext_cu[js][:, None] + offs[:, None] + win  # the W-1 inputs before token `offset`
+
         def dev(t):
             return None if t is None else t.to(device, non_blocking=True)
 
@@ -134,7 +156,8 @@ class PackedBatch:
                    ext_tok_rows=dev(torch.arange(N) + (doc + 1) * Wm1),
                    ext_last_rows=dev(ext_cu[1:, None] - Wm1 + win), num_decode=nd, dec_page=dev(dec_page),
                    dec_off=dev(dec_off), dec_valid=dev(dec_valid), hist_page=dev(hist_page),
-                   hist_off=dev(hist_off), hist_cu=hist_cu)
+                   hist_off=dev(hist_off), hist_cu=hist_cu, ckpt_pos=ckpt_pos, ckpt_pages=dev(ckpt_pages),
+                   ckpt_win_rows=dev(ckpt_win))
 
 
     @classmethod
@@ -229,6 +252,12 @@ class PagedLayerCache:
 
     def set_states(self, s: torch.Tensor) -> None:
         self.pc.state[:, self.j][self.batch.slots] = s.to(self.pc.state.dtype)
+
+    def write_checkpoints(self, windows: torch.Tensor, states: torch.Tensor) -> None:
+        """windows [M, 3·H·K, W-1], states [M, H, K, V] → the slots `batch.ckpt_pages` (mid-chunk checkpoints)."""
+        pages, conv = self.batch.ckpt_pages, self.pc.conv[:, self.j]
+        conv[pages] = windows.reshape(-1, *conv.shape[1:]).to(conv.dtype)
+        self.pc.state[:, self.j][pages] = states.to(self.pc.state.dtype)
 
     # ---- MLA -------------------------------------------------------------------------------------------
     def write_latents(self, c: torch.Tensor, k_pe: torch.Tensor) -> None:

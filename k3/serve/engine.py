@@ -286,12 +286,14 @@ class Engine:
             self.num_steps += 1
             work.sort(key=lambda w: w.n != 1)  # decodes first (the runner's packed layout)
             inputs = [SeqInput(tokens=w.seq.token_slice(w.start, w.n), start=w.start,
-                               state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample)
+                               state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample,
+                               checkpoints=[(x - w.start, page) for x, page in w.ckpts])
                       for w in work]
             try:
                 logits = self.runner.forward(inputs)
             except BaseException as e:
                 # some layers may have advanced these sequences' KDA slots: recompute them from scratch
+                self.scheduler.drop_checkpoints(work)
                 for w in work:
                     if w.seq in self.scheduler.running:
                         self.scheduler.preempt(w.seq)

@@ -37,6 +37,7 @@ class SeqInput:
     state_page: int
     mla_pages: list[int]
     want_logits: bool
+    checkpoints: list[tuple[int, int]] = ()  # (offset into tokens, slot): KDA states to store mid-chunk
 
 
 def text_model(model):
@@ -142,7 +143,7 @@ class ModelRunner:
         return PackedBatch.build([len(s.tokens) for s in seqs], [s.start for s in seqs],
                                  [s.state_page for s in seqs], [s.mla_pages for s in seqs],
                                  [s.want_logits for s in seqs], self.pool.layout.block_size,
-                                 self.pool.layout.conv_width, self.device)
+                                 self.pool.layout.conv_width, self.device, [list(s.checkpoints) for s in seqs])
 
     def logits(self, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """fp32 logits [R, V] of a packed forward over ids [N] (`cache.batch` set), at `rows` (None: all)."""

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
+from ..ops.kda import STATES_AT_MULTIPLE
 from .pool import PagePool
 from .prefix_cache import Hit, PrefixCache, extend_hashes
 from .request import Sequence
@@ -30,6 +31,7 @@ class Work:
     start: int
     n: int
     sample: bool  # the chunk ends at the last token: its logits give the next token
+    ckpts: list[tuple[int, int]] = field(default_factory=list)  # (position, slot): KDA checkpoints inside the chunk
 
 
 class Scheduler:
@@ -236,11 +238,36 @@ class Scheduler:
         self.waiting.extend(out)
 
     def _chunk_end(self, seq: Sequence, budget: int) -> int:
+        """Where seq's next chunk ends: the prompt end, the budget, or a wanted checkpoint position that the
+        forward cannot store from inside the chunk (not a multiple of `STATES_AT_MULTIPLE` tokens into it)."""
         end = min(seq.num_tokens, seq.num_computed + budget)
         for x in seq.ckpt_positions:
-            if x > seq.num_computed:
+            if x > seq.num_computed and (x >= end or (x - seq.num_computed) % STATES_AT_MULTIPLE):
                 return min(end, x)
         return end
+
+    def _work(self, seq: Sequence, end: int) -> Work:
+        """The chunk [num_computed, end) of seq, with a fresh slot for each wanted checkpoint strictly inside it
+        (the forward writes the KDA state there; `after_forward` registers it). A checkpoint is skipped when
+        the cache already has it or no page is free."""
+        w = Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens)
+        if self.cache is None or not seq.cacheable:
+            return w
+        for x in seq.ckpt_positions:
+            if seq.num_computed < x < end and x // self.h <= len(seq.hashes) \
+                    and seq.hashes[x // self.h - 1] not in self.cache.ckpt:
+                page = self.alloc()
+                if page is None:
+                    break
+                w.ckpts.append((x, page))
+        return w
+
+    def drop_checkpoints(self, work: list[Work]) -> None:
+        """Give back the checkpoint slots of a forward that did not run."""
+        for w in work:
+            for _, page in w.ckpts:
+                self.pool.decref(page)
+            w.ckpts = []
 
     def _push_waiting_front(self, seq: Sequence) -> None:
         """Preempted sequences go back to the front of the queue, oldest first."""
@@ -276,7 +303,7 @@ class Scheduler:
             self._return(seq)
             return None
         bisect.insort(self.running, seq, key=lambda s: s.order)
-        return [Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens)]
+        return [self._work(seq, end)]
 
     def schedule(self) -> list[Work]:
         if self.suspects:
@@ -295,7 +322,7 @@ class Scheduler:
                     break
             if seq.state_page is None:
                 continue
-            work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
+            work.append(self._work(seq, end))
             budget -= end - seq.num_computed
             i += 1
         pending = self._pending_keys() if self.cache is not None and self.waiting else set()
@@ -318,7 +345,7 @@ class Scheduler:
             self._tick += 1
             if self.cache is not None:
                 pending.update(self._future_keys(seq))
-            work.append(Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens))
+            work.append(self._work(seq, end))
             budget -= end - seq.num_computed
         return work
 
@@ -337,12 +364,19 @@ class Scheduler:
             seq = w.seq
             seq.num_computed += w.n
             if cache is None or not seq.cacheable:
+                self.drop_checkpoints([w])
                 continue
             X = seq.num_computed
             while seq.num_registered < len(seq.hashes) and (seq.num_registered + 1) * h <= X:
                 j = seq.num_registered
                 cache.register_block(seq.hashes[j], seq.mla_pages[j * h // self.B], (j % (self.B // h) + 1) * h)
                 seq.num_registered += 1
+            for x, page in w.ckpts:  # written by the forward inside the chunk
+                if x // h <= seq.num_registered and cache.register_checkpoint(seq.hashes[x // h - 1], page):
+                    self.checkpoints_saved += 1
+                else:
+                    self.pool.decref(page)
+            w.ckpts = []
             while seq.ckpt_positions and seq.ckpt_positions[0] < X:
                 seq.ckpt_positions.pop(0)
             if seq.ckpt_positions and seq.ckpt_positions[0] == X:

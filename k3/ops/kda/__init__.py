@@ -6,7 +6,8 @@ lower-bounded gate, g >= -5), "fla" (fla.ops.kda.chunk_kda, Triton, CUDA only), 
 loop). "auto" on CUDA picks triton wherever it fits (head dims <= 128 and g >= -5), for training and inference:
 on the H200 it is faster than fla's chunk_kda at every measured shape (forward 1.15-1.9x, forward+backward
 1.07-1.27x); else fla when importable, else torch. For decode, triton. Figures: docs/benchmarks.md.
-`states_at` (prefix-cache states) needs triton. On CPU "auto" is torch. All share the fla contract:
+`states_at` (prefix-cache states): the Triton kernels emit them from the chunk loop; the other backends run
+the pieces between the requested positions in turn (`states_at.py`). On CPU "auto" is torch. All share the fla contract:
 q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (K-first).
 """
 from __future__ import annotations
@@ -24,9 +25,11 @@ from .decode import fused_recurrent_kda as _fused_recurrent_torch
 from .decode import kda_decode_step as _decode_step_torch
 from .gate import kda_gate, l2norm
 from .reference import recurrent_kda
+from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
-           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS"]
+           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS",
+           "STATES_AT_MULTIPLE"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 TRITON_G_MIN = -5.0  # the Triton tiles need every per-token log decay >= this (K3's lower bound)
@@ -101,8 +104,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """KDA over whole sequences (training and prefill); returns (o [B, T, H, V], final state or None).
 
     g is the activated per-token log decay (see `kda_gate`), beta is post-sigmoid; see the
-    module docstring for shapes and `BACKENDS` for the choices of `backend`. `states_at` (triton
-    only): packed token positions, each a multiple of 16 tokens into its sequence or its end; the
+    module docstring for shapes and `BACKENDS` for the choices of `backend`. `states_at` (any
+    backend; one packed row): packed token positions, each a multiple of 16 tokens into its sequence or its end; the
     states there are returned as a third output [M, H, K, V] fp32 (for the serving prefix cache).
     `g_lower_bound`: a bound the caller guarantees for g (the model's gate: its lower bound), so the Triton
     path need not read min(g) back from the device (a host sync per call).
@@ -112,11 +115,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
         backend = _auto_backend(q, v, lambda: _g_min(g, g_lower_bound) >= TRITON_G_MIN)
-    if states_at is not None and backend != "triton":
-        raise ValueError(f"chunk_kda: states_at is supported by backend 'triton' only, not {backend!r}")
     args = (q, k, v, g, beta)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if states_at is not None and backend != "triton":
+        return chunk_by_pieces(functools.partial(chunk_kda, backend=backend, g_lower_bound=g_lower_bound),
+                               *args, states_at, **kw)
     if backend == "triton":
         g_min = _g_min(g, g_lower_bound)
         if g_min < TRITON_G_MIN:
@@ -146,15 +150,13 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
         backend = _auto_backend(q, v, lambda: TRITON_G_MIN <= lower_bound < 0)
-    if states_at is not None and backend != "triton":
-        raise ValueError(f"chunk_kda_gated: states_at is supported by backend 'triton' only, not {backend!r}")
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if backend == "triton":
         from .triton import chunk_kda_gated_triton
         return chunk_kda_gated_triton(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound=lower_bound,
                                       states_at=states_at, **kw)
-    if backend == "fla":
+    if backend == "fla" and states_at is None:
         return _fla_chunk_kda(q, k, v, f, beta_logit, A_log=A_log.reshape(-1), dt_bias=dt_bias,
                               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
                               lower_bound=lower_bound, **kw)
@@ -166,6 +168,8 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
     beta = torch.sigmoid(beta_logit.float())
     if backend == "reference" or f.dtype == torch.float64:
         g, beta = g.to(torch.promote_types(g.dtype, f.dtype)), beta.to(torch.promote_types(beta.dtype, f.dtype))
+    if states_at is not None:
+        return chunk_kda(q, k, v, g, beta, backend=backend, states_at=states_at, g_lower_bound=lower_bound, **kw)
     return (recurrent_kda if backend == "reference" else chunk_kda_torch)(q, k, v, g, beta, **kw)
 
 
