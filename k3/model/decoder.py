@@ -32,6 +32,42 @@ def _mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear, backend: s
     return attn_res(sources, proj.weight, norm.weight, norm.eps, backend=backend)
 
 
+def stream_embeddings(inputs_embeds: torch.Tensor, autocast_stream: bool = True) -> torch.Tensor:
+    """The embeddings as the first AttnRes block: cast to the autocast dtype when one is active (see
+    `_autocast_dtype`). The start of `KimiLinearModel.forward`, also pipeline stage 0's."""
+    dt = _autocast_dtype(inputs_embeds) if autocast_stream else None
+    if dt is not None and inputs_embeds.is_floating_point() and inputs_embeds.dtype != dt:
+        inputs_embeds = inputs_embeds.to(dt)  # one residual-stream dtype (bf16 under autocast)
+    return inputs_embeds
+
+
+def run_decoder_layers(layers, blocks: list[torch.Tensor], partial: torch.Tensor | None, block_size: int,
+                       attention_mask=None, cache=None, cu_seqlens=None, checkpoint: bool = False,
+                       taps: list | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Run decoder `layers` (consecutive, in order) on an explicit AttnRes state: `blocks` (finished block
+    representations, the embedding first) and `partial` (the current block's running sum; None before layer
+    0) → the state after the last layer. The layer loop of `KimiLinearModel.forward`, also a pipeline stage's
+    body (the state is what crosses a stage boundary). `checkpoint`: recompute each layer in the backward;
+    `taps`: a list that receives each layer's partial sum."""
+    for layer in layers:
+        lc = None if cache is None else cache.layer(layer.layer_idx)
+        if checkpoint:
+            blocks, partial = torch.utils.checkpoint.checkpoint(
+                layer.forward_attn_res, blocks, partial, block_size, attention_mask, lc, cu_seqlens,
+                use_reentrant=False)
+        else:
+            blocks, partial = layer.forward_attn_res(blocks, partial, block_size, attention_mask, lc, cu_seqlens)
+        if taps is not None:
+            taps.append(partial)
+    return blocks, partial
+
+
+def attn_res_output(blocks: list[torch.Tensor], partial: torch.Tensor, norm: RMSNorm, proj: nn.Linear,
+                    backend: str = "auto") -> torch.Tensor:
+    """The output AttnRes site: mix the final candidates (blocks + [partial]) into the pre-norm hidden."""
+    return _mix(blocks + [partial], norm, proj, backend)
+
+
 class KimiDecoderLayer(nn.Module):
     def __init__(self, cfg: K3TextConfig, layer_idx: int, attn_res_sites: bool = True):
         super().__init__()
@@ -148,23 +184,13 @@ class KimiLinearModel(nn.Module):
         only these positions for the output AttnRes site and norm (the hidden outputs are then [1, R, D])."""
         if rows is not None and inputs_embeds.shape[0] != 1:
             raise ValueError(f"rows needs one packed row (B = 1), got B = {inputs_embeds.shape[0]}")
-        bs = self.config.attn_res_block_size
-        dt = _autocast_dtype(inputs_embeds) if self.autocast_stream else None
-        if dt is not None and inputs_embeds.is_floating_point() and inputs_embeds.dtype != dt:
-            inputs_embeds = inputs_embeds.to(dt)  # one residual-stream dtype (bf16 under autocast)
-        blocks, partial = [inputs_embeds], None
         taps = []
-        for layer in self.decoder_layers:
-            lc = None if cache is None else cache.layer(layer.layer_idx)
-            if self.gradient_checkpointing and self.training:
-                blocks, partial = torch.utils.checkpoint.checkpoint(
-                    layer.forward_attn_res, blocks, partial, bs, attention_mask, lc, cu_seqlens,
-                    use_reentrant=False)
-            else:
-                blocks, partial = layer.forward_attn_res(blocks, partial, bs, attention_mask, lc, cu_seqlens)
-            if output_block_states:
-                taps.append(partial)
+        blocks, partial = run_decoder_layers(
+            self.decoder_layers, [stream_embeddings(inputs_embeds, self.autocast_stream)], None,
+            self.config.attn_res_block_size, attention_mask, cache, cu_seqlens,
+            self.gradient_checkpointing and self.training, taps if output_block_states else None)
         if rows is not None:
             blocks, partial = [b[:, rows] for b in blocks], partial[:, rows]
-        h = _mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, self.attn_res_backend)
+        h = attn_res_output(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj,
+                            self.attn_res_backend)
         return h, self.norm(h), taps

@@ -61,6 +61,22 @@ def shifted_targets(labels: torch.Tensor, shift: int = 1, ignore_index: int = -1
     return tgt
 
 
+def target_loss(hn: torch.Tensor, logits: torch.Tensor | None, head_w: torch.Tensor | None, target: torch.Tensor,
+                count: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Σ over positions with a target of the cross-entropy, divided by `count` (not by the local number of
+    targets): per-position targets [B, T] with a caller-chosen normaliser, so that the shares of several ranks
+    holding parts of one batch add up to its mean loss. From the fused head (`head_w`, hn [B, T, D]) or from
+    `logits` [B, T, V]."""
+    t = target.reshape(-1)
+    if head_w is None:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), t, ignore_index=ignore_index,
+                               reduction="sum") / count
+    mean = linear_cross_entropy(hn.reshape(-1, hn.shape[-1]), head_w, t, ignore_index=ignore_index)
+    n = (t != ignore_index).sum()
+    # no target here: the fused mean is 0/0, its backward is safe (it divides by max(n, 1))
+    return torch.where(n > 0, mean, torch.zeros_like(mean)) * (n.to(mean.dtype) / count.to(mean.dtype))
+
+
 LOSS_IMPLS = ("fused", "plain")
 
 
@@ -73,11 +89,17 @@ class KimiLinearForCausalLM(nn.Module):
         # "fused": in training mode with labels, the LM and MTP losses come from `linear_cross_entropy` (no
         # full-vocabulary logits; out.logits / out.mtp_logits are None). "plain": logits, then `lm_loss`.
         self.loss_impl = "fused"
+        # context parallelism, applied from outside (`k3.parallel.cp.enable_context_parallel`): an executor with
+        # `.size` (ranks sharing each sequence) and `shift_tokens(x, k)` (x at t + k of the whole sequence).
+        # When set, the inputs are this rank's share, cu_seqlens describe the whole sequences and the loss
+        # comes from `targets` / `num_targets` (`k3.parallel.cp.shard_batch`).
+        self.context_parallel = None
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,
-                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None) -> K3Output:
+                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, num_targets: torch.Tensor | None = None) -> K3Output:
         """Causal LM forward. `labels` use the HF convention (same positions as input_ids; shifted here).
 
         With MTP layers and labels, also returns `mtp_loss` (layer k predicts token t + 1 + k at position t).
@@ -86,6 +108,10 @@ class KimiLinearForCausalLM(nn.Module):
         (the default), the losses come from the fused, chunked linear + cross-entropy (same value and
         gradients, no [B, T, V] logits) and `logits` / `mtp_logits` are None; eval mode or
         `loss_impl = "plain"` returns the logits (the last `logits_to_keep` positions when > 0).
+        Instead of labels, `targets` (int64 [1 + M, B, T], M = number of MTP layers; row i holds the target
+        of position t for shift 1 + i, -100 where there is none) and `num_targets` ([1 + M], default: the
+        valid entries of each row) give each loss as Σ cross-entropy / num_targets[i]: the form context
+        parallelism uses (`k3.parallel.cp.shard_batch` computes them from the whole sequences).
         """
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
@@ -94,6 +120,14 @@ class KimiLinearForCausalLM(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
+        cp = self.context_parallel
+        T_all = T if cp is None else T * cp.size  # tokens per row of the whole sequences
+        if cp is not None and (labels is not None or attention_mask is not None or past_key_values is not None
+                               or use_cache):
+            raise ValueError("under context parallelism pass targets / num_targets (k3.parallel.cp.shard_batch) "
+                             "instead of labels, and no attention_mask or cache")
+        if labels is not None and targets is not None:
+            raise ValueError("pass labels or targets, not both")
         if attention_mask is not None:
             past = 0 if past_key_values is None else past_key_values.seen_tokens
             if attention_mask.shape != (B, past + T):
@@ -104,18 +138,30 @@ class KimiLinearForCausalLM(nn.Module):
         if cu_seqlens is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("cu_seqlens (packed documents) cannot be combined with a cache or an attention_mask")
-            check_cu_seqlens(cu_seqlens, B * T)
-            docs = doc_ids(cu_seqlens, B, T)
+            check_cu_seqlens(cu_seqlens, B * T_all)
+            docs = doc_ids(cu_seqlens, B, T) if cp is None else None
         h, hn, taps = self.model(inputs_embeds, attention_mask, cache, output_block_states, cu_seqlens)
         if cache is not None:
             cache.seen_tokens += T
         out = K3Output(past_key_values=cache, hidden_states=h, block_states=taps if output_block_states else None)
         # fused: the head weight, cast once for every head call (as autocast's weight cache would)
-        head_w = autocast_cast(self.lm_head.weight) if self.training and labels is not None \
+        wants_loss = labels is not None or targets is not None
+        head_w = autocast_cast(self.lm_head.weight) if self.training and wants_loss \
             and self.loss_impl == "fused" else None
         if head_w is None:
             out.logits = self.lm_head(hn[:, -logits_to_keep:] if logits_to_keep else hn)
-        if labels is not None:
+        if targets is not None:
+            n_mtp = len(self.model.mtp_layers) if T_all > 2 else 0
+            if tuple(targets.shape) != (1 + n_mtp, B, T):
+                raise ValueError(f"targets must be [1 + MTP layers, B, T] = {[1 + n_mtp, B, T]}, "
+                                 f"got {list(targets.shape)}")
+            if num_targets is None:
+                num_targets = (targets != -100).sum((1, 2))
+            out.loss = target_loss(hn, out.logits, head_w, targets[0], num_targets[0])
+            if n_mtp:
+                out.mtp_logits, out.mtp_loss = self._mtp(inputs_embeds, h, None, None, cu_seqlens, None, head_w,
+                                                         targets, num_targets)
+        elif labels is not None:
             out.loss = (lm_loss(out.logits, labels, docs=docs) if head_w is None
                         else self._fused_loss(hn, head_w, labels, 1, docs))
             if self.model.mtp_layers and T > 2:
@@ -130,25 +176,44 @@ class KimiLinearForCausalLM(nn.Module):
         return linear_cross_entropy(hn.reshape(-1, hn.shape[-1]), weight,
                                     shifted_targets(labels, shift, docs=docs).reshape(-1))
 
-    def _mtp(self, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None, head_w=None):
-        """Chain the MTP layers: layer k sees the pre-norm output h_{k-1} of the step before (the main
-        model's pre-norm hidden for k = 1, as vLLM's K3 MTP chains) and the embedding of token t + k (zero
-        past the end); its logits come from its own `shared_head.head` if loaded, else lm_head.
-        With `head_w` (the fused path) each layer's loss uses it through `_fused_loss` and no logits are
-        returned; autograd sums the head-weight gradients of all heads."""
-        losses, logits_k = [], None
-        mask = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]
-        for k, layer in enumerate(self.model.mtp_layers, start=1):
+    def _mtp(self, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None, head_w=None, targets=None,
+             num_targets=None):
+        shift = None if self.context_parallel is None else self.context_parallel.shift_tokens
+        return mtp_losses(self.model.mtp_layers, self.lm_head, embeds, h, attention_mask, labels, cu_seqlens,
+                          docs, head_w, targets, num_targets, shift)
+
+
+def mtp_losses(mtp_layers, lm_head: nn.Linear, embeds, h, attention_mask, labels, cu_seqlens=None, docs=None,
+               head_w=None, targets=None, num_targets=None, shift=None):
+    """(last layer's logits or None, mean MTP loss). Chain the MTP layers: layer k sees the pre-norm output
+    h_{k-1} of the step before (the main model's pre-norm hidden for k = 1, as vLLM's K3 MTP chains) and the
+    embedding of token t + k (zero past the end); its logits come from its own `shared_head.head` if loaded,
+    else `lm_head`. With `head_w` (the fused path: lm_head's weight, cast once) each layer's loss goes through
+    `_fused_loss` and no logits are returned; autograd sums the head-weight gradients of all heads.
+    A function (not only a method) so a pipeline's last stage, which holds the MTP layers and the head but no
+    `KimiLinearForCausalLM`, runs the same code. With `targets` / `num_targets` layer k's loss is `target_loss`
+    on row k; `shift(x, k)` (context parallelism: the next tokens may sit on another rank) replaces the local
+    shift of the embeddings."""
+    losses, logits_k = [], None
+    mask = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]
+    for k, layer in enumerate(mtp_layers, start=1):
+        if shift is not None:
+            nxt = shift(embeds, k)
+        else:
             nxt = torch.cat([embeds[:, k:], embeds.new_zeros(embeds.shape[0], k, embeds.shape[2])], dim=1)
-            h, hn = layer.forward_mtp(nxt, h, mask, None, cu_seqlens)
-            head = layer.shared_head.head if layer.shared_head.head is not None else self.lm_head
-            if head_w is None:
-                logits_k = head(hn)
-                losses.append(lm_loss(logits_k, labels, shift=1 + k, docs=docs))
-            else:
-                w = head_w if head is self.lm_head else autocast_cast(head.weight)
-                losses.append(self._fused_loss(hn, w, labels, 1 + k, docs))
-        return logits_k, torch.stack(losses).mean()
+        h, hn = layer.forward_mtp(nxt, h, mask, None, cu_seqlens)
+        head = layer.shared_head.head if layer.shared_head.head is not None else lm_head
+        if targets is not None:
+            w = None if head_w is None else (head_w if head is lm_head else autocast_cast(head.weight))
+            logits_k = None if w is not None else head(hn)
+            losses.append(target_loss(hn, logits_k, w, targets[k], num_targets[k]))
+        elif head_w is None:
+            logits_k = head(hn)
+            losses.append(lm_loss(logits_k, labels, shift=1 + k, docs=docs))
+        else:
+            w = head_w if head is lm_head else autocast_cast(head.weight)
+            losses.append(KimiLinearForCausalLM._fused_loss(hn, w, labels, 1 + k, docs))
+    return logits_k, torch.stack(losses).mean()
 
 
 class K3ForConditionalGeneration(nn.Module):
@@ -235,7 +300,10 @@ class K3ForConditionalGeneration(nn.Module):
                 labels: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
                 grid_thws: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,
-                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None) -> K3Output:
+                output_block_states: bool = False, cu_seqlens: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, num_targets: torch.Tensor | None = None) -> K3Output:
+        """See `KimiLinearForCausalLM.forward` (targets / num_targets: per-position targets, e.g. from
+        `k3.parallel.cp.shard_batch`)."""
         if cu_seqlens is not None and pixel_values is not None:
             raise ValueError("cu_seqlens (packed documents) with pixel_values is not supported: media expansion "
                              "changes the token count")
@@ -247,7 +315,7 @@ class K3ForConditionalGeneration(nn.Module):
         return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    logits_to_keep=logits_to_keep, output_block_states=output_block_states,
-                                   cu_seqlens=cu_seqlens)
+                                   cu_seqlens=cu_seqlens, targets=targets, num_targets=num_targets)
 
     # ---- generation / checkpoints ----------------------------------------------------------------
     def generate(self, *args, **kwargs) -> torch.Tensor:

@@ -39,6 +39,9 @@ class KimiDeltaAttention(nn.Module):
         self.fast = True  # fused path without cache / mask; False: the step-by-step path (benchmarks, tests)
         # short conv and output RMSNorm of both paths: "auto" | "reference" (today's PyTorch ops) | "triton"
         self.elementwise_backend = "auto"
+        # context parallelism, applied from outside (`k3.parallel.cp.enable_context_parallel`): an executor whose
+        # `kda(layer, x, cu_seqlens)` runs this layer on this rank's share of the sequences (training only)
+        self.context_parallel = None
         W = la.short_conv_kernel_size
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
@@ -72,6 +75,10 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError("KimiDeltaAttention: a paged cache carries its own packing; pass no "
                                  "attention_mask or cu_seqlens with it")
             return self._forward_paged(x, cache)
+        if self.context_parallel is not None:
+            if cache is not None or attention_mask is not None:
+                raise ValueError("KimiDeltaAttention: context parallelism takes no cache or attention_mask")
+            return self.context_parallel.kda(self, x, cu_seqlens)
         B, T, _ = x.shape
         if cu_seqlens is not None and (cache is not None or attention_mask is not None):
             raise ValueError("KimiDeltaAttention: cu_seqlens cannot be combined with a cache or an attention_mask")

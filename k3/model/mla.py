@@ -55,6 +55,9 @@ class MLAttention(nn.Module):
         self.attn_backend = "auto"
         self.record_max_logit = False  # QK-clip: keep each head's max pre-softmax logit of the last training forward
         self.max_logit: torch.Tensor | None = None  # fp32 [H], detached
+        # context parallelism, applied from outside (`k3.parallel.cp.enable_context_parallel`): an executor whose
+        # `mla(layer, x, cu_seqlens)` runs this layer on this rank's share of the sequences (training only)
+        self.context_parallel = None
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → q [B, T, H, nope + rope]."""
@@ -123,6 +126,10 @@ class MLAttention(nn.Module):
                 raise ValueError("MLAttention: a paged cache carries its own packing; pass no attention_mask or "
                                  "cu_seqlens with it")
             return self._forward_paged(x, cache)
+        if self.context_parallel is not None:
+            if cache is not None or attention_mask is not None:
+                raise ValueError("MLAttention: context parallelism takes no cache or attention_mask")
+            return self.context_parallel.mla(self, x, cu_seqlens)
         B, T, _ = x.shape
         q = self.project_q(x)
         c, k_pe = self.project_latent(x)
