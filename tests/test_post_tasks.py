@@ -14,7 +14,7 @@ from k3.io import chat
 from k3.io.tokenizer import K3Tokenizer, k3_special_tokens
 from k3.post import tasks
 from k3.post.tasks import general
-from k3.post.tasks.base import normalise
+from k3.post.tasks.base import normalise, split_of
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +264,65 @@ def test_hidden_tests_without_python_are_a_task_error():
     with pytest.raises(tasks.TaskError, match="no python3"):
         run_hidden_tests(sb, ["assert 1 == 1"], "t")
     assert b"assert 1 == 1" in sb.written[1] and sb.written[0].startswith("/tmp/")
+
+
+# ------------------------------------------------------------------------------------------ easy level, efforts
+
+def test_easy_level_is_deterministic_and_held_out_disjoint():
+    a = tasks.generate("general", "train", 60, seed=0, level="easy")
+    assert [t.to_record() for t in a] == [t.to_record() for t in tasks.generate("general", "train", 60, 0, level="easy")]
+    assert {_key(t) for t in a} != {_key(t) for t in tasks.generate("general", "train", 60, 1, level="easy")}
+    train = {_key(t) for s in (0, 1, 2) for t in tasks.generate("general", "train", 60, s, level="easy")}
+    test = {_key(t) for s in (0, 1, 2) for t in tasks.generate("general", "test", 15, s, level="easy")}
+    assert train and test and not train & test                      # no held-out prompt in any train seed
+    for t in a:                                                      # the split is the prompt's own
+        assert t.split == "train" and split_of("general", t.kind, t.prompt_text + json.dumps(t.files)) == "train"
+    assert {t.kind for t in a} == {"copy", "add"} and len({t.id for t in a}) == 60
+    standard = {_key(t) for t in tasks.generate("general", "train", 60, 0)}
+    assert not standard & train                                      # the levels are different tasks
+
+
+def test_easy_answers_are_right_and_verified():
+    for t in tasks.generate("general", "train", 40, 4, level="easy") + tasks.generate("general", "test", 10, 4, "easy"):
+        q, ans = t.messages[-1]["content"], t.hidden["answers"][0]
+        if t.kind == "copy":
+            assert re.fullmatch(r"Repeat this code: (\d+)\.", q).group(1) == ans
+        else:
+            a, b = map(int, re.fullmatch(r"What is (\d) \+ (\d)\?", q).groups())
+            assert int(ans) == a + b
+        for e in ("low", "high", "max"):
+            assert tasks.verify(t, tasks.solve(t, effort=e).final_answer).score == 1.0
+        assert tasks.verify(t, f"Answer: {int(ans) + 1}").score == 0.0
+
+
+def test_bad_level_is_named():
+    with pytest.raises(ValueError, match="level 'hard' is not one of easy, standard"):
+        tasks.generate("general", "train", 3, 0, level="hard")
+    with pytest.raises(ValueError, match="level 'easy' is not one of standard .domain 'agent'"):
+        tasks.generate("agent", "train", 3, 0, level="easy")
+    with pytest.raises(ValueError, match="effort 'huge' is not one of low, high, max"):
+        tasks.solve(tasks.generate("general", "train", 1, 0)[0], effort="huge")
+
+
+def test_reasoning_length_follows_the_effort(tok):
+    """Counted thinking tokens: low < high < max on easy tasks, low <= high < max on standard ones (a one-step
+    conversion has nothing to drop); the record carries the effort and renders it into the prompt."""
+    for level in ("easy", "standard"):
+        for t in tasks.generate("general", "train", 20, 6, level=level):
+            n = {e: tasks.count_tokens(tasks.solve(t, effort=e), tok, "general") for e in ("low", "high", "max")}
+            assert n["low"] <= n["high"] < n["max"], (t.id, n)
+            if level == "easy" or len(t.hidden["steps"]) > 1:
+                assert n["low"] < n["high"], (t.id, n)
+            assert tasks.count_tokens(tasks.solve(t), tok, "general") == n["high"]   # no effort: high-length
+    conv = tasks.solve(tasks.generate("general", "train", 1, 0, level="easy")[0], effort="low")
+    rec = conv.to_record()
+    assert rec["reasoning_effort"] == "low" and "thinking_effort=low" in conv.render()
+    from k3.post.sft_data import encode_example
+    ids, _ = encode_example(tok, rec)
+    assert "thinking_effort=low" in tok.decode(ids)
+
+
+def test_has_answer_line():
+    from k3.post.tasks.base import has_answer_line
+    assert has_answer_line("Answer: 12") and has_answer_line("some text\n  final answer:  x ")
+    assert not has_answer_line("Answer:   ") and not has_answer_line("the answer is 12") and not has_answer_line("")

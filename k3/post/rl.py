@@ -38,7 +38,7 @@ from ..train.metrics import MetricsLog, read_log
 from ..train.state import latest_checkpoint, latest_step
 from ..train.trainer import Trainer, TrainingDiverged, finished_summary, preflight
 from . import tasks
-from .config import PostTrainConfig
+from .config import PostTrainConfig, PostTrainMixin
 from .effort import EFFORTS, BudgetTable, EffortBudget, base_budget
 from .rollout import RolloutRunner, Trajectory, derive_seed, from_state, to_state
 
@@ -85,6 +85,7 @@ class RLConfig(PostTrainConfig):
 
     domain: str = "general"
     effort: str = "max"
+    level: str = "standard"       # task level (`tasks.LEVELS[domain]`) of the pool and the held-out tasks
     prompts: int = 4              # N: groups in flight per iteration
     samples: int = 4              # K: samples per prompt
     lam: float = 1.0              # λ: stop once ⌈λ·N·K⌉ trajectories finished (1: no partial rollout)
@@ -126,6 +127,10 @@ class RLConfig(PostTrainConfig):
             raise ValueError(f"domain {self.domain!r} is not one of {', '.join(tasks.DOMAINS)}")
         if self.effort not in EFFORTS:
             raise ValueError(f"effort {self.effort!r} is not one of {', '.join(EFFORTS)}")
+        if self.level not in tasks.LEVELS[self.domain]:
+            raise ValueError(f"level {self.level!r} is not one of {', '.join(tasks.LEVELS[self.domain])} "
+                             f"(domain {self.domain!r})")
+        self.check_post()
         if not 0 < self.lam <= 1:
             raise ValueError(f"lambda={self.lam}: expected in (0, 1]")
         if self.stale not in STALE_MODES:
@@ -147,7 +152,7 @@ class RLConfig(PostTrainConfig):
 
 # ---------------------------------------------------------------------------------------------- the trainer
 
-class RLTrainer(Trainer):
+class RLTrainer(PostTrainMixin, Trainer):
     """`Trainer` whose step is one RL iteration; see the module docstring. `reward_fn(trajectory) -> float`
     replaces the verifier (tests, custom rewards); the budget rule still applies."""
 
@@ -161,10 +166,11 @@ class RLTrainer(Trainer):
         if self.world > 1:
             raise ValueError(f"k3 rl runs on one process (got WORLD_SIZE={self.world}): the learner does not "
                              "synchronise gradients across ranks yet")
+        self._post_init()
         self.reward_fn = reward_fn
         self.budget = EffortBudget.for_effort(cfg.effort, cfg.tau, cfg.budget_cap)
-        self.pool = tasks.generate(cfg.domain, "train", cfg.pool, cfg.task_seed)
-        self.eval_tasks = tasks.generate(cfg.domain, "test", cfg.eval_prompts, cfg.task_seed) \
+        self.pool = tasks.generate(cfg.domain, "train", cfg.pool, cfg.task_seed, cfg.level)
+        self.eval_tasks = tasks.generate(cfg.domain, "test", cfg.eval_prompts, cfg.task_seed, cfg.level) \
             if cfg.eval_prompts else []
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(
             cfg.engine_dtype or "", torch.bfloat16 if self.device.type == "cuda" else None)
@@ -371,6 +377,7 @@ class RLTrainer(Trainer):
         resumed = self.try_resume()
         if resumed and self.step >= cfg.steps:
             return finished_summary(self.run_dir, self.step)
+        self._start_clock()
         self.estimate_budgets()
         log = MetricsLog(self.run_dir, cfg.tensorboard, resume_step=self.step) if self.rank == 0 else None
         if self.rank == 0:
@@ -386,7 +393,7 @@ class RLTrainer(Trainer):
                 v = self.evaluate()
                 if v is not None:
                     log.write("val", 0, **v)
-            while self.step < end:
+            while self.step < end and not self._time_up():
                 t0 = time.perf_counter()
                 groups, rstats = self.rollout()
                 flat = [t for g in groups for t in g]
@@ -432,7 +439,8 @@ class RLTrainer(Trainer):
             if not cfg.save_every or self.step % cfg.save_every != 0:
                 self.save()
             finished = self.step >= cfg.steps
-            if finished and cfg.eval_every:
+            stopped = self.step < end   # time_limit_s: trained less, evaluated and reported all the same
+            if (finished or stopped) and cfg.eval_every:
                 v = self.evaluate()
                 if v is not None:
                     log.write("val", self.step, **v)
@@ -441,7 +449,9 @@ class RLTrainer(Trainer):
             if log is not None:
                 log.close()
         summary = {"step": self.step, "finished": finished, "resumed": resumed, **last}
-        if finished and self.rank == 0:
+        if stopped:
+            summary["stopped_early"] = "time limit"
+        if (finished or stopped) and self.rank == 0:
             summary.update(final_eval=v, checkpoint=str(latest_checkpoint(self.run_dir)),
                            plot=str(plot_rl(self.run_dir)), budgets=str(self.run_dir / "budgets.json"))
             atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -24,6 +24,7 @@ _FLAGS = {
     "--budgets": ("budgets", str, "b0 JSON of an earlier run of the chain (its budgets.json), instead of "
                                   "estimating it with --checkpoint's model"),
     "--budget-samples": ("budget_samples", int, "cold-start samples per question to estimate b0"),
+    "--level": ("level", str, "task level: easy (general only: copy a code, single-digit addition) or standard"),
     "--pool": ("pool", int, "train tasks drawn from the built-in generator"),
     "--task-seed": ("task_seed", int, "seed of the task generator"),
     "--max-turns": ("max_turns", int, "assistant turns per episode (tool round trips + the answer)"),
@@ -46,6 +47,9 @@ _FLAGS = {
     "--save-every": ("save_every", int, "checkpoint every N steps (0: only at the end)"),
     "--keep-checkpoints": ("keep_checkpoints", int, "checkpoints kept (the newest)"),
     "--stop-after": ("stop_after", int, "stop after this many steps (resume later with the same command)"),
+    "--time-limit": ("time_limit_s", float, "stop training after this many seconds, then save and evaluate"),
+    "--save-mode": ("save_mode", str, "full (checkpoints, exact resume), weights (final weights only, in "
+                                      "out/model, save dtype bf16, no optimizer state) or none"),
     "--seed": ("seed", int, "seed of the task order and sampling"),
     "--device": ("device", str, "cpu, cuda, cuda:N; default: cuda when there is a GPU"),
 }
@@ -56,7 +60,8 @@ _BOOLS = {
     "--tensorboard": ("tensorboard", "write TensorBoard event files under out/tb"),
     "--progress": ("progress", "show a progress bar"),
 }
-_CHOICES = {"optimizer": ("muon", "adamw"), "stale": ("kl", "mask"),
+_CHOICES = {"optimizer": ("muon", "adamw"), "stale": ("kl", "mask"), "level": ("easy", "standard"),
+            "save_mode": ("full", "weights", "none"),
             "engine_dtype": ("bfloat16", "float16", "float32")}
 
 

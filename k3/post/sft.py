@@ -22,9 +22,10 @@ import torch
 
 from .._atomic import atomic_write
 from ..io.chat import THINKING_EFFORTS
+from ..train.metrics import read_log
 from ..train.state import latest_step
 from ..train.trainer import Trainer, preflight
-from .config import PostTrainConfig
+from .config import PostTrainConfig, PostTrainMixin
 from .sft_data import Example, LoadStats, PackedSFT, example_options, load_examples
 
 
@@ -61,6 +62,7 @@ class SFTConfig(PostTrainConfig):
                                         "(expected a JSONL file of conversations)")
         if self.effort is not None and self.effort not in (*THINKING_EFFORTS, "none"):
             raise ValueError(f"effort={self.effort!r}: expected one of {', '.join(THINKING_EFFORTS)} or 'none'")
+        self.check_post()
         c = self.from_checkpoint(ck)
         c.stages()
         return c
@@ -78,7 +80,11 @@ def load_tokenizer(cfg: SFTConfig):
     return default_tokenizer(K3Config.from_pretrained(cfg.init_from).text_config)
 
 
-class SFTTrainer(Trainer):
+class _TimeUp(Exception):
+    """Raised at the start of a step once `time_limit_s` has passed (caught by `SFTTrainer.fit`)."""
+
+
+class SFTTrainer(PostTrainMixin, Trainer):
     """`Trainer` on packed conversations; see the module docstring."""
 
     progress_desc = "k3 sft"
@@ -95,6 +101,12 @@ class SFTTrainer(Trainer):
                                 effort=cfg.effort)
         self.train_examples, self.data_stats = train
         self.val_examples = val[0] if val else []
+        self._post_init()
+
+    def _batch(self, rows: int) -> dict:
+        if self._time_up():
+            raise _TimeUp
+        return super()._batch(rows)
 
     def _packed(self, examples, **kw) -> PackedSFT:
         return PackedSFT(examples, self.cfg.seq_len, self.tokenizer.pad_token_id, seed=self.cfg.seed,
@@ -145,7 +157,18 @@ class SFTTrainer(Trainer):
             atomic_write(self.run_dir / "sft_data.json", json.dumps(
                 {"data": self.cfg.sft_data, **self.data_stats.to_dict(), "notes": self.data_stats.notes},
                 indent=2) + "\n")
-        summary = super().fit()
+        self._start_clock()
+        try:
+            summary = super().fit()
+        except _TimeUp:   # time_limit_s: stop before this step; keep what was learned
+            self.opt.zero_grad(set_to_none=True)
+            self.save()
+            tr = [r for r in read_log(self.run_dir / "log.jsonl") if r["kind"] == "train"] if self.rank == 0 else []
+            summary = {**(tr[-1] if tr else {}), "step": self.step, "finished": False, "stopped_early": "time limit",
+                       "resumed": False}
+            summary.pop("kind", None)
+            if self.rank == 0:
+                atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["data"] = self.data_stats.to_dict()
         return summary
 

@@ -2,13 +2,16 @@
 
     from k3.post import tasks
     ts = tasks.generate("agent", "train", n=8, seed=0)     # deterministic; "test" prompts never in "train"
+    easy = tasks.generate("general", "test", 8, 0, level="easy")   # copy a code, single-digit addition
     conv = tasks.solve(ts[0])                               # scripted demo, tool calls run in a real sandbox
+    conv = tasks.solve(easy[0], effort="low")               # general: reasoning length follows the effort
     text = conv.render()                                    # k3.io.chat rendering
     tasks.verify(ts[0], conv.final_answer, sandbox=sb)      # Reward(score 0/1, detail)
     tasks.count_tokens(conv, tokenizer, "agent")            # tokens counted against the effort budget
     tasks.write_jsonl([conv], "sft.jsonl")
 
-Domains: "general" (arithmetic, unit conversions, QA over pydoc_data), "agent" (find and combine values over
+Domains: "general" (level "standard": arithmetic, unit conversions, QA over pydoc_data; level "easy": copy a
+code, single-digit addition), "agent" (find and combine values over
 files in a k3.env sandbox with ls/cat/grep/write_file, sometimes leaving an answer file), "coding" (fix or
 write a function in /work/solution.py; hidden asserts run in the sandbox). Agent and coding need the
 sandbox's process tier (`k3.env`) to solve or verify; generating them does not.
@@ -16,7 +19,7 @@ sandbox's process tier (`k3.env`) to solve or verify; generating them does not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import agent, coding, general
@@ -26,11 +29,12 @@ from .data import add_data_args, cmd_data, main_data, read_jsonl, write_jsonl
 from .sandbox_io import prepare
 from .tools import AGENT_TOOLS, CODING_TOOLS, ToolExecutor, resolve
 
-__all__ = ["AGENT_TOOLS", "CODING_TOOLS", "DOMAINS", "SPLITS", "WORKDIR", "Conversation", "Reward", "Task", "TaskError",
+__all__ = ["AGENT_TOOLS", "CODING_TOOLS", "DOMAINS", "LEVELS", "SPLITS", "WORKDIR", "Conversation", "Reward", "Task", "TaskError",
            "ToolExecutor", "add_data_args", "cmd_data", "count_tokens", "generate", "main_data", "prepare",
            "read_jsonl", "resolve", "solve", "split_of", "verify", "write_jsonl"]
 
 _MODULES = {"general": general, "agent": agent, "coding": coding}
+LEVELS = {"general": general.LEVELS, "agent": ("standard",), "coding": ("standard",)}  # per domain, easiest first
 
 
 @dataclass
@@ -40,13 +44,16 @@ class Conversation:
     tools: list[dict] | None
     task_id: str
     domain: str
+    options: dict[str, Any] = field(default_factory=dict)   # chat options, e.g. {"reasoning_effort": "low"}
 
     def to_record(self) -> dict:
-        return {"messages": self.messages, "tools": self.tools, "task_id": self.task_id, "domain": self.domain}
+        return {"messages": self.messages, "tools": self.tools, "task_id": self.task_id, "domain": self.domain,
+                **self.options}
 
     def render(self, **options: Any) -> str:
         from k3.io import chat
-        return chat.render(self.messages, tools=self.tools, add_generation_prompt=False, **options)
+        return chat.render(self.messages, tools=self.tools, add_generation_prompt=False,
+                           **{**self.options, **options})
 
     @property
     def final_answer(self) -> str:
@@ -54,9 +61,14 @@ class Conversation:
         return final_answer(self.messages)
 
 
-def generate(domain: str, split: str, n: int, seed: int) -> list[Task]:
-    """n distinct tasks of `domain` in `split`, the same for the same seed (and Python version, for QA)."""
+def generate(domain: str, split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
+    """n distinct tasks of `domain` in `split` at `level` (`LEVELS[domain]`), the same for the same seed (and
+    Python version, for QA)."""
     check_request(domain, split, n, seed)
+    if level not in LEVELS[domain]:
+        raise ValueError(f"level {level!r} is not one of {', '.join(LEVELS[domain])} (domain {domain!r})")
+    if domain == "general":
+        return general.generate(split, n, seed, level)
     return _MODULES[domain].generate(split, n, seed)
 
 
@@ -79,9 +91,16 @@ def verify(task: Task, response: str, sandbox=None, manager=None, timeout: float
     return mod.verify(task, response, sandbox, manager, timeout)
 
 
-def solve(task: Task, sandbox=None, manager=None) -> Conversation:
+def solve(task: Task, sandbox=None, manager=None, effort: str | None = None) -> Conversation:
     """The scripted, correct demonstration of `task`. Agent/coding tool calls run for real on `sandbox` (it
-    must hold the task's files: see `prepare`) or on a fresh sandbox from `manager` that is killed after."""
+    must hold the task's files: see `prepare`) or on a fresh sandbox from `manager` that is killed after.
+    `effort` (low / high / max): rendered as the conversation's reasoning effort; a general task's
+    reasoning is as long as that effort asks (`general.reasoning`). None: the chat default, high-length."""
     mod = _module(task)
-    msgs = mod.solve(task) if task.domain == "general" else mod.solve(task, sandbox, manager)
-    return Conversation(msgs, task.tools, task.id, task.domain)
+    if effort is not None:
+        from k3.io.chat import THINKING_EFFORTS
+        if effort not in THINKING_EFFORTS:
+            raise ValueError(f"effort {effort!r} is not one of {', '.join(THINKING_EFFORTS)}")
+    msgs = mod.solve(task, effort) if task.domain == "general" else mod.solve(task, sandbox, manager)
+    return Conversation(msgs, task.tools, task.id, task.domain,
+                        {"reasoning_effort": effort} if effort is not None else {})

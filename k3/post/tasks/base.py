@@ -89,11 +89,12 @@ def check_request(domain: str, split: str, n: int, seed: int) -> None:
 
 def collect(domain: str, split: str, n: int, seed: int,
             draw: Callable[[random.Random], tuple[str, list[dict], dict, dict] | None],
-            tools: list[dict] | None = None, max_tries_per_task: int = 200) -> list[Task]:
+            tools: list[dict] | None = None, max_tries_per_task: int = 200, stream: str = "") -> list[Task]:
     """n distinct tasks of `split`: candidates from `draw(rng)` -> (kind, messages, hidden, files) (or None
-    to skip), kept when their prompt hashes into `split`; the stream is seeded by (domain, seed) only, so the
-    same seed gives the same tasks. ValueError when the generator cannot supply n distinct tasks."""
-    rng = random.Random(f"k3-post-tasks/{domain}/{seed}")
+    to skip), kept when their prompt hashes into `split`; the stream is seeded by (domain, seed, `stream`:
+    a generator's own name, e.g. a level) only, so the same seed gives the same tasks. ValueError when the
+    generator cannot supply n distinct tasks."""
+    rng = random.Random(f"k3-post-tasks/{domain}/{seed}" + (f"/{stream}" if stream else ""))
     out: list[Task] = []
     seen: set[str] = set()
     tries = 0
@@ -133,6 +134,11 @@ def extract_answer(response: str) -> str:
     """The final answer of a response: the text after the last `Answer:` line, else the whole response."""
     hits = _ANSWER_LINE.findall(response or "")
     return hits[-1] if hits else (response or "")
+
+
+def has_answer_line(response: str) -> bool:
+    """Whether a response follows the answer format (an `Answer: <value>` line with a value), right or wrong."""
+    return any(v.strip() for v in _ANSWER_LINE.findall(response or ""))
 
 
 def normalise(text: str) -> str:

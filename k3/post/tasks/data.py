@@ -84,6 +84,11 @@ def add_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", choices=SPLITS)
     p.add_argument("-n", type=_positive_int, required=True, help="tasks per domain")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--level", default="standard", choices=("easy", "standard"),
+                   help="task level (easy: general only, copy a code and single-digit addition)")
+    p.add_argument("--effort", default=None, choices=("low", "high", "max"),
+                   help="reasoning effort the solutions are written and rendered at (general: low keeps the last "
+                        "step, max adds a check); default: the chat default, high-length reasoning")
     p.add_argument("--out", required=True, help="output .jsonl")
     p.add_argument("--sandbox-dir", default=None,
                    help="state dir of the sandboxes that solve agent/coding tasks (default: k3.env's default manager)")
@@ -95,7 +100,10 @@ def add_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def cmd_data(args: argparse.Namespace) -> int:
     from . import generate, solve
     domains = list(DOMAINS) if args.domain == "all" else [args.domain]
-    tasks = [t for d in domains for t in generate(d, args.split, args.n, args.seed)]
+    level = getattr(args, "level", "standard")
+    if level != "standard" and args.domain != "general":
+        raise ValueError(f"level {level!r} exists for the general domain only, not {args.domain!r}")
+    tasks = [t for d in domains for t in generate(d, args.split, args.n, args.seed, level)]
     try:
         from tqdm import tqdm
         it = tqdm(tasks, desc=f"k3 post data {args.domain}/{args.split}",
@@ -107,7 +115,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         from k3.env import SandboxManager
         manager = SandboxManager(args.sandbox_dir)
     try:
-        n = write_jsonl(tasks if args.prompts else (solve(t, manager=manager) for t in it), args.out)
+        effort = getattr(args, "effort", None)
+        n = write_jsonl(tasks if args.prompts else (solve(t, manager=manager, effort=effort) for t in it), args.out)
     finally:
         if manager is not None:
             manager.shutdown()

@@ -1,9 +1,14 @@
-"""General tasks: multi-step integer arithmetic, exact unit conversions, factual QA over `pydoc_data.topics`.
+"""General tasks at two levels, every answer exact and checked after normalisation (`base.answer_matches`).
 
-Every answer is exact and checked after normalisation (`base.answer_matches`). The QA pool comes from the
-running Python's `pydoc_data` (its text changes between Python versions, so QA tasks are deterministic per
-seed *and* Python version; the expected answer travels with the task). The scripted solver writes the
-intermediate steps as its reasoning and ends its response with `Answer: <value>`.
+- "standard": multi-step integer arithmetic, exact unit conversions, factual QA over `pydoc_data.topics`;
+- "easy": copy a code back (2–4 digits) and single-digit addition: what a model of a few million
+  parameters can learn in CPU minutes, so that learning is measurable on held-out prompts.
+
+The QA pool comes from the running Python's `pydoc_data` (its text changes between Python versions, so QA
+tasks are deterministic per seed *and* Python version; the expected answer travels with the task). The
+scripted solver writes the intermediate steps as its reasoning and ends its response with `Answer: <value>`;
+how much it writes depends on the reasoning effort (`reasoning`): low keeps only the last step, high all
+steps, max adds a check, so a cold start teaches the lengths that the effort budgets then hold.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from functools import lru_cache
 from .base import Reward, Task, answer_matches, collect, format_number
 
 SYSTEM = "You are a careful assistant. Think step by step, then end your reply with a line 'Answer: <value>'."
+SYSTEM_EASY = "End your reply with a line 'Answer: <value>'."
+LEVELS = ("easy", "standard")
 
 # --------------------------------------------------------------------------------------------- arithmetic
 _PREC = {"+": 1, "-": 1, "*": 2}
@@ -156,6 +163,19 @@ def _qa(rng: random.Random):
     return ("qa", q, {"answers": [a], "steps": [why]})
 
 
+# --------------------------------------------------------------------------------------------- easy
+def _copy(rng: random.Random):
+    v = str(rng.randint(10, 9999))
+    return ("copy", f"Repeat this code: {v}.", {"answers": [v], "steps": [f"The code is {v}."], "short": v,
+                                               "check": f"Digit by digit: {' '.join(v)}. It matches."})
+
+
+def _add(rng: random.Random):
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return ("add", f"What is {a} + {b}?", {"answers": [str(a + b)], "steps": [f"{a} + {b} = {a + b}"], "short": str(a + b),
+                                           "check": f"Check: {a + b} - {b} = {a}."})
+
+
 def _draw(rng: random.Random):
     got = rng.choice((_arithmetic, _units, _qa))(rng)
     if got is None:
@@ -164,7 +184,16 @@ def _draw(rng: random.Random):
     return kind, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}], hidden, {}
 
 
-def generate(split: str, n: int, seed: int) -> list[Task]:
+def _draw_easy(rng: random.Random):
+    kind, prompt, hidden = rng.choice((_copy, _add))(rng)
+    return kind, [{"role": "system", "content": SYSTEM_EASY}, {"role": "user", "content": prompt}], hidden, {}
+
+
+def generate(split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
+    if level not in LEVELS:
+        raise ValueError(f"general: level {level!r} is not one of {', '.join(LEVELS)}")
+    if level == "easy":
+        return collect("general", split, n, seed, _draw_easy, stream="easy")
     return collect("general", split, n, seed, _draw)
 
 
@@ -173,8 +202,18 @@ def verify(task: Task, response: str) -> Reward:
     return Reward(1.0 if ok else 0.0, f"answer {got!r}" + ("" if ok else f", expected {task.hidden['answers'][0]!r}"))
 
 
-def solve(task: Task) -> list[dict]:
-    """The prompt plus one assistant message: the steps as reasoning, `Answer: <value>` as response."""
-    steps = task.hidden["steps"]
-    return [*task.messages, {"role": "assistant", "reasoning_content": "\n".join(steps),
+def reasoning(task: Task, effort: str | None = None) -> str:
+    """The scripted reasoning of `task` at `effort`: "low" the last step only (an easy task: the bare value),
+    "high" (or None) every step, "max" every step plus a check line."""
+    steps = list(task.hidden["steps"])
+    if effort == "low":
+        steps = [task.hidden["short"]] if "short" in task.hidden else steps[-1:]
+    elif effort == "max":
+        steps.append(task.hidden.get("check") or f"Check: the last step gives {task.hidden['answers'][0]}.")
+    return "\n".join(steps)
+
+
+def solve(task: Task, effort: str | None = None) -> list[dict]:
+    """The prompt plus one assistant message: the reasoning at `effort`, `Answer: <value>` as response."""
+    return [*task.messages, {"role": "assistant", "reasoning_content": reasoning(task, effort),
                              "content": f"Answer: {task.hidden['answers'][0]}"}]
