@@ -167,7 +167,8 @@ def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
 def test_cuda_graph_replay_equals_eager():
     """A bf16 engine (the graphs need the MoE's sync-free grouped path): sequences of several lengths are
     prefilled, then each decode step's graph is replayed and also run eagerly on the same inputs and pool
-    (restored in between): logits and every pool byte bitwise equal. Several batch and history buckets."""
+    (restored in between): logits and every pool byte bitwise equal (but the scratch pages' garbage). Several
+    batch and history buckets."""
     from k3.serve import Engine, EngineConfig, SamplingParams
     from k3.serve.runner import SeqInput
 
@@ -194,7 +195,11 @@ def test_cuda_graph_replay_equals_eager():
         replayed = g(inputs, eng.runner.scratch).clone()
         torch.cuda.synchronize()
         assert torch.equal(eager, replayed) and torch.isfinite(replayed).all()
-        assert torch.equal(after_eager, eng.pool.storage)
+        # every page but the runner's scratch pages, which the padded entries all write at once (garbage)
+        keep = [p for p in range(eng.pool.num_pages) if p not in eng.runner.reserved_pages]
+        diff = [p for p in keep if not torch.equal(after_eager[p], eng.pool.storage[p])]
+        assert not diff, (f"pages {diff[:8]} differ (scratch {eng.runner.reserved_pages}; sequences' state pages "
+                          f"{[s.state_page for s in seqs]}, MLA pages {[s.mla_pages for s in seqs]})")
         checked.add((g.batch, g.history))
     assert len(checked) >= 3
     for r in rids:

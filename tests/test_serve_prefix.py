@@ -241,20 +241,17 @@ def test_identical_prompts_wait_for_the_first_ones_checkpoint(model):
         check_exact(model, eng, p, o)
 
 
-def test_checkpoints_inside_a_chunk_are_stored_without_cutting_it(model, monkeypatch):
-    """A wanted KDA checkpoint a multiple of 16 tokens into a prefill chunk is written by the forward itself
-    (`states_at`): one forward instead of two. Its slot holds what a forward cut at that position leaves (fp32
-    state and conv window, against the old cut path), and a later request restores it exactly."""
-    import k3.serve.scheduler as sched
-
+def test_checkpoints_inside_a_chunk_are_stored_without_cutting_it(model):
+    """`checkpoints_in_chunks`: a wanted KDA checkpoint a multiple of 16 tokens into a prefill chunk is written
+    by the forward itself (`states_at`): one forward instead of two. Its slot holds what a forward cut at that
+    position leaves (fp32 state and conv window, against the default cut path), and a later request restores
+    it exactly."""
     rng = random.Random(8)
     p = rand_tokens(rng, 35)  # wanted checkpoints: {(35-1)//4·4, 35//4·4} = {32}, 32 = 2·16 tokens in
     key = None
     slot = {}
     for cut in (False, True):
-        if cut:  # the old behaviour: every checkpoint position ends a chunk
-            monkeypatch.setattr(sched, "STATES_AT_MULTIPLE", 10 ** 9)
-        eng = engine(model)
+        eng = engine(model, checkpoints_in_chunks=not cut)  # cut: every checkpoint position ends a chunk
         eng.generate([p], SamplingParams(max_tokens=1, temperature=0))
         assert eng.num_steps == (2 if cut else 1)
         hashes = []

@@ -36,12 +36,14 @@ class Work:
 
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache | None, hash_block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, checkpoint_interval: int = 0, affinity_window: int = 16):
+                 max_num_batched_tokens: int, checkpoint_interval: int = 0, affinity_window: int = 16,
+                 checkpoints_in_chunks: bool = False):
         self.pool, self.cache = pool, cache
         self.B = pool.layout.block_size
         self.h = hash_block_size
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.interval, self.window = checkpoint_interval, affinity_window
+        self.in_chunk = checkpoints_in_chunks  # see EngineConfig.checkpoints_in_chunks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._head_skips = 0
@@ -238,11 +240,13 @@ class Scheduler:
         self.waiting.extend(out)
 
     def _chunk_end(self, seq: Sequence, budget: int) -> int:
-        """Where seq's next chunk ends: the prompt end, the budget, or a wanted checkpoint position that the
-        forward cannot store from inside the chunk (not a multiple of `STATES_AT_MULTIPLE` tokens into it)."""
+        """Where seq's next chunk ends: the prompt end, the budget, or a wanted checkpoint position (with
+        `checkpoints_in_chunks`, only one the forward cannot store from inside the chunk: not a multiple of
+        `STATES_AT_MULTIPLE` tokens into it)."""
         end = min(seq.num_tokens, seq.num_computed + budget)
         for x in seq.ckpt_positions:
-            if x > seq.num_computed and (x >= end or (x - seq.num_computed) % STATES_AT_MULTIPLE):
+            inside = self.in_chunk and x < end and (x - seq.num_computed) % STATES_AT_MULTIPLE == 0
+            if x > seq.num_computed and not inside:
                 return min(end, x)
         return end
 
@@ -251,7 +255,7 @@ class Scheduler:
         (the forward writes the KDA state there; `after_forward` registers it). A checkpoint is skipped when
         the cache already has it or no page is free."""
         w = Work(seq, seq.num_computed, end - seq.num_computed, end == seq.num_tokens)
-        if self.cache is None or not seq.cacheable:
+        if self.cache is None or not seq.cacheable or not self.in_chunk:
             return w
         for x in seq.ckpt_positions:
             if seq.num_computed < x < end and x // self.h <= len(seq.hashes) \
