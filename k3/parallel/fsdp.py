@@ -38,6 +38,9 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,
     def shard(m, group_mesh):
         fully_shard(m, mesh=group_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         m.set_gradient_divide_factor(factor)
+        if group_mesh.device_type == "cpu" and 1 < group_mesh.size() != factor:
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM: sum, then divide by the factor
+            # (not on a 1-rank group: torch then divides there AND after, i.e. twice)
 
     for m in model.modules():
         if isinstance(m, LatentMoE):
@@ -51,7 +54,19 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,
             shard(m, mesh.fsdp)
             register_fsdp_forward_method(m, "forward_mtp" if isinstance(m, MTPLayer) else "forward_attn_res")
     shard(model, mesh.fsdp)
+    if hasattr(model, "generate"):  # it embeds the prompt (model.embed) outside forward: root unsharded
+        model.generate = types.MethodType(_generate_unsharded, model)
     return model
+
+
+def _generate_unsharded(self, *args, **kwargs):
+    """`generate` of an FSDP2 root: its own parameters (embedding, head, output AttnRes) all-gathered for
+    the whole generation (the decoder layers gather theirs per call), then sharded again."""
+    self.unshard()
+    try:
+        return type(self).generate(self, *args, **kwargs)
+    finally:
+        self.reshard()
 
 
 def _run_experts(self, ep, x, topk_idx, topk_weight, num_experts, beta, linear_beta):
@@ -82,3 +97,30 @@ class ShardedExperts:
 
     def __call__(self, x, topk_idx, topk_weight, w1, w2, w3, num_experts, beta=4.0, linear_beta=25.0):
         return self.experts.run_experts(self.ep, x, topk_idx, topk_weight, num_experts, beta, linear_beta)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
+    """Global-norm gradient clipping for a model under FSDP2 (+ MoonEP, + pipeline stages): each rank sums
+    the squares of its local gradient shards (fp64), one all_reduce over `group` (default: the world) adds
+    them, every gradient is scaled by min(1, max_norm / (norm + 1e-6)). Exact when every gradient element
+    lives on exactly one rank of `group`: FSDP2 shards (non-experts over dp_shard·cp·ep, a rank's home
+    experts over dp_shard·cp — the ep ranks hold different experts) and different pipeline stages do; a
+    replicated plain gradient would be counted once per rank. Without a process group this is
+    `torch.nn.utils.clip_grad_norm_`'s arithmetic. Returns the norm (fp32, identical on every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    dev = local[0].device if local else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for g in local:
+        sq += g.double().square().sum()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in local:
+        g.mul_(coef.to(g.dtype))
+    return total.float()

@@ -52,7 +52,12 @@ class TrainConfig:
     balance_gamma: float = 1e-3  # sign rule step size
     mtp_weight: float = 0.1
     gradient_checkpointing: bool = False
-    expert_parallel: bool = False  # under torchrun: MoonEP over all ranks (data parallel for the rest)
+    expert_parallel: bool = False  # under torchrun: a synonym of ep = WORLD (MoonEP over all ranks)
+    # layout under torchrun (k3.parallel.mesh): world = pp·dp_shard·cp·ep
+    dp_shard: int | None = None  # FSDP2 data-parallel degree (None: world / (ep·cp·pp))
+    ep: int = 1  # MoonEP expert-parallel degree
+    cp: int = 1  # context-parallel degree
+    pp: int = 1  # pipeline stages
     # runtime
     device: str | None = None
     seed: int = 0
@@ -101,6 +106,12 @@ class TrainConfig:
                   "mtp_weight"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n}={getattr(self, n)}: expected ≥ 0")
+        for n in ("ep", "cp", "pp"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{n}={v!r}: expected an integer >= 1")
+        if self.dp_shard is not None and (not isinstance(self.dp_shard, int) or self.dp_shard < 1):
+            raise ValueError(f"dp_shard={self.dp_shard!r}: expected an integer >= 1 (or empty: world / (ep·cp·pp))")
         if self.stop_after is not None and self.stop_after <= 0:
             raise ValueError(f"stop_after={self.stop_after}: expected a positive step count")
         self.stages()  # parses the curriculum
@@ -133,6 +144,28 @@ class TrainConfig:
             stages.append(Stage(start, L, max(1, self.tokens_per_step // L)))
             start += round(frac * self.steps) if i < len(parts) - 1 else 0
         return [s for i, s in enumerate(stages) if i == len(stages) - 1 or s.start < stages[i + 1].start]
+
+    def layout(self, world: int):
+        """The `ParallelDims` of this run on `world` ranks: `expert_parallel` means ep = world; dp_shard
+        defaults to world / (ep·cp·pp). Raises ValueError naming the values that do not fit."""
+        from ..parallel.mesh import ParallelDims
+        ep = self.ep
+        if self.expert_parallel:
+            if world < 2:
+                raise ValueError("expert_parallel needs several ranks: launch with torchrun --nproc_per_node=N")
+            if ep not in (1, world):
+                raise ValueError(f"expert_parallel (= ep {world}, the world size) conflicts with ep={ep}")
+            ep = world
+        rest = ep * self.cp * self.pp
+        if self.dp_shard is None and world % rest:
+            raise ValueError(f"ep·cp·pp = {ep}·{self.cp}·{self.pp} = {rest} must divide the world size {world} "
+                             f"(dp_shard = world / (ep·cp·pp))")
+        dims = ParallelDims(pp=self.pp, dp_shard=self.dp_shard or world // rest, cp=self.cp, ep=ep)
+        if dims.world_size != world:
+            raise ValueError(f"pp·dp_shard·cp·ep = {dims.pp}·{dims.dp_shard}·{dims.cp}·{dims.ep} = {dims.world_size} "
+                             f"must equal the world size {world}" + (
+                                 "; launch with torchrun --nproc_per_node=N" if world == 1 else ""))
+        return dims
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -274,11 +274,72 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for g in self.param_groups:
-            if self.impl == "loop":
+            if any(_is_dtensor(p) for p in g["params"]):
+                (self._muon_dtensor if g["kind"] == "muon" else self._adamw_dtensor)(g)
+            elif self.impl == "loop":
                 (self._muon_loop if g["kind"] == "muon" else self._adamw_loop)(g)
             else:
                 (self._muon if g["kind"] == "muon" else self._adamw)(g)
         return loss
+
+    # ---- FSDP2 (DTensor) parameters ------------------------------------------------------------------------
+    def _adamw_dtensor(self, g: dict) -> None:
+        """AdamW is elementwise: run the group's usual path on the local shards (views: the updates land in
+        the DTensors), keeping the moments as DTensors laid out like their parameters (for DCP)."""
+        from torch.distributed.tensor import DTensor
+        pairs = []
+        for p in g["params"]:
+            if p.grad is None:
+                continue
+            lp = _local(p)
+            lp.grad = _local(p.grad)
+            self.state[lp] = {k: _local(v) for k, v in self.state[p].items()} if p in self.state else {}
+            pairs.append((p, lp))
+        try:
+            (self._adamw_loop if self.impl == "loop" else self._adamw)({**g, "params": [lp for _, lp in pairs]})
+        finally:
+            for p, lp in pairs:
+                st = self.state.pop(lp)
+                lp.grad = None
+                for k, v in st.items():
+                    if k not in self.state[p]:
+                        self.state[p][k] = (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                                               stride=p.stride(), run_check=False)
+                                            if _is_dtensor(p) and v.shape == lp.shape and v.dim() > 0 else v)
+
+    def _muon_dtensor(self, g: dict) -> None:
+        """Muon on FSDP2-sharded parameters, one parameter at a time: momentum on the local shard; Newton–Schulz
+        on the full matrix — the update `u` is all-gathered (`full_tensor`), orthogonalised, and this rank's rows
+        of the result applied — except for stacked experts [E, out, in], sharded by expert (dim 0), whose local
+        shard already holds whole matrices. Exact (the same arithmetic as one process); the cost: one all-gather
+        of every 2-D update per step (the bytes of an FSDP parameter all-gather) and every rank orthogonalises
+        every full matrix (redundant compute)."""
+        mu, lr, wd = g["momentum"], g["lr"], g["weight_decay"]
+        for p in g["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p)
+            buf, grad = _local(st["momentum_buffer"]), _local(p.grad)
+            buf.mul_(mu).add_(grad)
+            u = grad.add(buf, alpha=mu) if g["nesterov"] else buf
+            blocks = muon_blocks(p.shape, g["head_rows"])
+            ns_dtype = self._ns_dtype(g, u.device)
+            whole = p.dim() == 3 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0)
+                                         for pl in getattr(p, "placements", ()))
+            if not _is_dtensor(p) or whole:  # whole matrices here: stacked experts sharded by expert
+                o = newton_schulz(u.reshape(-1, *blocks[1:]), g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype)
+                o = o.reshape(u.shape)
+            else:
+                from torch.distributed.tensor import DTensor
+                full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                          run_check=False).full_tensor()
+                o = newton_schulz(full.reshape(blocks), g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype)
+                o = _local_rows(o.reshape(p.shape), p)
+            lp = _local(p)
+            lp.mul_(1 - lr * wd)
+            lp.add_(o.to(lp.dtype), alpha=-lr * g["rms_scale"] * math.sqrt(max(blocks[1:])))
 
     # ---- which path --------------------------------------------------------------------------------------
     def _fused_ok(self, device: torch.device, tensors: list[torch.Tensor], n_written: int | None = None) -> bool:
@@ -468,6 +529,23 @@ class MuonAdamW(torch.optim.Optimizer):
         tab = _to_device(torch.tensor(ptrs + [list(numels)], dtype=torch.int64), device)
         kernel[(n_chunks,)](tab, len(numels), chunks, n_chunks, *args, ALIGNED=aligned, BLOCK=block, ITERS=iters,
                             **constexprs)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: in-place updates land in it), or t itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _local_rows(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's shard of `full` (laid out as the DTensor `like`): a local chunk, no communication."""
+    from torch.distributed.tensor import DTensor, Replicate
+    rep = DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+    return rep.redistribute(like.device_mesh, like.placements).to_local()
 
 
 def _numel_chunks(ts: list[torch.Tensor], cap: int) -> list[list[int]]:

@@ -31,7 +31,8 @@ class QKClip:
 
     def __init__(self, model: nn.Module, tau: float = 100.0, group: "dist.ProcessGroup | None" = None):
         """group: the data-parallel ranks whose maxima are combined (one all_reduce MAX per step, so every
-        replica clips identically); default the world group when torch.distributed is initialised."""
+        replica clips identically); default the world group when torch.distributed is initialised. Under
+        pipeline parallelism `model` is a stage and `group` the ranks holding that stage (`mesh.fsdp`)."""
         if not tau > 0:
             raise ValueError(f"tau={tau}: expected > 0")
         self.tau, self.group = float(tau), group
@@ -59,7 +60,8 @@ class QKClip:
         Device-side: the scale factors of all layers are computed at once and applied unconditionally (γ = 1
         leaves a weight bit-identical), so nothing is read back per layer; the two statistics come back in one
         read (sync=True), or stay 0-dim device tensors (sync=False: no host sync at all)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        # (a pipeline stage without MLA layers has nothing to reduce, and neither have its peers)
+        if self.layers and dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             self._all_reduce_max()
         names = [n for n in self.layers if n in self.running]
         self_running, self.running = self.running, {}
@@ -89,7 +91,7 @@ class QKClip:
     def _step_reference(self) -> dict[str, float]:
         """`step` as first written: per layer, read the max and the clip decision back to the host
         (2–3 host syncs per MLA layer), `clip_heads` on layers with a head over τ."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        if self.layers and dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             self._all_reduce_max()
         overall, clipped = None, 0
         for name, mx in self.running.items():
@@ -166,5 +168,20 @@ def _scale_heads(layers: list[MLAttention], gamma: torch.Tensor) -> None:
     fk = torch.cat([sq[:, :, None].expand(L, H, nope), torch.ones_like(g)[:, :, None].expand(L, H, vdim)], dim=-1)
     for i, attn in enumerate(layers):
         q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
-        q.weight.view(H, nope + rope, -1).mul_(fq[i, :, :, None])
-        attn.kv_b_proj.weight.view(H, nope + vdim, -1).mul_(fk[i, :, :, None])
+        _scale_rows_(q.weight, fq[i].reshape(-1))
+        _scale_rows_(attn.kv_b_proj.weight, fk[i].reshape(-1))
+
+
+def _scale_rows_(w: torch.Tensor, factor: torch.Tensor) -> None:
+    """w[r, :] *= factor[r] in place. An FSDP2 weight (a DTensor sharded on rows) scales its local rows with
+    their slice of `factor`: no communication, the same products as the full matrix."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(w, DTensor):
+        w.mul_(factor.to(w.device)[:, None])
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if any(pl.is_shard() and pl.dim != 0 for pl in w.placements):
+        raise ValueError(f"QK-clip: weight placements {w.placements}: expected row (dim 0) sharding or replication")
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    loc = w.to_local()
+    loc.mul_(factor.to(loc.device)[offset[0]:offset[0] + shape[0], None])

@@ -1,6 +1,8 @@
 """Training checkpoints: `run/checkpoints/step_NNNNNNN/` = the model in the release's HF layout (loadable by
 `from_pretrained` and `k3 generate`), the tokenizer, and `trainer_state.pt` (optimizer, schedule, QK-clip,
-balancing, data position, RNG states; ranks > 0 of a distributed run add `trainer_state.rank{r}.pt`).
+balancing, data position, RNG states; ranks > 0 of a distributed run add `trainer_state.rank{r}.pt`, and a
+distributed run writes its weights and optimizer state to `dcp/` with `torch.distributed.checkpoint`, so that
+it resumes at another layout).
 `run/latest` names the newest complete one.
 
 Atomic and kill-safe: rank 0 stages the model (`stage_checkpoint`), every rank writes its state (`write_state`),
@@ -28,6 +30,7 @@ import torch
 from .._atomic import atomic_write, replace_dir
 
 STATE_FILE = "trainer_state.pt"
+DCP_DIR = "dcp"  # distributed runs: weights + optimizer state, `torch.distributed.checkpoint` (any layout)
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step_(\d{7,})\Z")
 

@@ -9,6 +9,27 @@ keeping the tokens per step. bf16 autocast on GPU, fp32 on CPU.
 Resume is exact: a checkpoint holds the weights, optimizer, schedule, QK-clip and balancing state, the
 data position and every RNG, so stopping at step N and resuming reproduces an uninterrupted run (bitwise on
 CPU). A non-finite loss stops the run, naming the step, and keeps the last good checkpoint.
+
+Under torchrun the run has a layout (`--dp-shard/--ep/--cp/--pp`, `TrainConfig.layout`) and a `DeviceMesh`
+(`k3.parallel.mesh`): MoonEP over `ep`, then FSDP2 over `fsdp` (bf16 parameters / fp32 reduction on GPU).
+Data is layout-independent: every rank reads the same global stream of rows, cut into micro-batches of
+`batch_size` rows; at step s, accumulation a, batch rank i (of P = dp_shard·ep; the cp ranks of a group share
+a coordinate and split the rows) takes global micro-batch number s·G + a·P + i with G = P·grad_accum, and the
+step minimises the mean of the G micro-batch losses. So a run is defined by (batch_size, G): a layout with
+P·grad_accum = G gives the same steps (to rounding) as one process with grad_accum = G, and a checkpoint
+(`torch.distributed.checkpoint`: weights + optimizer; the global data position; schedule, RNG) resumes at any
+layout with the same G. The price: every rank tokenises and packs the whole stream (P× the data work).
+
+Pipeline parallelism (`--pp P`, `k3.parallel.pipeline`): each rank keeps the stage of its pp coordinate
+(`split_stage`, before MoonEP / context parallelism / FSDP2, which apply to the stage), and the optimizer,
+QK-clip and balancing cover the stage's parameters (their reductions run over the stage's ranks, `mesh.fsdp`).
+A step is one `PipelineStep` with grad_accum micro-batches: batch rank i reads the same micro-batches
+s·G + a·P + i (a < grad_accum) as without pp, and the pp ranks of a batch coordinate all read them, so a pp
+layout trains the batches of one process with grad_accum = G. The clip norm is global (every stage), the loss
+comes from the last stage (broadcast); validation runs the stages in turn (`PipelineStep.forward_loss`), the
+same value as one process; sampling is skipped (one log line). Checkpoints: each stage saves its own keys
+(the checkpoint's names) to `dcp/`, resumable at any layout with the same G; the HF export gathers every
+stage's tensors on rank 0.
 """
 
 from __future__ import annotations
@@ -27,8 +48,8 @@ import torch.distributed as dist
 from .._atomic import atomic_write
 from .config import TrainConfig
 from .metrics import MetricsLog, plot_run, read_log
-from .state import (clean_staging, commit_checkpoint, latest_checkpoint, latest_step, load_state, rng_state,
-                    set_rng_state, stage_checkpoint, staging_dir, state_file, write_state)
+from .state import (DCP_DIR, STATE_FILE, clean_staging, commit_checkpoint, latest_checkpoint, latest_step,
+                    load_state, rng_state, set_rng_state, stage_checkpoint, staging_dir, state_file, write_state)
 
 
 class TrainingDiverged(RuntimeError):
@@ -81,24 +102,25 @@ class Trainer:
             mcfg.vision_config = None  # text pre-training
             self.model = K3ForConditionalGeneration(mcfg)
         self.model.to(self.device).train()
+        self.model_config = self.model.config  # under pp self.model becomes this rank's stage
+        self.text_config = self.model_config.text_config
+        self.num_params = self.model.num_parameters()
+        if cfg.gradient_checkpointing:  # before any pipeline split: the stages copy the setting
+            self.model.gradient_checkpointing_enable()
+        self.dims = cfg.layout(self.world)  # a bad layout fails here, naming its values
         if self.rank == 0:
             clean_staging(self.run_dir)
         self._barrier()
         self.resume_from = latest_checkpoint(self.run_dir) if cfg.resume else None
-        if self.resume_from is not None:  # weights first: before expert sharding and the optimizer
-            from ..model.state_dict import load_pretrained
+        if self.resume_from is not None and not (self.resume_from / DCP_DIR).is_dir():
+            from ..model.state_dict import load_pretrained  # weights first: before sharding and the optimizer
             with torch.no_grad():
                 self.model.load_state_dict(load_pretrained(
                     self.resume_from, dtype=next(self.model.parameters()).dtype).state_dict())
-        self.expert_parallel = cfg.expert_parallel
-        if cfg.expert_parallel:
-            if self.world < 2:
-                raise ValueError("expert_parallel needs several ranks: launch with torchrun --nproc_per_node=N")
-            from ..parallel.moonep import enable_expert_parallel
-            enable_expert_parallel(self.model, group=None)
-        if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.text_config = self.model.config.text_config
+        self.mesh = self.pipe = None
+        self.batch_rank, self.batch_world, self.cp_rank = 0, 1, 0
+        if self.world > 1:
+            self._parallelize()
         self.tokenizer = (K3Tokenizer.from_pretrained(cfg.tokenizer) if cfg.tokenizer
                           else default_tokenizer(self.text_config))
         if self.tokenizer.vocab_size > self.text_config.vocab_size:
@@ -112,18 +134,58 @@ class Trainer:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                          weight_decay=cfg.weight_decay)
         self.sched = build_scheduler(self.opt, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
-        self.qkclip = QKClip(self.model, cfg.qk_clip_tau) if cfg.qk_clip_tau > 0 else None
+        # QK-clip maxima and QB loads over every rank that holds these layers (all tokens of the step once)
+        group = self.mesh.fsdp.get_group() if self.mesh is not None else None
+        self.qkclip = QKClip(self.model, cfg.qk_clip_tau, group=group) if cfg.qk_clip_tau > 0 else None
         self.balance = None
         if cfg.balance != "none":
             self.balance = BalanceController(self.model, method="sign" if cfg.balance == "sign" else "qb",
                                              gamma=cfg.balance_gamma, exact=cfg.balance == "qb-exact",
-                                             group=dist.group.WORLD if self.world > 1 else None)
+                                             group=group)
         self.stages = cfg.stages()
         self.step = 0
         self.stage_idx = -1
         self.data = None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
+        if self.global_stream is None:  # a subclass with its own data (_enter_stage) shards it by rank itself
+            self.global_stream = type(self)._enter_stage is Trainer._enter_stage
+
+    global_stream: bool | None = None  # every rank reads the one global stream (see the module docstring)
+
+    def _parallelize(self) -> None:
+        """Build the mesh of `self.dims` and apply it: under pp, keep this rank's pipeline stage
+        (`self.model` becomes the stage, `self.pipe` its `PipelineStep`); MoonEP over `ep`, context
+        parallelism over `cp`, then FSDP2 over `fsdp` when it has more than one rank (bf16 parameters / fp32
+        gradient reduction on GPU, the parameters' dtype on CPU)."""
+        from ..parallel.fsdp import apply_fsdp
+        from ..parallel.mesh import build_mesh
+        dims, tc = self.dims, self.text_config
+        if dims.pp > 1 and type(self)._enter_stage is not Trainer._enter_stage:
+            raise ValueError(f"pp={dims.pp}: pipeline stages run in k3 train (pre-training) only, not in "
+                             f"{self.progress_desc}; use dp_shard, ep and cp")
+        self.mesh = build_mesh(dims, self.device.type, tc, self.cfg.seq_len)
+        self.batch_rank, self.batch_world = self.mesh.batch.get_local_rank(), dims.batch_parallel
+        self.cp_rank = self.mesh.cp.get_local_rank()
+        if dims.pp > 1:
+            from ..parallel.pipeline import split_stage
+            self.model = split_stage(self.model, self.mesh.pp.get_local_rank(), dims.pp, self.cfg.mtp_weight)
+        if dims.ep > 1:
+            from ..parallel.moonep import enable_expert_parallel
+            enable_expert_parallel(self.model, self.mesh.ep.get_group())
+        if dims.cp > 1:
+            from ..parallel.cp import enable_context_parallel
+            enable_context_parallel(self.model, self.mesh.cp.get_group())
+        if dims.fsdp > 1:
+            cuda = self.device.type == "cuda"
+            apply_fsdp(self.model, self.mesh, param_dtype=torch.bfloat16 if cuda else None,
+                       reduce_dtype=torch.float32 if cuda else None)
+        if dims.pp > 1:  # micro-batches = grad_accum (see the module docstring); 1F1B needs at least pp of them
+            from ..parallel.pipeline import PipelineStep
+            n = self.cfg.grad_accum
+            self.pipe = PipelineStep(self.model, self.mesh.pp.get_group(), n, mtp_weight=self.cfg.mtp_weight,
+                                     schedule="1f1b" if n >= dims.pp else "gpipe", device=self.device,
+                                     state_dtype=torch.bfloat16 if self.device.type == "cuda" else None)
 
     # ---- data --------------------------------------------------------------------------------------
     def _docs(self, split: str):
@@ -140,8 +202,7 @@ class Trainer:
         synthetic long-context task."""
         from ..data.packing import Mixture, PackedDataset
         stage = self.stages[idx]
-        packed = PackedDataset(self._docs("train"), self.tokenizer, stage.seq_len, rank=self.rank,
-                               world_size=self.world, seed=self.cfg.seed)
+        packed = PackedDataset(self._docs("train"), self.tokenizer, stage.seq_len, seed=self.cfg.seed)
         if data_state is None and self.data is not None:
             data_state = {"packed": self.packed.state_dict(), "mixture": None}
         if data_state is not None:
@@ -168,7 +229,7 @@ class Trainer:
         from ..data.longctx import LongContextTask
         for n_facts, hops in ((16, 3), (8, 2), (4, 2), (2, 1), (1, 1)):
             try:
-                return LongContextTask(self.tokenizer, seq_len, seed=self.cfg.seed + 7919 * (self.rank + 1),
+                return LongContextTask(self.tokenizer, seq_len, seed=self.cfg.seed + 7919,
                                        n_facts=n_facts, hops=hops)
             except ValueError:
                 continue
@@ -177,10 +238,38 @@ class Trainer:
     def _stage_for(self, step: int) -> int:
         return max(i for i, s in enumerate(self.stages) if s.start <= step)
 
+    def _rows(self, rows: int) -> list[dict]:
+        """This rank's next micro-batch of rows: from the global stream, the batch_world micro-batches of one
+        accumulation round are read and the batch_rank-th kept (see the module docstring)."""
+        mine = None
+        for j in range(self.batch_world if self.global_stream else 1):
+            r = [next(self.data_iter) for _ in range(rows)]
+            if j == self.batch_rank or not self.global_stream:
+                mine = r
+        return mine
+
     def _batch(self, rows: int) -> dict:
+        """This rank's next micro-batch (`_rows`), collated on the device (its cp share under cp)."""
         from ..data.packing import collate
-        b = collate([next(self.data_iter) for _ in range(rows)])
+        b = collate(self._rows(rows))
+        return self._cp_shard({k: v.to(self.device) for k, v in b.items()})
+
+    def _pipeline_batch(self, rows: int) -> dict:
+        """Under pp: this rank's grad_accum micro-batches of one step as one batch of whole rows, in order (the
+        pipeline cuts it into the micro-batches again, and into cp shards itself)."""
+        from ..data.packing import collate
+        b = collate([r for _ in range(self.cfg.grad_accum) for r in self._rows(rows)])
         return {k: v.to(self.device) for k, v in b.items()}
+
+    def _cp_shard(self, b: dict) -> dict:
+        """Under context parallelism: this cp rank's share of a whole micro-batch (`k3.parallel.cp.shard_batch`:
+        its tokens, and the whole micro-batch's targets and their count, so the cp ranks' losses sum to it)."""
+        if self.dims.cp == 1:
+            return b
+        from ..parallel.cp import shard_batch
+        n_mtp = len(self.model.language_model.model.mtp_layers)
+        return shard_batch({"input_ids": b["input_ids"], "labels": self._hf_labels(b), "cu_seqlens": b["cu_seqlens"]},
+                           self.cp_rank, self.dims.cp, n_mtp)
 
     def _val_batches(self, max_rows: int = 20000) -> list[dict]:
         """Fixed validation rows spread evenly over the held-out split (its first `max_rows` rows), so the
@@ -189,8 +278,7 @@ class Trainer:
             from ..data.packing import PackedDataset, collate
             need = self.cfg.eval_batches * self.cfg.batch_size
             rows = []
-            for r in PackedDataset(self._docs("validation"), self.tokenizer, self.cfg.seq_len, rank=self.rank,
-                                   world_size=self.world, seed=0, loop=False):
+            for r in PackedDataset(self._docs("validation"), self.tokenizer, self.cfg.seq_len, seed=0, loop=False):
                 rows.append(r)
                 if len(rows) >= max_rows:
                     break
@@ -211,7 +299,11 @@ class Trainer:
 
     def _loss(self, b: dict):
         with self.autocast:
-            out = self.model(b["input_ids"], labels=self._hf_labels(b), cu_seqlens=b["cu_seqlens"])
+            if "targets" in b:  # a cp shard
+                out = self.model(b["input_ids"], cu_seqlens=b["cu_seqlens"], targets=b["targets"],
+                                 num_targets=b["num_targets"])
+            else:
+                out = self.model(b["input_ids"], labels=self._hf_labels(b), cu_seqlens=b["cu_seqlens"])
         loss = out.loss
         if out.mtp_loss is not None and self.cfg.mtp_weight > 0:
             loss = loss + self.cfg.mtp_weight * out.mtp_loss
@@ -224,22 +316,41 @@ class Trainer:
             return None
         self.model.eval()
         tot = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for b in vb:
+        weights = [1.0] * len(vb)
+        if self.global_stream and self.batch_world > 1:  # the global batches dealt out; every rank runs as many
+            P = self.batch_world                            # forwards (collectives), padding with weight 0
+            mine = vb[self.batch_rank::P]
+            n_pad = -(-len(vb) // P) - len(mine)
+            vb, weights = mine + [vb[0]] * n_pad, [1.0] * len(mine) + [0.0] * n_pad
+        for b, w in zip(vb, weights):
             b = {k: v.to(self.device) for k, v in b.items()}
-            _, out = self._loss(b)
-            n = (self._hf_labels(b)[:, 1:] != -100).sum()
-            tot += torch.stack([out.loss.double() * n, n.double()])
-        if self.world > 1:
+            n = (self._hf_labels(b)[:, 1:] != -100).sum().double() * w  # the whole micro-batch's targets
+            if self.pipe is not None:  # the stages in turn; the last one's loss, broadcast
+                with self.autocast:
+                    loss = self.pipe.forward_loss(b["input_ids"], self._hf_labels(b), b["cu_seqlens"])[0]
+            else:
+                loss = self._loss(self._cp_shard(b))[1].loss
+            # under cp each rank's loss is its share (the shares sum to the micro-batch's loss): n counted once
+            tot += torch.stack([torch.where(n > 0, loss.double() * n, 0.0), n / self.dims.cp])
+        if self.world > 1:  # (under pp every stage holds the same sums: the ratio is unchanged)
             dist.all_reduce(tot)
         self.model.train()
         return (tot[0] / tot[1]).item()
 
     @torch.no_grad()
-    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, seed: int = 0) -> str:
-        """Sampled continuation (temperature 0.8, top-p 0.95, fixed seed so it does not disturb training RNG)."""
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, seed: int = 0) -> str | None:
+        """Sampled continuation (temperature 0.8, top-p 0.95, fixed seed so it does not disturb training RNG).
+        None under pipeline parallelism (no pipelined decoding: sampling is skipped, said once in the log)."""
+        if self.pipe is not None:
+            if self.rank == 0 and not getattr(self, "_said_no_sample", False):
+                print(f"{self.progress_desc}: sampling is skipped under pipeline parallelism (pp={self.dims.pp})",
+                      flush=True)
+                self._said_no_sample = True
+            return None
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(prompt)
         self.model.eval()
+        cp = _suspend_context_parallel(self.model)  # every cp rank generates the whole sequence itself
         try:
             with self.autocast:
                 out = self.model.generate(torch.tensor([ids], device=self.device),
@@ -247,46 +358,130 @@ class Trainer:
                                           temperature=0.8, top_p=0.95, eos_token_id=self.tokenizer.eod_token_id,
                                           generator=torch.Generator(self.device).manual_seed(seed))
         finally:
+            _resume_context_parallel(cp)
             self.model.train()
         return prompt + self.tokenizer.decode(out[0, len(ids):].tolist(), skip_special=True)
 
     # ---- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "stage": self.stage_idx, "optimizer": self.opt.state_dict(),
+        """The trainer state beside the weights. Distributed, the optimizer's tensors go to the DCP folder and
+        only its group settings (lr, …) stay here; `layout` records the mesh sizes (pp, dp_shard, cp, ep)."""
+        if self.mesh is not None:
+            opt = {"groups": self._group_settings()}
+        else:
+            opt = self.opt.state_dict()
+        return {"step": self.step, "stage": self.stage_idx, "optimizer": opt, "layout": list(self.dims.sizes),
                 "scheduler": self.sched.state_dict(),
                 "qkclip": self.qkclip.state_dict() if self.qkclip else None,
                 "balance": self.balance.state_dict() if self.balance else None,
                 "data": self._data_state(),
                 "rng": rng_state(), "config": self.cfg.to_dict(), "world_size": self.world}
 
+    def _group_settings(self) -> list[dict]:
+        """The optimizer's parameter-group settings (lr, kind, head_rows, …; no parameters). Under pp a
+        collective over the pp group: the union of every stage's groups (a stage may lack a kind), so that
+        any layout can find its groups' settings (`_restore_groups`)."""
+        mine = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        if self.pipe is None:
+            return mine
+        every: list = [None] * self.dims.pp
+        dist.all_gather_object(every, mine, group=self.mesh.pp.get_group())
+        out = []
+        for g in (g for stage in every for g in stage):
+            if all(_group_key(g) != _group_key(o) for o in out):
+                out.append(g)
+        return out
+
+    def _restore_groups(self, saved: list[dict], scheduler: dict, where: Path) -> None:
+        """Put the saved group settings (matched by kind, head_rows and weight decay: the layout may differ, and
+        with it the groups a pipeline stage holds) and the schedule's position back."""
+        for g in self.opt.param_groups:
+            match = [s for s in saved if _group_key(s) == _group_key(g)]
+            if not match:
+                raise ValueError(f"{where}: no saved optimizer group matches {_group_key(g)} (kind, head rows, "
+                                 f"weight decay); saved: {[_group_key(s) for s in saved]} (another --optimizer or "
+                                 "model?)")
+            g.update(match[0])
+        st = dict(scheduler)  # per-group lists follow this optimizer's groups (every group has the same lambda)
+        st["lr_lambdas"] = [scheduler["lr_lambdas"][0]] * len(self.opt.param_groups)
+        st["base_lrs"] = [g["initial_lr"] for g in self.opt.param_groups]
+        st["_last_lr"] = [g["lr"] for g in self.opt.param_groups]
+        self.sched.load_state_dict(st)
+
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
 
     def save(self) -> Path | None:
-        """Atomic checkpoint of every rank's state (a collective when distributed): rank 0 stages the model
-        (experts gathered under EP), every rank adds its trainer state, rank 0 commits. The step `latest` already
+        """Atomic checkpoint of every rank's state (a collective when distributed): rank 0 stages the model in
+        the release's HF layout (distributed: full tensors gathered one at a time), every rank adds its trainer
+        state — distributed, also its shards of the weights and optimizer state into `dcp/`
+        (`torch.distributed.checkpoint`, loadable at any layout) — and rank 0 commits. The step `latest` already
         names (a resumed run that trained no further) is not written again."""
         if latest_step(self.run_dir) == self.step:
             return latest_checkpoint(self.run_dir)
-        ctx = nullcontext()
-        if self.expert_parallel:
-            from ..parallel.moonep import gathered_experts
-            ctx = gathered_experts(self.model)
-        with ctx:
+        staging = staging_dir(self.run_dir, self.step)
+        if self.mesh is None:
             if self.rank == 0:
                 stage_checkpoint(self.run_dir, self.step, self.model, self.tokenizer)
+        else:
+            from ..parallel.dcp import full_state_dict, gather_pipeline_state_dict, save_model
+            full = full_state_dict(self.model, self.mesh)  # collective; rank 0 (of the stage) keeps the tensors
+            if self.pipe is not None:  # every stage's tensors to global rank 0
+                full = gather_pipeline_state_dict(full, self.mesh, self.device)
+            if self.rank == 0:
+                stage_checkpoint(self.run_dir, self.step, self._export_model(full), self.tokenizer)
+            del full
+            self._barrier()
+            save_model(self.model, staging / DCP_DIR, self.mesh, self.opt)
         self._barrier()
-        write_state(staging_dir(self.run_dir, self.step), self.rank, self.state_dict())
+        write_state(staging, self.rank, self.state_dict())
         self._barrier()
         final = commit_checkpoint(self.run_dir, self.step, self.cfg.keep_checkpoints) if self.rank == 0 else None
         self._barrier()
         return final
 
+    def _export_model(self, full: dict):
+        """A plain model (no parallelism) holding the gathered tensors `full` (no copy): what save_pretrained
+        writes."""
+        from ..model import K3ForConditionalGeneration
+        with torch.device("meta"):
+            m = K3ForConditionalGeneration(self.model_config, init=False)
+        m.load_state_dict(full, assign=True)
+        return m
+
+    def _resume_dcp(self, ck: Path) -> None:
+        """Resume from a distributed checkpoint at any layout (or one process): weights and optimizer state from
+        `dcp/` (resharded by DCP), the rest from rank 0's trainer state (the data position is global); each
+        rank's RNG from its own file when the world size is unchanged, else rank 0's."""
+        from ..parallel.dcp import load_model
+        st = load_state(ck / STATE_FILE)
+        own = ck / state_file(self.rank)
+        rng = st["rng"]
+        if self.rank > 0 and own.is_file() and st.get("world_size") == self.world:
+            rng = load_state(own)["rng"]
+        load_model(self.model, ck / DCP_DIR, self.mesh, self.opt)
+        self._restore_groups(st["optimizer"]["groups"], st["scheduler"], ck)
+        if self.qkclip and st["qkclip"] is not None:
+            self.qkclip.load_state_dict(st["qkclip"])
+        if self.balance and st["balance"] is not None:
+            self.balance.load_state_dict(st["balance"])
+        self.step = st["step"]
+        if st["stage"] >= 0:
+            self._enter_stage(st["stage"], st["data"])
+        set_rng_state(rng)
+
     def try_resume(self) -> bool:
         ck = self.resume_from
         if ck is None:
             return False
+        if (ck / DCP_DIR).is_dir():
+            self._resume_dcp(ck)
+            return True
+        if self.mesh is not None:
+            raise ValueError(f"{ck} is a single-process checkpoint (no {DCP_DIR}/) and this run has {self.world} "
+                             "ranks: resume it with one process, or start the distributed run from its weights "
+                             "with --init-from and a new --out")
         path = ck / state_file(self.rank)
         if not path.is_file():
             raise FileNotFoundError(f"{ck} has no {path.name}: it was written by fewer ranks than this run's "
@@ -305,6 +500,19 @@ class Trainer:
             self._enter_stage(st["stage"], st["data"])
         set_rng_state(st["rng"])
         return True
+
+    def _merge_stage_stats(self, clip: dict, bal: dict) -> tuple[dict, dict]:
+        """Under pp: the QK-clip statistics (largest logit, clipped heads) and the per-layer balancing maxvio of
+        every stage (one all_gather_object over the pp group), as one process reports them."""
+        def plain(v):
+            return v.item() if torch.is_tensor(v) else v
+        every: list = [None] * self.dims.pp
+        dist.all_gather_object(every, ({k: plain(v) for k, v in clip.items()}, {k: plain(v) for k, v in bal.items()}),
+                               group=self.mesh.pp.get_group())
+        mx = [c["max_logit"] for c, _ in every if c.get("max_logit") is not None]
+        heads = sum(c.get("clipped_heads", 0) for c, _ in every)
+        clip = {"max_logit": max(mx) if mx else None, "clipped_heads": heads} if self.qkclip else {}
+        return clip, {k: v for _, b in every for k, v in b.items()}
 
     # ---- the loop ------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -334,7 +542,13 @@ class Trainer:
                 tot_loss = torch.zeros((), device=self.device)
                 tot_mtp = torch.zeros((), device=self.device)
                 ntok = 0
-                for _ in range(cfg.grad_accum):
+                if self.pipe is not None:  # the grad_accum micro-batches through the stages, forward + backward
+                    b = self._pipeline_batch(stage.batch_size)
+                    with self.autocast:
+                        self.pipe(b["input_ids"], self._hf_labels(b), b["cu_seqlens"])
+                    tot_loss, tot_mtp = self.pipe.lm_loss.to(tot_loss), self.pipe.mtp_loss.to(tot_mtp)
+                    ntok = b["input_ids"].numel()
+                for _ in range(cfg.grad_accum if self.pipe is None else 0):  # FSDP2 reduce-scatters each one
                     b = self._batch(stage.batch_size)
                     loss, out = self._loss(b)
                     (loss / cfg.grad_accum).backward()
@@ -343,14 +557,17 @@ class Trainer:
                         tot_mtp += out.mtp_loss.detach() / cfg.grad_accum
                     ntok += b["input_ids"].numel()
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                if self.world > 1:
-                    from ..parallel.moonep import sync_data_parallel_grads
-                    dist.all_reduce(tot_loss)
-                    tot_loss /= self.world
-                    sync_data_parallel_grads(self.model)  # mean over ranks; sharded expert grads are not summed twice
-                if self.expert_parallel:
-                    from ..parallel.moonep import clip_grad_norm_
-                    gnorm = clip_grad_norm_(self.model, max_norm)
+                if self.world > 1:  # gradients: FSDP2 reduced them (mean over the batch ranks); losses likewise
+                    both = torch.stack([tot_loss, tot_mtp])  # a stage's ranks (under pp all hold the same)
+                    dist.all_reduce(both, group=self.mesh.fsdp.get_group())
+                    tot_loss, tot_mtp = both / self.batch_world
+                    if self.pipe is not None:  # global norm: every stage, shard and EP slice counted once
+                        from ..parallel.pipeline import clip_grad_norm_ as clip_stages
+                        gnorm = clip_stages(self.model, max_norm, self.mesh.pp.get_group(),
+                                            self.mesh.ep.get_group() if self.dims.ep > 1 else None)
+                    else:
+                        from ..parallel.fsdp import clip_grad_norm_
+                        gnorm = clip_grad_norm_(params, max_norm)  # global norm over every shard
                 else:
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
                 lv, gv, mv = torch.stack([tot_loss, gnorm.to(tot_loss), tot_mtp]).tolist()  # one host sync
@@ -364,9 +581,11 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 clip = self.qkclip.step() if self.qkclip else {}
                 bal = self.balance.step() if self.balance else {}
+                if self.pipe is not None:  # each stage saw its own layers: the whole model's statistics
+                    clip, bal = self._merge_stage_stats(clip, bal)
                 self.step += 1
                 dt = time.perf_counter() - t0
-                tps = ntok * self.world / dt
+                tps = ntok * self.batch_world / dt
                 last = {"loss": lv, "mtp_loss": mv, "grad_norm": gv,
                         "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps, "seq_len": stage.seq_len,
                         "step_time_s": dt}
@@ -385,7 +604,7 @@ class Trainer:
                         bar.write(f"step {self.step}: validation loss {v:.4f}")
                 if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step < cfg.steps:
                     text = self.sample()  # on every rank: identical seeds, and EP forwards are collective
-                    if self.rank == 0:
+                    if self.rank == 0 and text is not None:
                         log.write("sample", self.step, text=text)
                         bar.write(f"step {self.step} sample: {text[:200]!r}")
                 if cfg.save_every and self.step % cfg.save_every == 0:
@@ -398,7 +617,8 @@ class Trainer:
                 text = self.sample()
                 if v is not None:
                     log.write("val", self.step, loss=v)
-                log.write("sample", self.step, text=text)
+                if text is not None:
+                    log.write("sample", self.step, text=text)
         finally:
             bar.close()
             log.close()
@@ -407,9 +627,28 @@ class Trainer:
             vals = [r for r in read_log(self.run_dir / "log.jsonl") if r["kind"] == "val"]
             summary.update(first_val_loss=vals[0]["loss"] if vals else None, final_val_loss=v, sample=text,
                            checkpoint=str(latest_checkpoint(self.run_dir)),
-                           plot=str(plot_run(self.run_dir)), params=self.model.num_parameters())
+                           plot=str(plot_run(self.run_dir)), params=self.num_params)
             atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _group_key(g: dict) -> tuple:
+    """What tells an optimizer's parameter groups apart across layouts: (kind, head_rows, weight_decay)."""
+    return (g.get("kind"), g.get("head_rows"), g.get("weight_decay"))
+
+
+def _suspend_context_parallel(model) -> list:
+    """Detach the context-parallel executors (`k3.parallel.cp`) from the model's modules; returns what
+    `_resume_context_parallel` puts back ([] when the model runs without)."""
+    saved = [(m, m.context_parallel) for m in model.modules() if getattr(m, "context_parallel", None) is not None]
+    for m, _ in saved:
+        m.context_parallel = None
+    return saved
+
+
+def _resume_context_parallel(saved: list) -> None:
+    for m, cp in saved:
+        m.context_parallel = cp
 
 
 class _NullLog:
