@@ -462,6 +462,10 @@ class Trainer:
             rng = load_state(own)["rng"]
         load_model(self.model, ck / DCP_DIR, self.mesh, self.opt)
         self._restore_groups(st["optimizer"]["groups"], st["scheduler"], ck)
+        self._restore_loop(st, rng)
+
+    def _restore_loop(self, st: dict, rng) -> None:
+        """QK-clip, balancing, step, curriculum stage with its data position, and RNG from a checkpoint state."""
         if self.qkclip and st["qkclip"] is not None:
             self.qkclip.load_state_dict(st["qkclip"])
         if self.balance and st["balance"] is not None:
@@ -491,14 +495,7 @@ class Trainer:
             raise ValueError(f"{ck} was written by {st.get('world_size', 1)} ranks; this run has {self.world}")
         self.opt.load_state_dict(st["optimizer"])
         self.sched.load_state_dict(st["scheduler"])
-        if self.qkclip and st["qkclip"] is not None:
-            self.qkclip.load_state_dict(st["qkclip"])
-        if self.balance and st["balance"] is not None:
-            self.balance.load_state_dict(st["balance"])
-        self.step = st["step"]
-        if st["stage"] >= 0:
-            self._enter_stage(st["stage"], st["data"])
-        set_rng_state(st["rng"])
+        self._restore_loop(st, st["rng"])
         return True
 
     def _merge_stage_stats(self, clip: dict, bal: dict) -> tuple[dict, dict]:
