@@ -12,7 +12,7 @@ DCP checkpoint written beside it.
 
 CI: 2 processes (pp 2 vs one process, resumed at one process). K3_LONG_TESTS=1 adds 4 processes: pp2×dp2 (FSDP2
 on every stage), pp2×ep2 (MoonEP) and pp2×cp2 (context parallel; fp32 still within 1e-5 on these few steps)
-vs one process, resumed at pp2 on 2 ranks."""
+vs one process, resumed at pp2 on 2 ranks; and pp2×ep2×cp2 on 8 processes."""
 
 import os
 from pathlib import Path
@@ -77,3 +77,22 @@ def test_pp2_composed_equals_one_process_and_resumes_at_pp2(tmp_path, one_thread
     assert sorted(c) == [1, 2, 3, 4]
     close(a, c, [3, 4])
     assert abs(vals(ref)[-1] - vals(full)[-1]) <= 1e-5 * vals(ref)[-1]
+
+
+@LONG
+def test_pp2_ep2_cp2_on_eight_processes_equals_one_process(tmp_path, one_thread):
+    """Every dimension at once (pp 2 × ep 2 × cp 2 = 8 processes; P = ep = 2 batch ranks × grad_accum 2 = G 4)
+    against one process with grad_accum 4: step losses, gradient norms and validation; then resumed at pp 2 on
+    2 ranks for the last step."""
+    ref, full = tmp_path / "ref", tmp_path / "full"
+    Trainer(cfg(ref, grad_accum=4, steps=3)).fit()
+    spawn_gloo(_worker, 8, str(full), {"pp": 2, "ep": 2, "cp": 2, "grad_accum": 2, "steps": 3, "stop_after": 2},
+               timeout_s=1200)
+    a, b = losses(ref), losses(full)
+    assert sorted(b) == [1, 2]
+    close(a, b, b)
+    assert abs(vals(ref)[0] - vals(full)[0]) <= 1e-5 * vals(ref)[0]
+    spawn_gloo(_worker, 2, str(full), {"pp": 2, "grad_accum": 4, "steps": 3}, timeout_s=600)  # 8 → 2 ranks
+    c = losses(full)
+    assert sorted(c) == [1, 2, 3]
+    close(a, c, [3])
