@@ -19,8 +19,8 @@ timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$
 tail -14 "$OUT/serve.log"
 if [ "${TRAIN:-1}" = 1 ]; then
   TT="python3 benchmarks/train_throughput.py --warmup 3 --steps 8 --batch 8"
-  timeout 60 $TT --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
+  timeout 150 $TT --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
   timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
     || echo "exit $?" >> "$OUT/train_compile.log"
-  tail -4 "$OUT/train_plain.log" "$OUT/train_compile.log"
+  tail -n 4 "$OUT/train_plain.log" "$OUT/train_compile.log"
 fi
