@@ -212,13 +212,13 @@ def test_bad_requests_are_rejected(model):
         EngineConfig(kda_backend="fast")
 
 
-def run_random_load(model, seconds: float, seed: int = 0, min_requests: int = 30) -> dict:
+def run_random_load(model, seconds: float, seed: int = 0, min_requests: int = 30, **engine_kw) -> dict:
     """Random submissions (shared prefixes, branching), aborts and a pool small enough to force
     preemptions, for `seconds` and at least `min_requests` submissions (so a slow or loaded machine still
     sees preemptions, aborts and hits); checks accounting at every step and that each request ends exactly once."""
     rng = random.Random(seed)
     eng = tiny_engine(model, num_pages=20, max_num_batched_tokens=48, max_num_seqs=8, record_logits=False,
-                      host_cache_bytes=1 << 20)  # the host tier fills up and drops its own LRU entries too
+                      host_cache_bytes=1 << 20, **engine_kw)  # the host tier fills up and drops its own LRU too
     systems = prompts(3, seed + 100, 8, 20)
     submitted, finished, final = set(), {}, {}
     t0, i = time.monotonic(), 0
@@ -261,6 +261,26 @@ def test_randomized_load_frees_every_page(model):
     assert st["preemptions"] > 0 and st["num_aborted"] > 0 and st["prefix_cache_hits"] > 0
     assert st["host_cache_bytes"] > 0
     print(st)
+
+
+def test_randomized_load_with_checkpoints_in_chunks_frees_every_page(model, monkeypatch):
+    """The same load with KDA checkpoints written inside prefill chunks: their slots, allocated when the chunk is
+    scheduled, are registered or given back in every path (preemption, abort, duplicates, eviction)."""
+    from k3.serve.scheduler import Scheduler
+
+    made, work = [], Scheduler._work
+
+    def counted(self, seq, end):
+        w = work(self, seq, end)
+        made.append((w, len(w.ckpts)))
+        return w
+
+    monkeypatch.setattr(Scheduler, "_work", counted)
+    st = run_random_load(model, float(os.environ.get("K3_SERVE_LOAD_SECONDS", "10")), seed=1,
+                         checkpoints_in_chunks=True)
+    assert st["preemptions"] > 0 and st["prefix_cache_hits"] > 0
+    assert sum(n for _, n in made) > 0  # checkpoints were written inside chunks
+    assert all(not w.ckpts for w, _ in made)  # and each slot was handed to the cache or given back
 
 
 def test_submit_and_abort_from_another_thread_while_stepping(model):
