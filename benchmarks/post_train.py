@@ -195,6 +195,14 @@ def plots(res: dict, out: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     paths = {}
+
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        path = out / f"post_{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     d = res["rl_domain"]
     fig, ax = plt.subplots(figsize=(8, 4))
     off = 0
@@ -210,10 +218,7 @@ def plots(res: dict, out: Path) -> dict:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"{res['preset']}: RL on {d}/{res['rl_level']} (budget rule: −1 over τ·b₀)")
-    fig.tight_layout()
-    paths["reward"] = out / "post_reward.png"
-    fig.savefig(paths["reward"], dpi=110)
-    plt.close(fig)
+    paths["reward"] = save(fig, "reward")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     rows = [(dm, lv) for dm in res["domains"] for lv in tasks.LEVELS[dm]]
@@ -227,10 +232,7 @@ def plots(res: dict, out: Path) -> dict:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     ax.set_title(f"{res['preset']}: held-out pass rate per stage (stage's own effort; before/after SFT: high)")
-    fig.tight_layout()
-    paths["pass"] = out / "post_pass.png"
-    fig.savefig(paths["pass"], dpi=110)
-    plt.close(fig)
+    paths["pass"] = save(fig, "pass")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ev = res["eval"][d][res["rl_level"]]
@@ -243,10 +245,7 @@ def plots(res: dict, out: Path) -> dict:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     ax.set_title(f"{res['preset']}: length per effort, held-out {d}/{res['rl_level']}")
-    fig.tight_layout()
-    paths["length"] = out / "post_length.png"
-    fig.savefig(paths["length"], dpi=110)
-    plt.close(fig)
+    paths["length"] = save(fig, "length")
     return {k: str(v) for k, v in paths.items()}
 
 

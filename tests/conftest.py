@@ -55,3 +55,16 @@ def randomize(model, seed: int = 0) -> None:
             t.copy_(torch.randn(t.shape, generator=g) * 0.05)
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+
+
+def full_grad(t, name: str, ep_group):
+    """A (sharded) parameter or gradient of a distributed model as the full single-process tensor: FSDP2 shards
+    gathered (`full_tensor`), then a routed expert tensor's E/ep home rows all-gathered over `ep_group`."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    t = t.full_tensor() if isinstance(t, DTensor) else t
+    if ".experts.w" in name and dist.get_world_size(ep_group) > 1:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
+        dist.all_gather(parts, t.contiguous(), group=ep_group)
+        t = torch.cat(parts)
+    return t

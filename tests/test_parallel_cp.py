@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import make_tiny, rel_rmse
+from conftest import full_grad, make_tiny, rel_rmse
 from k3.parallel._launch import spawn_gloo
 
 TOL = 1e-5
@@ -155,15 +155,6 @@ def test_cp2_step_equals_single_process(tmp_path):
 # ------------------------------------------------------------------------------------- 4 processes
 
 
-def _full(t, name, ep_group):
-    """A parameter/grad of the sharded model as the full single-process tensor."""
-    from torch.distributed.tensor import DTensor
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    if ".experts.w" in name and dist.get_world_size(ep_group) > 1:  # this rank's E/ep home rows → all E
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
-        dist.all_gather(parts, t.contiguous(), group=ep_group)
-        t = torch.cat(parts)
-    return t
 
 
 def _composed_worker(rank, world, outdir, dp_shard, ep):
@@ -187,7 +178,7 @@ def _composed_worker(rank, world, outdir, dp_shard, ep):
     dist.all_reduce(lm)
     lm /= mesh.dims.batch_parallel
     eg = mesh.ep.get_group()
-    grads = {n: _full(p.grad, n, eg) for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: full_grad(p.grad, n, eg) for n, p in model.named_parameters() if p.grad is not None}
     grads = {n: g for n, g in grads.items() if g.abs().max() > 0 or "self_attention_res_proj" not in n}
     if rank == 0:
         torch.save((lm[0].item(), lm[1].item(), grads, _max_logits(model)), os.path.join(outdir, "cp.pt"))

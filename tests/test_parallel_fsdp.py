@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import make_tiny, rel_rmse
+from conftest import full_grad, make_tiny, rel_rmse
 from k3.parallel._launch import spawn_gloo
 
 TOL = 1e-5
@@ -46,15 +46,6 @@ def _reference():
     return model, loss.detach(), grads, nxt
 
 
-def _full(t, name, ep_group):
-    """A parameter/grad of the sharded model as the full single-process tensor."""
-    from torch.distributed.tensor import DTensor
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    if ".experts.w" in name and dist.get_world_size(ep_group) > 1:  # this rank's E/ep home rows → all E
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
-        dist.all_gather(parts, t.contiguous(), group=ep_group)
-        t = torch.cat(parts)
-    return t
 
 
 def _worker(rank: int, world: int, ckpt: str, dp_shard: int, ep: int) -> None:
@@ -81,9 +72,9 @@ def _worker(rank: int, world: int, ckpt: str, dp_shard: int, ep: int) -> None:
     assert sorted(names) == sorted(ref_grads)
     for n, p in model.named_parameters():
         if ref_grads[n] is None:  # unused in the reference: FSDP gives None or zeros
-            assert p.grad is None or _full(p.grad, n, eg).abs().max() == 0, n
+            assert p.grad is None or full_grad(p.grad, n, eg).abs().max() == 0, n
             continue
-        g = _full(p.grad, n, eg)
+        g = full_grad(p.grad, n, eg)
         assert g.shape == ref_grads[n].shape, n
         err = rel_rmse(ref_grads[n], g)
         assert err <= TOL, (n, err)
@@ -97,7 +88,7 @@ def _worker(rank: int, world: int, ckpt: str, dp_shard: int, ep: int) -> None:
     assert abs(nxt.item() - ref_next.item()) <= TOL * abs(ref_next.item()), (nxt.item(), ref_next.item())
     save_model(model, ckpt, mesh)
     for n, p in model.named_parameters():  # the saved (updated) weights are the single-process ones
-        assert rel_rmse(ref_model.state_dict()[n], _full(p.detach(), n, eg)) <= TOL, n
+        assert rel_rmse(ref_model.state_dict()[n], full_grad(p.detach(), n, eg)) <= TOL, n
 
 
 @pytest.mark.parametrize("dp_shard,ep", [(1, 2), (2, 1)])

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import make_tiny, rel_rmse
+from conftest import full_grad, make_tiny, rel_rmse
 from k3.parallel._launch import spawn_gloo
 from k3.parallel.pipeline import PipelineStep, clip_grad_norm_, cu_seqlens_from_docs, split_stage, state_size
 
@@ -166,15 +166,6 @@ def test_pp2_step_equals_single_process(tmp_path):
 
 # ---- 4 processes: pp × dp_shard, pp × ep ----------------------------------------------------------------------
 
-def _full(t, name, ep_group):
-    """A parameter's gradient on this rank as the full single-process tensor (FSDP shards, then EP rows)."""
-    from torch.distributed.tensor import DTensor
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    if ".experts.w" in name and dist.get_world_size(ep_group) > 1:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
-        dist.all_gather(parts, t.contiguous(), group=ep_group)
-        t = torch.cat(parts)
-    return t
 
 
 def _composed_worker(rank: int, world: int, out: str, dp_shard: int, ep: int, cp: int) -> None:
@@ -205,7 +196,7 @@ def _composed_worker(rank: int, world: int, out: str, dp_shard: int, ep: int, cp
     mean /= dims.batch_parallel
     eg = mesh.ep.get_group()
     norm = clip_grad_norm_(stage, 1.0, pg, eg)  # clips (the norm is ≈ 30): checks the norm and the scaling
-    grads = {n: _full(p.grad, n, eg) for n, p in stage.named_parameters() if p.grad is not None}
+    grads = {n: full_grad(p.grad, n, eg) for n, p in stage.named_parameters() if p.grad is not None}
     if mesh.fsdp.get_local_rank() == 0:
         torch.save(dict(loss=mean, grads=grads, norm=norm), os.path.join(out, f"stage{pp_rank}.pt"))
 

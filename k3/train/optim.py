@@ -307,6 +307,16 @@ class MuonAdamW(torch.optim.Optimizer):
                                                                stride=p.stride(), run_check=False)
                                             if _is_dtensor(p) and v.shape == lp.shape and v.dim() > 0 else v)
 
+    def _momentum(self, g: dict, p: torch.Tensor) -> torch.Tensor:
+        """Advance p's momentum buffer with its gradient (local shards for DTensors) and return the update to
+        orthogonalise: the buffer, or its Nesterov form."""
+        st = self.state[p]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(p)
+        buf, grad = _local(st["momentum_buffer"]), _local(p.grad)
+        buf.mul_(g["momentum"]).add_(grad)
+        return grad.add(buf, alpha=g["momentum"]) if g["nesterov"] else buf
+
     def _muon_dtensor(self, g: dict) -> None:
         """Muon on FSDP2-sharded parameters, one parameter at a time: momentum on the local shard; Newton–Schulz
         on the full matrix — the update `u` is all-gathered (`full_tensor`), orthogonalised, and this rank's rows
@@ -314,16 +324,11 @@ class MuonAdamW(torch.optim.Optimizer):
         shard already holds whole matrices. Exact (the same arithmetic as one process); the cost: one all-gather
         of every 2-D update per step (the bytes of an FSDP parameter all-gather) and every rank orthogonalises
         every full matrix (redundant compute)."""
-        mu, lr, wd = g["momentum"], g["lr"], g["weight_decay"]
+        lr, wd = g["lr"], g["weight_decay"]
         for p in g["params"]:
             if p.grad is None:
                 continue
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p)
-            buf, grad = _local(st["momentum_buffer"]), _local(p.grad)
-            buf.mul_(mu).add_(grad)
-            u = grad.add(buf, alpha=mu) if g["nesterov"] else buf
+            u = self._momentum(g, p)
             blocks = muon_blocks(p.shape, g["head_rows"])
             ns_dtype = self._ns_dtype(g, u.device)
             whole = p.dim() == 3 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0)
@@ -418,17 +423,12 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_loop(self, g: dict) -> None:
         """Reference: per parameter momentum, then one batched Newton–Schulz per block shape (all heads /
         experts / matrices of the group with equal [A, B] blocks together), per parameter update."""
-        mu, lr, wd = g["momentum"], g["lr"], g["weight_decay"]
+        lr, wd = g["lr"], g["weight_decay"]
         by_shape: dict[tuple, list] = {}
         for p in g["params"]:
             if p.grad is None:
                 continue
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p)
-            buf = st["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            u = p.grad.add(buf, alpha=mu) if g["nesterov"] else buf
+            u = self._momentum(g, p)
             blocks = muon_blocks(p.shape, g["head_rows"])
             by_shape.setdefault((blocks[1:], p.device, p.dtype), []).append((p, u.reshape(blocks)))
         for (ab, dev, _), items in by_shape.items():
