@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install k3 with its test extras. CPU machines get the CPU torch 2.13 wheel.
-# As root with apt, also set up the "vm" sandbox tier (scripts/setup_vm.sh) when its artefacts are missing: a busy
-# package lock is retried, and a failure only warns (the VM tests then skip with the reason); this script never
-# fails because of it. K3_SETUP_VM=0 skips that step, K3_SETUP_VM=1 insists on it; `make setup-vm` runs it alone.
+# As root with apt, also set up the "vm" sandbox tier (scripts/setup_vm.sh) when its artefacts are missing or older
+# than the guest sources (it then rebuilds only what changed): a busy package lock is retried, and a failure only
+# warns (the VM tests then skip with the reason); this script never fails because of it. K3_SETUP_VM=0 skips that
+# step, K3_SETUP_VM=1 insists on it; `make setup-vm` runs it alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,8 +28,9 @@ vm_wanted() {
     1|yes|true) return 0 ;;
   esac
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || return 1
-  local dir=${K3_VM_DIR:-$HOME/.cache/k3/vm}  # already built: nothing to install
-  ! { [ -e "$dir/base.qcow2" ] && [ -e "$dir/initramfs.cpio.gz" ] && command -v qemu-system-x86_64 >/dev/null; }
+  local dir=${K3_VM_DIR:-$HOME/.cache/k3/vm}  # already built from these guest sources: nothing to do
+  ! { [ -e "$dir/base.qcow2" ] && [ -e "$dir/initramfs.cpio.gz" ] && command -v qemu-system-x86_64 >/dev/null \
+      && [ -z "$(find k3/env/guest -newer "$dir/version" 2>/dev/null)" ] && [ -e "$dir/version" ]; }
 }
 if vm_wanted; then
   tries=${K3_SETUP_VM_TRIES:-3}

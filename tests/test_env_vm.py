@@ -149,6 +149,20 @@ def test_files_pause_resume(tier, vm):
         tier.write_file(vm, "/root/big", b"\0" * (MAX_FILE_BYTES + 1))
 
 
+def test_read_of_a_file_renamed_over_is_one_whole_version(tier, vm):
+    """A file replaced by `mv` while it is read comes back as one of its versions, never the old bytes padded to
+    the new size (the agent once sized the reply by the path, not by the file it had open: b'9\\n\\x00')."""
+    loop = ("while :; do echo 9 > /root/race.a; mv /root/race.a /root/race; "
+            "echo 1000000 > /root/race.b; mv /root/race.b /root/race; done")
+    tier.exec(vm, "echo 9 > /root/race")
+    pid = tier.exec(vm, f"sh -c '{loop}' >/dev/null 2>&1 & echo $!").stdout.strip()
+    try:
+        seen = {tier.read_file(vm, "/root/race") for _ in range(40)}
+    finally:
+        tier.exec(vm, f"kill {pid}")
+    assert seen <= {b"9\n", b"1000000\n"}, seen
+
+
 def test_pause_stops_the_guest(tier, vm):
     tier.exec(vm, f"sh -c '{COUNTER}' >/dev/null 2>&1 &")
     c0 = wait_counter(tier, vm, 2)
