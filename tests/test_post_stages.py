@@ -110,5 +110,5 @@ def test_bad_post_settings_are_named(setup, tmp_path, kw, msg):
 
 def test_rl_level_is_checked(setup, tmp_path):
     ck, _ = setup
-    with pytest.raises(ValueError, match="level 'easy' is not one of standard .domain 'coding'"):
-        RLConfig(checkpoint=str(ck), out=str(tmp_path / "y"), domain="coding", level="easy").resolved()
+    with pytest.raises(ValueError, match="level 'hard' is not one of easy, standard .domain 'coding'"):
+        RLConfig(checkpoint=str(ck), out=str(tmp_path / "y"), domain="coding", level="hard").resolved()

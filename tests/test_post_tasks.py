@@ -15,6 +15,7 @@ from k3.io.tokenizer import K3Tokenizer, k3_special_tokens
 from k3.post import tasks
 from k3.post.tasks import general
 from k3.post.tasks.base import normalise, split_of
+from k3.post.tasks.tools import CAT, GREP, WRITE_FILE
 
 
 @pytest.fixture(scope="module")
@@ -268,18 +269,49 @@ def test_hidden_tests_without_python_are_a_task_error():
 
 # ------------------------------------------------------------------------------------------ easy level, efforts
 
-def test_easy_level_is_deterministic_and_held_out_disjoint():
-    a = tasks.generate("general", "train", 60, seed=0, level="easy")
-    assert [t.to_record() for t in a] == [t.to_record() for t in tasks.generate("general", "train", 60, 0, level="easy")]
-    assert {_key(t) for t in a} != {_key(t) for t in tasks.generate("general", "train", 60, 1, level="easy")}
-    train = {_key(t) for s in (0, 1, 2) for t in tasks.generate("general", "train", 60, s, level="easy")}
-    test = {_key(t) for s in (0, 1, 2) for t in tasks.generate("general", "test", 15, s, level="easy")}
+_EASY_KINDS = {"general": {"copy", "add"}, "agent": {"read", "find"}, "coding": {"add", "mul", "const"}}
+
+
+@pytest.mark.parametrize("domain", tasks.DOMAINS)
+def test_easy_level_is_deterministic_and_held_out_disjoint(domain):
+    assert tasks.LEVELS[domain] == ("easy", "standard")
+    a = tasks.generate(domain, "train", 60, seed=0, level="easy")
+    assert [t.to_record() for t in a] == [t.to_record() for t in tasks.generate(domain, "train", 60, 0, level="easy")]
+    assert {_key(t) for t in a} != {_key(t) for t in tasks.generate(domain, "train", 60, 1, level="easy")}
+    train = {_key(t) for s in (0, 1, 2) for t in tasks.generate(domain, "train", 60, s, level="easy")}
+    test = {_key(t) for s in (0, 1, 2) for t in tasks.generate(domain, "test", 15, s, level="easy")}
     assert train and test and not train & test                      # no held-out prompt in any train seed
     for t in a:                                                      # the split is the prompt's own
-        assert t.split == "train" and split_of("general", t.kind, t.prompt_text + json.dumps(t.files)) == "train"
-    assert {t.kind for t in a} == {"copy", "add"} and len({t.id for t in a}) == 60
-    standard = {_key(t) for t in tasks.generate("general", "train", 60, 0)}
+        prompt = t.prompt_text + json.dumps(t.files, sort_keys=True)
+        assert t.split == "train" and split_of(domain, t.kind, prompt) == "train"
+    assert {t.kind for t in a} == _EASY_KINDS[domain] and len({t.id for t in a}) == 60
+    standard = {_key(t) for t in tasks.generate(domain, "train", 60, 0)}
     assert not standard & train                                      # the levels are different tasks
+
+
+def test_easy_agent_and_coding_tasks_are_what_they_say():
+    """Agent: the asked-for file holds the answer (read) or is the only one mentioning the word (find); coding:
+    the reference one-liner passes the hidden asserts on the host and the starter does not define it."""
+    for t in tasks.generate("agent", "train", 40, 3, level="easy") + tasks.generate("agent", "test", 10, 3, "easy"):
+        assert t.tools == [CAT, GREP] and 1 <= len(t.files) <= 3
+        q, ans = t.messages[-1]["content"], t.hidden["answers"][0]
+        if t.kind == "read":
+            name = re.fullmatch(r"What number is stored in (\w+\.txt)\?", q).group(1)
+            assert t.files[f"/work/{name}"] == f"{ans}\n" and len(set(t.files.values())) == len(t.files)
+        else:
+            word = re.fullmatch(r"Which file under /work mentions (\w+)\? Answer with its name\.", q).group(1)
+            assert [p for p, text in t.files.items() if word in text] == [f"/work/{ans}"]
+            assert tasks.verify(t, f"Answer: /work/{ans}").score == 1.0
+        assert tasks.verify(t, f"Answer: {ans}").score == 1.0
+        assert tasks.verify(t, "Answer: 0").score == tasks.verify(t, "Answer: x.txt").score == 0.0
+    for t in tasks.generate("coding", "train", 40, 3, level="easy") + tasks.generate("coding", "test", 10, 3, "easy"):
+        assert t.tools == [WRITE_FILE] and len(t.hidden["tests"]) == 5 and not t.hidden["examples"]
+        ns: dict = {}
+        exec(t.hidden["reference"], ns)                              # our own one-liner
+        for test in t.hidden["tests"]:
+            exec(test, dict(ns))
+        assert len(t.hidden["reference"].splitlines()) == 1 and t.hidden["expr"] in t.messages[-1]["content"]
+        assert "NotImplementedError" in t.files["/work/solution.py"]
 
 
 def test_easy_answers_are_right_and_verified():
@@ -298,8 +330,8 @@ def test_easy_answers_are_right_and_verified():
 def test_bad_level_is_named():
     with pytest.raises(ValueError, match="level 'hard' is not one of easy, standard"):
         tasks.generate("general", "train", 3, 0, level="hard")
-    with pytest.raises(ValueError, match="level 'easy' is not one of standard .domain 'agent'"):
-        tasks.generate("agent", "train", 3, 0, level="easy")
+    with pytest.raises(ValueError, match="level 'hard' is not one of easy, standard .domain 'agent'"):
+        tasks.generate("agent", "train", 3, 0, level="hard")
     with pytest.raises(ValueError, match="effort 'huge' is not one of low, high, max"):
         tasks.solve(tasks.generate("general", "train", 1, 0)[0], effort="huge")
 

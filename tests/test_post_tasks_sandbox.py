@@ -217,3 +217,56 @@ def test_main_data_solves_sandbox_domains(tmp_path):
     recs = tasks.read_jsonl(out)
     assert [r["task_id"] for r in recs] == [t.id for t in tasks.generate("coding", "test", 2, 0)]
     assert all(r["tools"] == tasks.CODING_TOOLS and any(m["role"] == "tool" for m in r["messages"]) for r in recs)
+
+
+# ------------------------------------------------------------------------------------------ easy levels
+
+@pytest.fixture(scope="module")
+def bpe():
+    """The tokenizer the models use (k3-tiny's BPE): what the episode lengths are measured in."""
+    from k3 import K3Config
+    from k3.io.tokenizer import default_tokenizer
+    return default_tokenizer(K3Config.preset("k3-tiny").text_config)
+
+
+def _turn_tokens(conv, tok) -> list[int]:
+    from k3.post.tasks.budget import assistant_spans
+    segs = chat.segments(conv.messages, conv.tools, add_generation_prompt=False)
+    return [len(chat.encode_segments(tok, segs[a:b])) for a, b in assistant_spans(segs)]
+
+
+@pytest.mark.parametrize("domain", ["agent", "coding"])
+def test_easy_demonstrations_verify_and_are_short(domain, fresh, manager, bpe):
+    """Every easy scripted solution passes its verifier on a real sandbox at every effort with one tool call;
+    its generated tokens grow with the effort (low < high < max) and stay short: at most 150 at low (4 turns
+    of 64 would hold it), every turn at most 96 (a one-argument call, `cat`, within 64); wrong answers fail."""
+    ts = tasks.generate(domain, "train", 10, 5, level="easy") + tasks.generate(domain, "test", 4, 5, level="easy")
+    assert {t.kind for t in ts} == ({"read", "find"} if domain == "agent" else {"add", "mul", "const"})
+    for t in ts:
+        n = {}
+        for e in ("low", "high", "max"):
+            sb = fresh(t)
+            conv = tasks.solve(t, sandbox=sb, effort=e)
+            assert conv.options == {"reasoning_effort": e} and conv.messages[:len(t.messages)] == t.messages
+            assert tasks.verify(t, conv.final_answer, sandbox=sb).score == 1.0, (t.id, e)
+            calls = [c for m in conv.messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+            assert len(calls) == 1 and len(conv.messages) == len(t.messages) + 3
+            assert_round_trip(conv.messages, conv.tools)
+            n[e] = tasks.count_tokens(conv, bpe, domain)
+            turns = _turn_tokens(conv, bpe)
+            assert sum(turns) == n[e] and max(turns) <= (64 if t.kind == "read" else 96), (t.id, e, turns)
+            if e == "low":
+                low = conv
+        assert n["low"] < n["high"] < n["max"] and n["low"] <= 150, (t.id, n)
+        assert tasks.solve(t, manager=manager, effort="low").messages == low.messages   # a fresh sandbox: the same
+        ans = t.hidden["answers"][0] if domain == "agent" else None
+        if domain == "agent":
+            assert tasks.verify(t, low.final_answer).score == 1.0                      # no sandbox state to check
+            assert tasks.verify(t, "Answer: 1").score == tasks.verify(t, f"{ans}?").score == 0.0
+        else:
+            untouched = fresh(t)                                                      # the starter fails
+            assert tasks.verify(t, low.final_answer, sandbox=untouched).score == 0.0
+            untouched.write_file("/work/solution.py", t.hidden["reference"].replace("return", "return 1 +").encode())
+            assert tasks.verify(t, low.final_answer, sandbox=untouched).score == 0.0
+            ref = f"```python\n{t.hidden['reference']}```"
+            assert tasks.verify(t, ref, manager=manager).score == 1.0

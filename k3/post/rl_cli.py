@@ -24,7 +24,9 @@ _FLAGS = {
     "--budgets": ("budgets", str, "b0 JSON of an earlier run of the chain (its budgets.json), instead of "
                                   "estimating it with --checkpoint's model"),
     "--budget-samples": ("budget_samples", int, "cold-start samples per question to estimate b0"),
-    "--level": ("level", str, "task level: easy (general only: copy a code, single-digit addition) or standard"),
+    "--level": ("level", str, "task level: easy (general: copy a code, single-digit addition; agent: read a number "
+                              "from a named file, name the file that mentions a word; coding: a one-line function) "
+                              "or standard"),
     "--pool": ("pool", int, "train tasks drawn from the built-in generator"),
     "--task-seed": ("task_seed", int, "seed of the task generator"),
     "--max-turns": ("max_turns", int, "assistant turns per episode (tool round trips + the answer)"),

@@ -4,17 +4,24 @@
     ts = tasks.generate("agent", "train", n=8, seed=0)     # deterministic; "test" prompts never in "train"
     easy = tasks.generate("general", "test", 8, 0, level="easy")   # copy a code, single-digit addition
     conv = tasks.solve(ts[0])                               # scripted demo, tool calls run in a real sandbox
-    conv = tasks.solve(easy[0], effort="low")               # general: reasoning length follows the effort
+    conv = tasks.solve(easy[0], effort="low")               # easy levels: reasoning length follows the effort
     text = conv.render()                                    # k3.io.chat rendering
     tasks.verify(ts[0], conv.final_answer, sandbox=sb)      # Reward(score 0/1, detail)
     tasks.count_tokens(conv, tokenizer, "agent")            # tokens counted against the effort budget
     tasks.write_jsonl([conv], "sft.jsonl")
 
-Domains: "general" (level "standard": arithmetic, unit conversions, QA over pydoc_data; level "easy": copy a
-code, single-digit addition), "agent" (find and combine values over
-files in a k3.env sandbox with ls/cat/grep/write_file, sometimes leaving an answer file), "coding" (fix or
-write a function in /work/solution.py; hidden asserts run in the sandbox). Agent and coding need the
-sandbox's process tier (`k3.env`) to solve or verify; generating them does not.
+Domains and their levels (`LEVELS`, easiest first):
+- "general": "standard" arithmetic, unit conversions, QA over pydoc_data; "easy" copy a code, single-digit
+  addition;
+- "agent": "standard" find and combine values over files in a k3.env sandbox with ls/cat/grep/write_file,
+  sometimes leaving an answer file; "easy" read the number in a named note (`cat`), name the note that
+  mentions a word (`grep`), sometimes writing the number to an answer file;
+- "coding": "standard" fix or write a function in /work/solution.py; "easy" write a one-line function
+  (x + K, x * K, the constant K); hidden asserts run in the sandbox.
+An easy episode is one or two tool calls and a short answer, a few dozen generated tokens, so it fits in a
+few 64-token turns. The scripted solutions of the easy levels (and of general's standard one) are longer at a
+higher reasoning effort (low < high < max); agent and coding standard solutions are the same at every effort.
+Agent and coding need the sandbox's process tier (`k3.env`) to solve or verify; generating them does not.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ __all__ = ["AGENT_TOOLS", "CODING_TOOLS", "DOMAINS", "LEVELS", "SPLITS", "WORKDI
            "read_jsonl", "resolve", "solve", "split_of", "verify", "write_jsonl"]
 
 _MODULES = {"general": general, "agent": agent, "coding": coding}
-LEVELS = {"general": general.LEVELS, "agent": ("standard",), "coding": ("standard",)}  # per domain, easiest first
+LEVELS = {"general": general.LEVELS, "agent": agent.LEVELS, "coding": coding.LEVELS}  # per domain, easiest first
 
 
 @dataclass
@@ -67,9 +74,7 @@ def generate(domain: str, split: str, n: int, seed: int, level: str = "standard"
     check_request(domain, split, n, seed)
     if level not in LEVELS[domain]:
         raise ValueError(f"level {level!r} is not one of {', '.join(LEVELS[domain])} (domain {domain!r})")
-    if domain == "general":
-        return general.generate(split, n, seed, level)
-    return _MODULES[domain].generate(split, n, seed)
+    return _MODULES[domain].generate(split, n, seed, level)
 
 
 def _module(task: Task):
@@ -94,13 +99,14 @@ def verify(task: Task, response: str, sandbox=None, manager=None, timeout: float
 def solve(task: Task, sandbox=None, manager=None, effort: str | None = None) -> Conversation:
     """The scripted, correct demonstration of `task`. Agent/coding tool calls run for real on `sandbox` (it
     must hold the task's files: see `prepare`) or on a fresh sandbox from `manager` that is killed after.
-    `effort` (low / high / max): rendered as the conversation's reasoning effort; a general task's
-    reasoning is as long as that effort asks (`general.reasoning`). None: the chat default, high-length."""
+    `effort` (low / high / max): rendered as the conversation's reasoning effort; the reasoning of a general
+    task or an easy agent / coding task is as long as that effort asks (`general.reasoning`, `base.by_effort`).
+    None: the chat default, high-length."""
     mod = _module(task)
     if effort is not None:
         from k3.io.chat import THINKING_EFFORTS
         if effort not in THINKING_EFFORTS:
             raise ValueError(f"effort {effort!r} is not one of {', '.join(THINKING_EFFORTS)}")
-    msgs = mod.solve(task, effort) if task.domain == "general" else mod.solve(task, sandbox, manager)
+    msgs = mod.solve(task, effort) if task.domain == "general" else mod.solve(task, sandbox, manager, effort)
     return Conversation(msgs, task.tools, task.id, task.domain,
                         {"reasoning_effort": effort} if effort is not None else {})

@@ -1,19 +1,28 @@
-"""General-agent tasks: find sales records spread over files of a sandbox, combine them, answer (and sometimes
+"""General-agent tasks at two levels: look up values in the files of a sandbox with tools, answer (and sometimes
 write the answer to a file).
 
-Layout of a task's workspace: `/work/README.txt` (the record format) and `/work/data/<region>/<store>.txt`,
-one sale per line (`item=<name> price=<int>`). Kinds: `sum` (total price of an item), `count` (number of
-its sales), `max` (its highest price); a `_write` kind also requires `/work/answer.txt` to hold the answer,
-and the verifier reads it from the sandbox's final state.
+- "standard": sales records spread over files, combined. Layout of a task's workspace: `/work/README.txt`
+  (the record format) and `/work/data/<region>/<store>.txt`, one sale per line (`item=<name> price=<int>`).
+  Kinds: `sum` (total price of an item), `count` (number of its sales), `max` (its highest price).
+  A `_write` kind also requires `/work/answer.txt` to hold the answer, and the verifier reads it from the
+  sandbox's final state.
+- "easy": one to three one-line files `/work/<name>.txt` and the tools cat and grep. Kinds: `read` ("What
+  number is stored in <name>.txt?", the scripted solver `cat`s it), `find` ("Which file under /work mentions
+  <word>?", answered with the file's name, the solver `grep`s for the word). An episode is one tool call and
+  the answer, each turn at most 64 tokens with K3's chat markup (a one-argument tool call alone is ~50), and
+  its scripted reasoning is longer at a higher effort (`solve_easy`). There is no `_write` kind at this
+  level: a two-argument `write_file` call does not fit in a 64-token turn.
 """
 
 from __future__ import annotations
 
 import random
 
-from .base import WORKDIR, Reward, Task, TaskError, answer_matches, collect, normalise
+from .base import WORKDIR, Reward, Task, TaskError, answer_matches, by_effort, collect, normalise
 from .sandbox_io import Script, task_sandbox
-from .tools import AGENT_TOOLS
+from .tools import AGENT_TOOLS, CAT, GREP
+
+LEVELS = ("easy", "standard")
 
 ITEMS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "melon", "onion", "pepper", "potato", "radish",
          "tomato", "carrot", "garlic", "ginger", "kiwi", "olive", "peach", "plum", "walnut")
@@ -54,7 +63,36 @@ def _draw(rng: random.Random):
             hidden, files)
 
 
-def generate(split: str, n: int, seed: int) -> list[Task]:
+# --------------------------------------------------------------------------------------------- easy
+WORDS = ("amber", "breeze", "canyon", "dune", "ember", "fjord", "glacier", "harbor", "island", "jungle", "lagoon",
+         "meadow", "nebula", "orchid", "prairie", "quartz", "river", "summit", "tundra", "valley")  # none in another
+EASY_KINDS = ("read", "find")
+EASY_TOOLS = [CAT, GREP]
+SYSTEM_EASY = "The workspace is /work. Use a tool, then end your reply with a line 'Answer: <value>'."
+
+
+def _draw_easy(rng: random.Random):
+    names = rng.sample(ITEMS, rng.randint(1, 3))
+    target = rng.randrange(len(names))
+    kind = rng.choice(EASY_KINDS)
+    if kind == "find":
+        words = rng.sample(WORDS, len(names))
+        q = f"Which file under {WORKDIR} mentions {words[target]}? Answer with its name."
+        name = names[target]
+        hidden = {"answers": [f"{name}.txt", f"{WORKDIR}/{name}.txt", name], "word": words[target]}
+    else:
+        words = [str(v) for v in rng.sample(range(10, 1000), len(names))]
+        q = f"What number is stored in {names[target]}.txt?"
+        hidden = {"answers": [words[target]], "path": f"{names[target]}.txt"}
+    files = {f"{WORKDIR}/{n}.txt": f"{w}\n" for n, w in zip(names, words)}
+    return kind, [{"role": "system", "content": SYSTEM_EASY}, {"role": "user", "content": q}], hidden, files
+
+
+def generate(split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
+    if level not in LEVELS:
+        raise ValueError(f"agent: level {level!r} is not one of {', '.join(LEVELS)}")
+    if level == "easy":
+        return collect("agent", split, n, seed, _draw_easy, tools=EASY_TOOLS, stream="easy")
     return collect("agent", split, n, seed, _draw, tools=AGENT_TOOLS)
 
 
@@ -78,8 +116,32 @@ def verify(task: Task, response: str, sandbox=None) -> Reward:
     return Reward(1.0, f"answer {got!r} and {path} written")
 
 
-def solve(task: Task, sandbox=None, manager=None) -> list[dict]:
-    """A scripted episode on a real sandbox: look around, grep the item, combine, (write), answer."""
+def solve_easy(task: Task, sb, effort: str | None = None) -> list[dict]:
+    """One `cat` (read) or `grep` (find), then `Answer: <value>`; the reasoning is a few words at effort low,
+    a short sentence at high (None), and a check added at max. Each turn is at most 64 tokens."""
+    s = Script(task, sb)
+    ans = task.hidden["answers"][0]
+    if task.kind == "find":
+        (hits,) = s.call(by_effort(effort, "Search.", "Grep for it."), ("grep", {"pattern": task.hidden["word"],
+                                                                                 "path": "."}))
+        seen = [line.split(":", 1)[0] for line in hits.splitlines()]
+        if seen != [f"{WORKDIR}/{ans}"]:
+            raise TaskError(f"task {task.id}: grep for {task.hidden['word']!r} found {seen}, expected {ans}")
+        return s.answer(by_effort(effort, ans, f"It is {ans}.", "Check: only that file matched."), f"Answer: {ans}")
+    path = task.hidden["path"]
+    (text,) = s.call(by_effort(effort, "Read it.", f"Read {path}."), ("cat", {"path": path}))
+    if text.strip() != ans:
+        raise TaskError(f"task {task.id}: {path} holds {text!r}, the task says {ans}")
+    return s.answer(by_effort(effort, ans, f"The file holds {ans}.", "Check: it is the file asked for."),
+                    f"Answer: {ans}")
+
+
+def solve(task: Task, sandbox=None, manager=None, effort: str | None = None) -> list[dict]:
+    """A scripted episode on a real sandbox. Standard: look around, grep the item, combine, (write), answer
+    (the same at every effort); easy: `solve_easy`."""
+    if task.kind in EASY_KINDS:
+        with task_sandbox(task, sandbox, manager) as sb:
+            return solve_easy(task, sb, effort)
     item, op = task.hidden["item"], task.hidden["op"]
     with task_sandbox(task, sandbox, manager) as sb:
         s = Script(task, sb)

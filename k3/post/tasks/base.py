@@ -165,3 +165,11 @@ def format_number(x: Decimal | int) -> str:
     d = Decimal(x).normalize()
     s = format(d, "f")
     return s
+
+
+def by_effort(effort: str | None, low: str, high: str, check: str = "") -> str:
+    """A scripted reasoning step at a reasoning effort: `low` at "low", `high` at "high" (and None, the chat
+    default), `high` followed by `check` at "max"."""
+    if effort == "low":
+        return low
+    return f"{high} {check}" if effort == "max" and check else high

@@ -1,5 +1,13 @@
 """Coding-agent tasks: fix or write a small Python function in `/work/solution.py`; hidden asserts decide.
 
+Two levels: "standard" (fix a bug or write a function of a few lines: median, polynomial, character count,
+moving sums, Caesar shift, digit sum; the scripted solver reads the file, rewrites it and runs the prompt's
+examples) and "easy" (write a one-line function of x: `x + K`, `x * K` or the constant K, with K in the
+prompt; the scripted solver writes the file with one `write_file` call and gives a one-line final reply,
+its reasoning a few words at effort low, a sentence at high, a sentence and a worked check at max). An easy
+episode is 120–150 generated tokens; its `write_file` turn alone is up to ~93 (a two-argument tool call is ~66
+tokens of K3's chat markup before the path and code), so it needs turns of more than 64 tokens.
+
 Each template is parameterised (the numbers appear in the spec, so different parameters are different
 prompts). The expected values of the hidden asserts come from a host-side Python reference; the scripted
 solver writes a separate reference *source*, so a test that the solver passes checks the two against each
@@ -12,10 +20,12 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from .base import WORKDIR, Reward, Task, TaskError, collect
+from .base import WORKDIR, Reward, Task, TaskError, by_effort, collect
 from .harness import run_hidden_tests
 from .sandbox_io import Script, task_sandbox
-from .tools import CODING_TOOLS
+from .tools import CODING_TOOLS, WRITE_FILE
+
+LEVELS = ("easy", "standard")
 
 SOLUTION = f"{WORKDIR}/solution.py"
 SYSTEM = ("You are a coding agent with tools in a sandbox; the workspace is /work. Edit /work/solution.py so "
@@ -150,19 +160,51 @@ def _call(func: str, args: tuple) -> str:
     return f"{func}({', '.join(repr(a) for a in args)})"
 
 
-def _draw(rng: random.Random):
-    sp = rng.choice(TEMPLATES)(rng)
+def _pack(sp: Spec, system: str, examples: int):
+    """(kind, messages, hidden, files) of a spec: its first `examples` inputs shown in the prompt, the rest
+    hidden tests."""
     cases = [(args, sp.oracle(*args)) for args in sp.inputs]
-    ex = "; ".join(f"{_call(sp.func, a)} == {v!r}" for a, v in cases[:2])
-    prompt = f"{sp.text} For example: {ex}."
-    hidden = {"func": sp.func, "tests": [f"assert {_call(sp.func, a)} == {v!r}" for a, v in cases[2:]],
-              "examples": [f"assert {_call(sp.func, a)} == {v!r}" for a, v in cases[:2]],
+    ex = "; ".join(f"{_call(sp.func, a)} == {v!r}" for a, v in cases[:examples])
+    prompt = f"{sp.text} For example: {ex}." if ex else sp.text
+    hidden = {"func": sp.func, "tests": [f"assert {_call(sp.func, a)} == {v!r}" for a, v in cases[examples:]],
+              "examples": [f"assert {_call(sp.func, a)} == {v!r}" for a, v in cases[:examples]],
               "reference": sp.reference, "diagnosis": sp.diagnosis, "solution_path": SOLUTION}
-    return (sp.kind, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}], hidden,
+    return (sp.kind, [{"role": "system", "content": system}, {"role": "user", "content": prompt}], hidden,
             {SOLUTION: sp.starter})
 
 
-def generate(split: str, n: int, seed: int) -> list[Task]:
+def _draw(rng: random.Random):
+    return _pack(rng.choice(TEMPLATES)(rng), SYSTEM, 2)
+
+
+# --------------------------------------------------------------------------------------------- easy
+EASY_TOOLS = [WRITE_FILE]
+SYSTEM_EASY = "The workspace is /work. Write solution.py with the tool (hidden tests import it), then reply."
+_EASY = {"add": (("add_k", "plus", "inc"), range(1, 100), "x + {k}", lambda k: lambda x: x + k),
+         "mul": (("mul_k", "times", "scale"), range(2, 13), "x * {k}", lambda k: lambda x: x * k),
+         "const": (("const_k", "constant", "fixed"), range(0, 1000), "{k}", lambda k: lambda x: k)}
+
+
+def _draw_easy(rng: random.Random):
+    kind = rng.choice(tuple(_EASY))
+    names, ks, form, make = _EASY[kind]
+    name, k = rng.choice(names), rng.choice(ks)
+    expr = form.format(k=k)
+    text = f"Write `{name}(x)` in solution.py: it returns {expr}" + (" for any x." if kind == "const" else ".")
+    xs = [rng.randint(-99, 99) for _ in range(5)]
+    sp = Spec(kind, name, text, f"def {name}(x):\n    raise NotImplementedError\n",
+              f"def {name}(x): return {expr}\n", make(k), [(x,) for x in xs], f"It returns {expr}.")
+    kind, messages, hidden, files = _pack(sp, SYSTEM_EASY, 0)
+    worked = f"{expr.replace('x', f'({xs[0]})' if xs[0] < 0 else str(xs[0]))} = " if "x" in expr else ""
+    hidden.update(expr=expr, check=f"Check: {name}({xs[0]}) = {worked}{sp.oracle(xs[0])}.")
+    return kind, messages, hidden, files
+
+
+def generate(split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
+    if level not in LEVELS:
+        raise ValueError(f"coding: level {level!r} is not one of {', '.join(LEVELS)}")
+    if level == "easy":
+        return collect("coding", split, n, seed, _draw_easy, tools=EASY_TOOLS, stream="easy")
     return collect("coding", split, n, seed, _draw, tools=CODING_TOOLS)
 
 
@@ -192,8 +234,23 @@ def verify(task: Task, response: str, sandbox=None, manager=None, timeout: float
     return run_hidden_tests(sandbox, tests, task.id, timeout, task.hidden["solution_path"])
 
 
-def solve(task: Task, sandbox=None, manager=None) -> list[dict]:
-    """A scripted episode: read the file, write the fix, check the prompt's examples, report."""
+def solve_easy(task: Task, sb, effort: str | None = None) -> list[dict]:
+    """One `write_file` of the one-line function, then a one-line reply; the reasoning is a few words at
+    effort low, a sentence at high (None), a sentence and a worked example at max."""
+    h = task.hidden
+    s = Script(task, sb)
+    s.call(by_effort(effort, "Write it.", h["diagnosis"]),
+           ("write_file", {"path": "solution.py", "content": h["reference"]}))
+    return s.answer(by_effort(effort, "Done.", "The file is written.", h["check"]),
+                    f"`{h['func']}(x)` returns {h['expr']}.")
+
+
+def solve(task: Task, sandbox=None, manager=None, effort: str | None = None) -> list[dict]:
+    """A scripted episode. Standard: read the file, write the fix, check the prompt's examples, report (the
+    same at every effort); easy: `solve_easy`."""
+    if task.kind in _EASY:
+        with task_sandbox(task, sandbox, manager) as sb:
+            return solve_easy(task, sb, effort)
     path, func = task.hidden["solution_path"], task.hidden["func"]
     with task_sandbox(task, sandbox, manager) as sb:
         s = Script(task, sb)

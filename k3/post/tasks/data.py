@@ -85,10 +85,12 @@ def add_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("-n", type=_positive_int, required=True, help="tasks per domain")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--level", default="standard", choices=("easy", "standard"),
-                   help="task level (easy: general only, copy a code and single-digit addition)")
+                   help="task level, in every domain (easy: copy a code or single-digit addition; read a number "
+                        "from a named file or name the file that mentions a word; write a one-line function)")
     p.add_argument("--effort", default=None, choices=("low", "high", "max"),
-                   help="reasoning effort the solutions are written and rendered at (general: low keeps the last "
-                        "step, max adds a check); default: the chat default, high-length reasoning")
+                   help="reasoning effort the solutions are written and rendered at (low: the shortest reasoning, "
+                        "max: with a check; agent/coding standard: the same at every effort); default: the chat "
+                        "default, high-length reasoning")
     p.add_argument("--out", required=True, help="output .jsonl")
     p.add_argument("--sandbox-dir", default=None,
                    help="state dir of the sandboxes that solve agent/coding tasks (default: k3.env's default manager)")
@@ -101,8 +103,6 @@ def cmd_data(args: argparse.Namespace) -> int:
     from . import generate, solve
     domains = list(DOMAINS) if args.domain == "all" else [args.domain]
     level = getattr(args, "level", "standard")
-    if level != "standard" and args.domain != "general":
-        raise ValueError(f"level {level!r} exists for the general domain only, not {args.domain!r}")
     tasks = [t for d in domains for t in generate(d, args.split, args.n, args.seed, level)]
     try:
         from tqdm import tqdm
