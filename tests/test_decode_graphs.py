@@ -168,12 +168,19 @@ def test_cuda_graph_replay_equals_eager():
     """A bf16 engine (the graphs need the MoE's sync-free grouped path): sequences of several lengths are
     prefilled, then each decode step's graph is replayed and also run eagerly on the same inputs and pool
     (restored in between): logits and every pool byte bitwise equal (but the scratch pages' garbage). Several
-    batch and history buckets."""
+    batch and history buckets; the eager run with autograd on (the caller's mode must not change the path)."""
+
+    model = make_tiny(seed=6).cuda().to(torch.bfloat16).eval()
+    for in_chunk in (True, False):  # with in-chunk checkpoints the engine's own steps capture the first graph
+        check_replay_equals_eager(model, in_chunk)
+
+
+def check_replay_equals_eager(model, in_chunk: bool):
     from k3.serve import Engine, EngineConfig, SamplingParams
     from k3.serve.runner import SeqInput
 
-    model = make_tiny(seed=6).cuda().to(torch.bfloat16).eval()
-    eng = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=128, max_num_batched_tokens=512))
+    eng = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=128, max_num_batched_tokens=512,
+                                     checkpoints_in_chunks=in_chunk))
     assert eng.runner.use_graphs
     rng = random.Random(6)
     prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 300))] for _ in range(11)]

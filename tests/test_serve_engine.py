@@ -256,16 +256,17 @@ def run_random_load(model, seconds: float, seed: int = 0, min_requests: int = 30
 
 
 def test_randomized_load_frees_every_page(model):
+    """Random load with every KDA checkpoint ending its prefill chunk (`checkpoints_in_chunks=False`)."""
     seconds = float(os.environ.get("K3_SERVE_LOAD_SECONDS", "20"))
-    st = run_random_load(model, seconds)
+    st = run_random_load(model, seconds, checkpoints_in_chunks=False)
     assert st["preemptions"] > 0 and st["num_aborted"] > 0 and st["prefix_cache_hits"] > 0
     assert st["host_cache_bytes"] > 0
     print(st)
 
 
 def test_randomized_load_with_checkpoints_in_chunks_frees_every_page(model, monkeypatch):
-    """The same load with KDA checkpoints written inside prefill chunks: their slots, allocated when the chunk is
-    scheduled, are registered or given back in every path (preemption, abort, duplicates, eviction)."""
+    """The same load with KDA checkpoints written inside prefill chunks (the default): their slots, allocated when
+    the chunk is scheduled, are registered or given back in every path (preemption, abort, duplicates, eviction)."""
     from k3.serve.scheduler import Scheduler
 
     made, work = [], Scheduler._work

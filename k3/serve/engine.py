@@ -49,8 +49,8 @@ class EngineConfig:
         sparse endpoints: end of prompt, shared-prefix junction, last boundary of a finished sequence).
     checkpoints_in_chunks: write wanted KDA checkpoints from inside a prefill chunk (the chunked kernel's
         `states_at`) instead of ending the chunk there: one forward fewer per checkpoint (8K-token prefill on
-        the H200: 78k → 122k tok/s). Off by default: with it on, the CUDA test that a decode graph's replay
-        equals its eager run byte for byte sees 1-ulp differences in the fp32 KDA states (cause not found yet).
+        the H200: 78k → 122k tok/s). A checkpoint that is not a multiple of 16 tokens into its chunk still
+        ends the chunk. False: every checkpoint ends a chunk (the earlier behaviour).
     host_cache_bytes: host-memory tier for evicted prefixes (0 = off).
     affinity_window: how many waiting requests admission considers for the longest prefix hit.
     detokenize: token ids → text, needed for `SamplingParams.stop` strings.
@@ -71,7 +71,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     checkpoint_interval: int = 0
-    checkpoints_in_chunks: bool = False
+    checkpoints_in_chunks: bool = True
     host_cache_bytes: int = 0
     affinity_window: int = 16
     detokenize: Callable[[list[int]], str] | None = None

@@ -71,8 +71,11 @@ class DecodeGraph:
         with torch.cuda.graph(self.graph, pool=mempool):
             self.out = self.run()
 
+    @torch.no_grad()
     def run(self) -> torch.Tensor:
-        """The captured work, eagerly: the decode forward over the device buffer's inputs → fp32 logits [B, V]."""
+        """The captured work, eagerly: the decode forward over the device buffer's inputs → fp32 logits [B, V].
+        Always without autograd: with grad on, the fused inference kernels (Triton KDA decode, router) fall back
+        to their differentiable paths, and an eager run would not be the work the graph captured."""
         r = self.runner
         r.cache.batch = PackedBatch.for_decode(self.starts, self.slots, self.table, self.history,
                                                r.pool.layout.block_size)

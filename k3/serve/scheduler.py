@@ -37,7 +37,7 @@ class Work:
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache | None, hash_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, checkpoint_interval: int = 0, affinity_window: int = 16,
-                 checkpoints_in_chunks: bool = False):
+                 checkpoints_in_chunks: bool = True):
         self.pool, self.cache = pool, cache
         self.B = pool.layout.block_size
         self.h = hash_block_size
