@@ -96,6 +96,7 @@ class RLConfig(PostTrainConfig):
     min_b0: float = 16.0
     pool: int = 64                # train tasks drawn from the generator
     task_seed: int = 0
+    eval_task_seed: int | None = None  # seed of the held-out (test) tasks (None: task_seed)
     max_turns: int = 4
     max_turn_tokens: int = 256
     max_total_tokens: int = 1024
@@ -170,7 +171,8 @@ class RLTrainer(PostTrainMixin, Trainer):
         self.reward_fn = reward_fn
         self.budget = EffortBudget.for_effort(cfg.effort, cfg.tau, cfg.budget_cap)
         self.pool = tasks.generate(cfg.domain, "train", cfg.pool, cfg.task_seed, cfg.level)
-        self.eval_tasks = tasks.generate(cfg.domain, "test", cfg.eval_prompts, cfg.task_seed, cfg.level) \
+        eval_seed = cfg.task_seed if cfg.eval_task_seed is None else cfg.eval_task_seed
+        self.eval_tasks = tasks.generate(cfg.domain, "test", cfg.eval_prompts, eval_seed, cfg.level) \
             if cfg.eval_prompts else []
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(
             cfg.engine_dtype or "", torch.bfloat16 if self.device.type == "cuda" else None)

@@ -29,6 +29,7 @@ _FLAGS = {
                               "or standard"),
     "--pool": ("pool", int, "train tasks drawn from the built-in generator"),
     "--task-seed": ("task_seed", int, "seed of the task generator"),
+    "--eval-task-seed": ("eval_task_seed", int, "seed of the held-out tasks (default: --task-seed)"),
     "--max-turns": ("max_turns", int, "assistant turns per episode (tool round trips + the answer)"),
     "--max-turn-tokens": ("max_turn_tokens", int, "tokens per assistant turn"),
     "--max-total-tokens": ("max_total_tokens", int, "generated tokens per episode"),
