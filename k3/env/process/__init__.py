@@ -1,4 +1,4 @@
-"""Process tier: Linux namespaces + overlayfs + cgroup-v1 limits and freezer (fast; needs root).
+"""Process tier: Linux namespaces + overlayfs + cgroup limits and freezer, v1 or v2 (fast; needs root).
 
 Layout under `state_dir` (bases/, layers/ and sandboxes/ are mode 0700):
 
@@ -51,8 +51,10 @@ resolved by openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) from that root: `..
 files are root-owned with the given mode; parents are created.
 
 Limits: cgroup v1 dirs `<controller>/k3sbx/<sid>-<state-dir tag>` for freezer, memory (memory.limit and
-memsw: no swap), pids, cpu (CFS quota) and cpuacct; the init and every exec are in them (what a warm init
-allocated before it joined, a few MB, stays charged where it was spawned: v1 does not move charges). pids.max is
+memsw: no swap), pids, cpu (CFS quota) and cpuacct; or, on a cgroup v2 host (the unified hierarchy, no v1
+controllers mounted), one dir `k3sbx/<sid>-<tag>` with memory.max + memory.swap.max 0, pids.max, cpu.max and the
+core freezer / cgroup.kill (`cgroups.py`). The init and every exec are in them (what a warm init allocated
+before it joined, a few MB, stays charged where it was spawned: neither version moves charges). pids.max is
 limits.pids + PIDS_OVERHEAD (the unshare and the init count too). limits.file_mb caps every file: each upload, and
 every file a command writes (RLIMIT_FSIZE, which root inside cannot raise: SIGXFSZ / EFBIG beyond); there
 is no quota on the upper dir. Network: limits.network False gives a net namespace with only `lo`; True
@@ -81,9 +83,11 @@ bases.py (the default base and the base allow-list).
 """
 
 from .bases import BASE_ROOTS_ENV, allowed_base_path
-from .cgroups import CG_OPTIONAL, CG_PARENT, CG_REQUIRED, CGROUP_ROOT, _cg_procs  # noqa: F401 - tests use it
+from .cgroups import (CG2_OPTIONAL, CG2_REQUIRED, CG_OPTIONAL, CG_PARENT, CG_REQUIRED, CGROUP_ROOT,  # noqa: F401
+                      _cg_procs, cgroup_mode)
 from .tier import (MAX_EXEC_REQUEST, OVERLAY_OPTIONS, PIDS_OVERHEAD, TIMEOUT_EXIT, ProcessTier,  # noqa: F401
                    _proc_start)
 
-__all__ = ["BASE_ROOTS_ENV", "CGROUP_ROOT", "CG_OPTIONAL", "CG_PARENT", "CG_REQUIRED", "MAX_EXEC_REQUEST",
+__all__ = ["BASE_ROOTS_ENV", "CGROUP_ROOT", "CG2_OPTIONAL", "CG2_REQUIRED", "CG_OPTIONAL", "CG_PARENT", "CG_REQUIRED",
+           "MAX_EXEC_REQUEST", "cgroup_mode",
            "OVERLAY_OPTIONS", "PIDS_OVERHEAD", "ProcessTier", "TIMEOUT_EXIT", "allowed_base_path"]

@@ -30,8 +30,7 @@ from .. import _fs
 from ..base import (MAX_FILE_BYTES, MAX_OUTPUT_BYTES, BadRequest, ExecResult, FileInfo, InvalidState, Limits,
                     NotFound, SandboxError, SnapshotInfo, State, Tier, TooLarge, Unavailable, command_argv)
 from .bases import _BASE_TOP, _build_default_base, _py_prefix, allowed_base_path, base_roots_from_env
-from .cgroups import (CG_PARENT, CG_REQUIRED, CGROUP_ROOT, _cg_freeze, _cg_kill_all, _cg_remove,
-                      _controllers, _write)
+from .cgroups import _cg_freeze, _cg_kill_all, _cg_remove, _write, cg_setup, cgroup_dirs, cgroup_mode, freezer_dir
 
 PIDS_OVERHEAD = 2  # the unshare and the init
 OVERLAY_OPTIONS = {"index": "off", "redirect_dir": "on", "metacopy": "off"}
@@ -325,9 +324,9 @@ class ProcessTier(Tier):
     def available(cls) -> tuple[bool, str]:
         if sys.platform != "linux" or os.geteuid() != 0:
             return False, "the process tier needs Linux and root"
-        missing = [c for c in CG_REQUIRED if not (CGROUP_ROOT / c / "cgroup.procs").exists()]
-        if missing:
-            return False, f"cgroup v1 controllers not mounted under {CGROUP_ROOT}: {', '.join(missing)}"
+        mode, why = cgroup_mode()
+        if mode is None:
+            return False, why
         if "overlay" not in Path("/proc/filesystems").read_text():
             return False, "overlayfs is not available (modprobe overlay)"
         if not shutil.which("unshare"):
@@ -612,11 +611,11 @@ class ProcessTier(Tier):
         return sb
 
     def _cgroups_of(self, sid: str) -> list[Path]:
-        return [CGROUP_ROOT / c / CG_PARENT / f"{sid}-{self._tag}" for c in _controllers()]
+        return cgroup_dirs(f"{sid}-{self._tag}")
 
     @staticmethod
     def _freezer(sb: _Sandbox) -> Path:
-        return next(d for d in sb.cgroups if d.parent.parent.name == "freezer")
+        return freezer_dir(sb.cgroups)
 
     def _load(self, sid: str, meta: dict) -> _Sandbox | None:
         """A _Sandbox from sandboxes/<sid>/run.json (the tier's own, newest record), else from `meta`."""
@@ -637,24 +636,8 @@ class ProcessTier(Tier):
 
     def _setup_cgroups(self, sb: _Sandbox) -> None:
         lim = sb.limits
-        for d in sb.cgroups:
-            d.mkdir(parents=True, exist_ok=True)
-            kind = d.parent.parent.name
-            if kind == "memory":
-                mem = str(max(16, int(lim.memory_mb)) * 1024 * 1024)
-                if (d / "memory.memsw.limit_in_bytes").exists():  # order matters: memsw >= memory always
-                    cur = int((d / "memory.limit_in_bytes").read_text())
-                    first, second = (("memory.limit_in_bytes", "memory.memsw.limit_in_bytes") if int(mem) <= cur
-                                     else ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes"))
-                    _write(d / first, mem)
-                    _write(d / second, mem)
-                else:
-                    _write(d / "memory.limit_in_bytes", mem)
-            elif kind == "pids":
-                _write(d / "pids.max", str(max(1, int(lim.pids)) + PIDS_OVERHEAD))
-            elif kind == "cpu" and (d / "cpu.cfs_quota_us").exists():
-                _write(d / "cpu.cfs_period_us", "100000")
-                _write(d / "cpu.cfs_quota_us", str(max(1000, int(lim.cpus * 100000)) if lim.cpus > 0 else -1))
+        cg_setup(sb.cgroups, max(16, int(lim.memory_mb)) * 1024 * 1024, max(1, int(lim.pids)) + PIDS_OVERHEAD,
+                 lim.cpus)
 
     def _start(self, sb: _Sandbox, timeout: float = 20.0, setup_cgroups: bool = True) -> None:
         """Start an init over sb's layer stack (a warm one from the pool if there is one) and wait until it is
