@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from .base import WORKDIR, Reward, Task, TaskError, answer_matches, by_effort, collect, normalise
+from .base import WORKDIR, Reward, Task, TaskError, answer_matches, by_effort, collect_level, normalise
 from .sandbox_io import Script, task_sandbox
 from .tools import AGENT_TOOLS, CAT, GREP
 
@@ -89,11 +89,8 @@ def _draw_easy(rng: random.Random):
 
 
 def generate(split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
-    if level not in LEVELS:
-        raise ValueError(f"agent: level {level!r} is not one of {', '.join(LEVELS)}")
-    if level == "easy":
-        return collect("agent", split, n, seed, _draw_easy, tools=EASY_TOOLS, stream="easy")
-    return collect("agent", split, n, seed, _draw, tools=AGENT_TOOLS)
+    return collect_level("agent", split, n, seed, level, {"easy": (_draw_easy, EASY_TOOLS),
+                                                          "standard": (_draw, AGENT_TOOLS)})
 
 
 def verify(task: Task, response: str, sandbox=None) -> Reward:

@@ -116,6 +116,16 @@ def collect(domain: str, split: str, n: int, seed: int,
     return out
 
 
+def collect_level(domain: str, split: str, n: int, seed: int, level: str,
+                  draws: dict[str, tuple[Callable, list[dict] | None]]) -> list[Task]:
+    """`collect` at `level` of a domain whose levels are `draws` ({level: (draw, tools)}); a level other than
+    "standard" draws from its own stream."""
+    if level not in draws:
+        raise ValueError(f"{domain}: level {level!r} is not one of {', '.join(draws)}")
+    draw, tools = draws[level]
+    return collect(domain, split, n, seed, draw, tools=tools, stream="" if level == "standard" else level)
+
+
 # ---------------------------------------------------------------------------------------------- answers
 
 _ANSWER_LINE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*:\s*(.*?)\s*$")

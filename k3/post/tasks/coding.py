@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from .base import WORKDIR, Reward, Task, TaskError, by_effort, collect
+from .base import WORKDIR, Reward, Task, TaskError, by_effort, collect_level
 from .harness import run_hidden_tests
 from .sandbox_io import Script, task_sandbox
 from .tools import CODING_TOOLS, WRITE_FILE
@@ -201,11 +201,8 @@ def _draw_easy(rng: random.Random):
 
 
 def generate(split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
-    if level not in LEVELS:
-        raise ValueError(f"coding: level {level!r} is not one of {', '.join(LEVELS)}")
-    if level == "easy":
-        return collect("coding", split, n, seed, _draw_easy, tools=EASY_TOOLS, stream="easy")
-    return collect("coding", split, n, seed, _draw, tools=CODING_TOOLS)
+    return collect_level("coding", split, n, seed, level, {"easy": (_draw_easy, EASY_TOOLS),
+                                                           "standard": (_draw, CODING_TOOLS)})
 
 
 def extract_code(response: str) -> str | None:

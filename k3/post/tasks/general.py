@@ -18,7 +18,7 @@ import re
 from decimal import Decimal
 from functools import lru_cache
 
-from .base import Reward, Task, answer_matches, collect, format_number
+from .base import Reward, Task, answer_matches, collect_level, format_number
 
 SYSTEM = "You are a careful assistant. Think step by step, then end your reply with a line 'Answer: <value>'."
 SYSTEM_EASY = "End your reply with a line 'Answer: <value>'."
@@ -190,11 +190,7 @@ def _draw_easy(rng: random.Random):
 
 
 def generate(split: str, n: int, seed: int, level: str = "standard") -> list[Task]:
-    if level not in LEVELS:
-        raise ValueError(f"general: level {level!r} is not one of {', '.join(LEVELS)}")
-    if level == "easy":
-        return collect("general", split, n, seed, _draw_easy, stream="easy")
-    return collect("general", split, n, seed, _draw)
+    return collect_level("general", split, n, seed, level, {"easy": (_draw_easy, None), "standard": (_draw, None)})
 
 
 def verify(task: Task, response: str) -> Reward:
