@@ -2,11 +2,12 @@
 
     python benchmarks/post_train.py --out runs/bench-post                   # k3-tiny on the CPU (see docs)
     OMP_NUM_THREADS=2 python benchmarks/post_train.py --out runs/bench-post-3dom --domains general,agent,coding \
-        --levels easy --sft-steps 60 --sft-seq-len 768 --sft-n 32 --sft-n-standard 0 --eval-n 4 --pool 8 \
-        --rl-steps 2 --tput-steps 1 --time-budget 600                       # every domain, CPU, ~10 minutes
-    python benchmarks/post_train.py --preset k3-small --device cuda --no-checkpoints --time-budget 540 \
+        --levels easy --sft-steps 300 --sft-seq-len 768 --sft-n 96 --sft-n-standard 0 --eval-n 8 --pool 16 \
+        --rl-steps 3 --tput-steps 1 --time-budget 660             # every domain, 2-core CPU: 390 s
+    python benchmarks/post_train.py --preset k3-small --device cuda --no-checkpoints --time-budget 500 \
         --domains general,agent,coding --levels easy --sft-steps 400 --sft-lr 1e-3 --sft-n 256 \
         --sft-n-standard 0 --rl-steps 6 --rl-lr 1e-4 --prompts 8 --samples 8 --pool 64 --eval-n 32
+                                                    # one H200: meant to take ~540 s with start-up (not run yet)
 
 The chain: the starting model (a random init of --preset, or --base) → cold-start data from the built-in
 tasks (scripted solutions whose reasoning length follows the effort: low < high < max) → `k3 sft` → rollout
@@ -29,7 +30,7 @@ data are "train" tasks of --task-seed; the RL pool is drawn with --rl-task-seed 
 its prompts are left out of the SFT data, so RL trains on prompts the SFT model has not seen.
 
 Episode limits: turns of --max-turn-tokens (128) and --max-total-tokens (256) generated tokens per episode.
-An easy agent episode (one cat or grep call and the answer) is 80–125 generated tokens, an easy coding one (one
+An easy agent episode (one cat or grep call and the answer) is 90–125 generated tokens, an easy coding one (one
 write_file call and a one-line reply) 120–155 with turns of up to ~93: K3's chat markup of a tool call alone
 is ~52 tokens with one argument and ~66 with two, so a 64-token turn (the old default) holds no grep or
 write_file call.
