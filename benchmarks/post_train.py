@@ -20,10 +20,10 @@ reuse them. After each stage (before SFT, after SFT, after each effort's runs) i
 per held-out task of every domain and level through the engine (one engine for all of them), at the stage's
 effort: pass rate, reward (−1 over the effort budget, for the RL domains' levels), counted length, generated
 tokens, the share of episodes the model ended itself (an answer, or tool calls up to the turn limit; not a
-token limit) and the share of answers in the `Answer: <value>` format. Prints a table; writes post_train.json and the plots post_reward.png (train-
-batch reward of every RL run, one line per domain), post_pass.png (held-out pass rate per stage, domain and
-level) and post_length.png (counted length per effort, one panel per RL domain) under --out, and each RL
-run's rl.png.
+token limit) and the share of answers in the `Answer: <value>` format. Prints a table; writes post_train.json
+and the plots post_reward.png (train-batch reward of every RL run, one line per domain), post_pass.png
+(held-out pass rate per stage, domain and level) and post_length.png (counted length per effort, one panel
+per RL domain) under --out, and each RL run's rl.png.
 
 Held-out tasks are the "test" split (a hash of the prompt, never in any train seed) of --task-seed. The SFT
 data are "train" tasks of --task-seed; the RL pool is drawn with --rl-task-seed (default --task-seed + 1) and
