@@ -10,7 +10,7 @@ RUN=${RUN:-/tmp/post-small}
 rm -rf "$RUN"
 timeout $(( ${POST_S:-470} + 60 )) python3 benchmarks/post_train.py --preset k3-small --device cuda --no-checkpoints \
   --out "$RUN" --time-budget ${POST_S:-470} --domains general,agent,coding --levels easy --sft-steps 400 --sft-lr 1e-3 \
-  --sft-n 256 --sft-n-standard 0 --rl-steps 6 --rl-lr 1e-4 --prompts 8 --samples 8 --pool 64 --eval-n 32 \
+  --sft-n ${SFT_N:-192} --sft-n-standard 0 --rl-steps 6 --rl-lr 1e-4 --prompts 8 --samples 8 --pool 64 --eval-n 32 \
   > "$OUT/post_train.log" 2>&1 || echo "post_train exit $?" >> "$OUT/post_train.log"
 tail -40 "$OUT/post_train.log"
 cp "$RUN"/post_train.json "$RUN"/*.png "$OUT/" 2>/dev/null
