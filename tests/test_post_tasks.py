@@ -229,7 +229,7 @@ def test_jsonl_round_trip(tmp_path):
     with pytest.raises(ValueError, match=r"d.jsonl:11: record lacks tools, task_id, domain"):
         tasks.read_jsonl(p)
     p.write_text("{nope\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:1: not JSON"):
+    with pytest.raises(ValueError, match=r"d.jsonl:1: not valid JSON"):
         tasks.read_jsonl(p)
 
 

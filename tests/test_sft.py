@@ -143,7 +143,7 @@ def test_bad_inputs_are_named(setup, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(conversation(0)) + "\n" + json.dumps({"task_id": "x9", "messages": [
         {"role": "assistant", "tool_calls": [{"function": {"name": ""}}]}]}) + "\n")
-    with pytest.raises(ValueError, match=r"line 2: conversation 'x9' cannot be rendered.*function\.name"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: conversation 'x9' cannot be rendered.*function\.name"):
         sft(cfg(setup, tmp_path / "o", sft_data=str(bad)))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

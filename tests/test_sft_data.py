@@ -228,12 +228,13 @@ def test_load_truncates_or_drops_long_and_counts(tmp_path, byte_tok):
 
 
 @pytest.mark.parametrize("lines, msg", [
-    ([{"messages": []}, "{not json"], r"d\.jsonl, line 2: not valid JSON"),
-    (["[1, 2]"], r"d\.jsonl, line 1: expected an object with a 'messages' list, got list"),
+    ([{"messages": []}, "{not json"], r"d\.jsonl:2: not valid JSON"),
+    (["[1, 2]"], r"d\.jsonl:1: expected a JSON object, got list"),
+    ([{"messages": "hi"}], r"d\.jsonl:1: expected an object with a 'messages' list, got messages=str"),
     ([{"task_id": "q7", "messages": [{"role": "robot", "content": "x"}]}],
-     r"d\.jsonl, line 1: conversation 'q7' cannot be rendered.*messages\[0\]\.role: 'robot'"),
+     r"d\.jsonl:1: conversation 'q7' cannot be rendered.*messages\[0\]\.role: 'robot'"),
     ([{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}],
-     r"line 1: conversation 'line 1' cannot be rendered.*reasoning_effort: 'huge'"),
+     r"d\.jsonl:1: conversation 'line 1' cannot be rendered.*reasoning_effort: 'huge'"),
     (["", "  "], r"holds no usable conversation: 0 read"),
     ([{"messages": [{"role": "user", "content": "only a question"}]}], r"no usable conversation.*no assistant token"),
 ])

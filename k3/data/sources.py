@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from ..io.jsonl import iter_jsonl
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -116,18 +117,10 @@ def read_text(path: str | os.PathLike, chunk_bytes: int | None = None) -> Iterat
 
 def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[Document]:
     """One document per non-empty line, from the string field `text_field`."""
-    p = Path(path)
-    with p.open("r", encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-                raise ValueError(f"{p}:{lineno}: expected a JSON object with a string field {text_field!r}")
-            yield Document(rec[text_field], f"{p}:{lineno}")
+    for lineno, rec in iter_jsonl(path, errors="replace"):
+        if not isinstance(rec.get(text_field), str):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}")
+        yield Document(rec[text_field], f"{path}:{lineno}")
 
 
 def read_parquet(path: str | os.PathLike, text_field: str = "text", batch_rows: int = 1024) -> Iterator[Document]:

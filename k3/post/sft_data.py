@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 
 from ..data.packing import IGNORE_INDEX, make_row
 from ..io.chat import ChatFormatError, encode_with_mask
+from ..io.jsonl import iter_jsonl
 
 CHAT_OPTIONS = ("reasoning_effort", "thinking_effort", "thinking", "enable_thinking", "tool_choice",
                 "response_format")
@@ -62,23 +62,15 @@ class LoadStats:
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(1-based line number, object) for every non-blank line; a bad line is a ValueError naming it."""
+    """(1-based line number, conversation) for every non-blank line; a bad line is a ValueError naming it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data {str(path)!r} does not exist (expected a JSONL file of conversations)")
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
-                got = type(obj).__name__ if not isinstance(obj, dict) else \
-                    f"messages={type(obj.get('messages')).__name__}"
-                raise ValueError(f"{path}, line {n}: expected an object with a 'messages' list, got {got}")
-            yield n, obj
+    for n, obj in iter_jsonl(path):
+        if not isinstance(obj.get("messages"), list):
+            raise ValueError(f"{path}:{n}: expected an object with a 'messages' list, got "
+                             f"messages={type(obj.get('messages')).__name__}")
+        yield n, obj
 
 
 def example_options(obj: dict, default_effort: str | None = None) -> dict[str, Any]:
@@ -111,7 +103,7 @@ def load_examples(path: str | Path, tokenizer, seq_len: int, *, drop_long: bool 
         try:
             ids, mask = encode_example(tokenizer, obj, effort)
         except ChatFormatError as e:
-            raise ValueError(f"{path}, line {n}: conversation {tid!r} cannot be rendered in the chat format: "
+            raise ValueError(f"{path}:{n}: conversation {tid!r} cannot be rendered in the chat format: "
                              f"{e}") from None
         if len(ids) > seq_len:
             if drop_long:

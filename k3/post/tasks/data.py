@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from ...io.jsonl import iter_jsonl
 from .base import DOMAINS, SPLITS, Task
 
 REQUIRED = ("messages", "tools", "task_id", "domain")
@@ -49,23 +50,14 @@ def write_jsonl(items: Iterable[Any], path: str | os.PathLike) -> int:
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The records of a JSONL file, each checked for the SFT keys; ValueError naming file:line otherwise."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from e
-            if not isinstance(r, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(r).__name__}")
-            missing = [k for k in REQUIRED if k not in r]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: record lacks {', '.join(missing)} (expected keys: "
-                                 f"{', '.join(REQUIRED)})")
-            if not isinstance(r["messages"], list) or (r["tools"] is not None and not isinstance(r["tools"], list)):
-                raise ValueError(f"{path}:{lineno}: 'messages' must be a list and 'tools' a list or null")
-            out.append(r)
+    for lineno, r in iter_jsonl(path):
+        missing = [k for k in REQUIRED if k not in r]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: record lacks {', '.join(missing)} (expected keys: "
+                             f"{', '.join(REQUIRED)})")
+        if not isinstance(r["messages"], list) or (r["tools"] is not None and not isinstance(r["tools"], list)):
+            raise ValueError(f"{path}:{lineno}: 'messages' must be a list and 'tools' a list or null")
+        out.append(r)
     return out
 
 
