@@ -61,13 +61,17 @@ def prompts(tok, args) -> list[list[int]]:
 
 @torch.no_grad()
 def compare(model, ps: list[list[int]], args, device) -> dict:
-    """Engine vs generate, greedy, one prompt at a time for generate (no padding in the reference)."""
+    """Engine vs generate, greedy; generate runs the prompts as one left-padded batch (each row gets the tokens
+    it would get alone) and neither stops at an end token."""
     eng = Engine(model, EngineConfig(max_num_seqs=len(ps), max_model_len=4096, gpu_memory_fraction=0.3))
     outs = eng.generate(ps, SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True))
+    del eng
+    L = max(map(len, ps))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in ps], device=device)
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps], device=device)
+    refs = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens)[:, L:].tolist()
     same_pos, first_gap, agree_gap, whole = 0, [], [], 0
-    for p, o in zip(ps, outs):
-        ids = torch.tensor([p], device=device)
-        ref = model.generate(ids, max_new_tokens=args.new_tokens)[0, len(p):].tolist()
+    for p, o, ref in zip(ps, outs, refs):
         got = list(o.token_ids)
         same = [a == b for a, b in zip(got, ref)]
         same_pos += sum(same)

@@ -16,7 +16,7 @@ tail -40 "$OUT/post_train.log"
 cp "$RUN"/post_train.json "$RUN"/*.png "$OUT/" 2>/dev/null
 final=$(ls -dt "$RUN"/rl-*/model 2>/dev/null | head -1)
 if [ -n "$final" ]; then
-  timeout ${AGREE_S:-60} python3 benchmarks/agreement.py --checkpoint "$final" --device cuda --n 16 --new-tokens 48 \
+  timeout ${AGREE_S:-150} python3 benchmarks/agreement.py --checkpoint "$final" --device cuda --n 16 --new-tokens 48 \
     --domains general,agent,coding --out "$OUT/agreement.json" > "$OUT/agreement.log" 2>&1 || echo "agreement exit $?" >> "$OUT/agreement.log"
   tail -3 "$OUT/agreement.log"
 fi
