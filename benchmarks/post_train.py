@@ -14,9 +14,9 @@ tasks (scripted solutions whose reasoning length follows the effort: low < high 
 throughput with and without partial rollout (two short RL runs from the SFT model on the first RL domain; the
 first estimates that domain's cold-start budgets b₀) → RL in every --rl-domains domain on --rl-level tasks:
 for each effort max → high → low, one RL run per domain in turn (general, agent, coding), each starting from
-the previous run's weights; a domain's budgets b₀ come from the λ = 1 throughput run (the first domain) or
-from its own max run (the others: estimated by the model that run starts from), and its high and low runs
-reuse them. After each stage (before SFT, after SFT, after each effort's runs) it evaluates one seeded sample
+the previous run's weights; every domain's budgets b₀ come from the SFT (cold-start) model, as K3's recipe
+has it: the first domain's from the λ = 1 throughput run, the others' from an estimate right after it (before
+any RL), and every run of a domain uses them. After each stage (before SFT, after SFT, after each effort's runs) it evaluates one seeded sample
 per held-out task of every domain and level through the engine (one engine for all of them), at the stage's
 effort: pass rate, reward (−1 over the effort budget, for the RL domains' levels), counted length, generated
 tokens, the share of episodes the model ended itself (an answer, or tool calls up to the turn limit; not a
@@ -222,6 +222,20 @@ def rl_config(ck: Path, run: Path, domain: str, level: str, effort: str, steps: 
 def train_log(run: Path) -> list[dict]:
     """The train records of an RL run's log ([] when it has none)."""
     return [r for r in read_log(run / "log.jsonl") if r["kind"] == "train"] if (run / "log.jsonl").is_file() else []
+
+
+def estimate_b0(ck: Path, run: Path, domain: str, level: str, args) -> Path:
+    """The cold-start budgets b₀ of `domain`'s RL pool and held-out tasks from the model at `ck` (the RL
+    trainer's own estimate, without training); returns the budgets.json written under `run`."""
+    trainer = RLTrainer(rl_config(ck, run, domain, level, "max", 1, args, None, save=False))
+    try:
+        trainer.estimate_budgets()
+    finally:
+        trainer.close()
+        del trainer
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return run / "budgets.json"
 
 
 def rollout_rate(run: Path) -> dict:
@@ -438,10 +452,13 @@ def main(argv=None) -> int:
         tput[name] = {"lambda": lam, **rollout_rate(run)}
     tput["ratio"] = tput["partial"]["tokens_per_s"] / max(tput["full"]["tokens_per_s"], 1e-9)
     res["rollout_tokens_per_s"] = tput
-    # 3. RL max → high → low; at each effort one run per domain in turn, each from the previous run's weights.
-    #    b₀: the first domain's from the λ = 1 run, another domain's from its own max run (reused by high, low)
-    budget_files = {d: out / "tput-full" / "budgets.json" if d == first else out / f"rl-{d}-max" / "budgets.json"
-                    for d in rl_domains}
+    # 3. b₀ of every other RL domain, also from the SFT (cold-start) model, before any RL changes it
+    budget_files = {first: out / "tput-full" / "budgets.json"}
+    t = time.perf_counter()
+    for d in rl_domains[1:]:
+        budget_files[d] = estimate_b0(sft_ck, out / f"b0-{d}", d, rl_levels[d], args)
+    res["seconds"]["b0_other_domains"] = time.perf_counter() - t
+    # 4. RL max → high → low; at each effort one run per domain in turn, each from the previous run's weights
     prev = sft_ck
     res["rl"] = {d: {} for d in rl_domains}
     for i, e in enumerate(EFFORTS):
