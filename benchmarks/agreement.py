@@ -11,6 +11,7 @@ reports, over chat prompts of held-out built-in tasks (the chat format the check
   - the same comparison in fp32 (engine eager), where the tokens must agree exactly (the exactness check).
 
     python benchmarks/agreement.py --checkpoint runs/post/rl-general-low --device cuda --out agreement.json
+    python benchmarks/agreement.py --checkpoint runs/demo --source corpus --device cuda  # `make demo`'s model
     python benchmarks/agreement.py --preset k3-tiny --device cpu --n 4 --new-tokens 16   # random weights, smoke
 """
 
@@ -49,7 +50,13 @@ def load(args):
 
 
 def prompts(tok, args) -> list[list[int]]:
-    """Chat prompts (generation prompt included) of held-out tasks of each --domains entry at its easiest level."""
+    """--source tasks: chat prompts (generation prompt included) of held-out tasks of each --domains entry at its
+    easiest level; --source corpus: the first 64 tokens of validation documents of the built-in corpus (for a
+    pre-trained checkpoint such as `make demo`'s)."""
+    if args.source == "corpus":
+        from k3.data.corpus import builtin_corpus
+        docs = [d for d in builtin_corpus(split="validation") if len(d.text) > 400][:args.n]
+        return [tok.encode(d.text)[:64] for d in docs]
     out = []
     domains = args.domains.split(",")
     for d in domains:
@@ -96,6 +103,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="model dir or run dir (default: a random init of --preset)")
     ap.add_argument("--preset", default="k3-small")
+    ap.add_argument("--source", default="tasks", choices=("tasks", "corpus"), help="where the prompts come from")
     ap.add_argument("--domains", default="general", help="comma list: held-out tasks whose chat prompts are used")
     ap.add_argument("--effort", default="high", choices=("low", "high", "max"))
     ap.add_argument("--n", type=int, default=32, help="prompts")
