@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 exactness comparison")
+    ap.add_argument("--bf16", action="store_true", help="also compare in bf16 on the CPU (always on CUDA)")
     ap.add_argument("--out", default="agreement.json")
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     res = {"model": src, "device": device, "prompt_tokens_mean": sum(map(len, ps)) / len(ps)}
     if not a.no_fp32:
         res["fp32"] = compare(model.float(), ps, a, device)
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or a.bf16:
         res["bf16"] = compare(model.cast(torch.bfloat16) or model, ps, a, device)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     for k in ("fp32", "bf16"):
