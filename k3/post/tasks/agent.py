@@ -9,9 +9,9 @@ write the answer to a file).
 - "easy": one to three one-line files `/work/<name>.txt` and the tools cat and grep. Kinds: `read` ("What
   number is stored in <name>.txt?", the scripted solver `cat`s it), `find` ("Which file under /work mentions
   <word>?", answered with the file's name, the solver `grep`s for the word). An episode is one tool call and
-  the answer, each turn at most 64 tokens with K3's chat markup (a one-argument tool call alone is ~50), and
-  its scripted reasoning is longer at a higher effort (`solve_easy`). There is no `_write` kind at this
-  level: a two-argument `write_file` call does not fit in a 64-token turn.
+  the answer: a `cat` turn is at most 64 tokens with K3's chat markup (a one-argument tool call alone is ~52),
+  a `grep` turn (two arguments, ~66) at most ~80, and the scripted reasoning is longer at a higher effort
+  (`solve_easy`). There is no `_write` kind at this level: it would add a second two-argument call.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def verify(task: Task, response: str, sandbox=None) -> Reward:
 
 def solve_easy(task: Task, sb, effort: str | None = None) -> list[dict]:
     """One `cat` (read) or `grep` (find), then `Answer: <value>`; the reasoning is a few words at effort low,
-    a short sentence at high (None), and a check added at max. Each turn is at most 64 tokens."""
+    a short sentence at high (None), and a check added at max (a `cat` turn ≤ 64 tokens, a `grep` turn ≤ ~80)."""
     s = Script(task, sb)
     ans = task.hidden["answers"][0]
     if task.kind == "find":
