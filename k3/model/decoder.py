@@ -89,8 +89,7 @@ class KimiDecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
     def ffn(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.post_attention_layernorm(h)
-        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+        return self._mlp(self.post_attention_layernorm(h))
 
     def attn(self, h: torch.Tensor, attention_mask, cache, cu_seqlens=None) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), attention_mask, cache, cu_seqlens)
@@ -99,15 +98,29 @@ class KimiDecoderLayer(nn.Module):
                          attention_mask=None, cache=None, cu_seqlens=None
                          ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
-        h = blocks[0] if partial is None else _mix(blocks + [partial], self.self_attention_res_norm,
-                                                   self.self_attention_res_proj, self.attn_res_backend)
+        x = self.input_layernorm(blocks[0]) if partial is None else self._mix_norm(
+            blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm)
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None
-        a = self.attn(h, attention_mask, cache, cu_seqlens)
+        a = self.self_attn(x, attention_mask, cache, cu_seqlens)
         partial = a if partial is None else partial + a
-        h = _mix(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.attn_res_backend)
-        return blocks, partial + self.ffn(h)
+        x = self._mix_norm(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        return blocks, partial + self._mlp(x)
+
+    def _mix_norm(self, sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear,
+                  norm: RMSNorm) -> torch.Tensor:
+        """norm(AttnRes(sources)): a sublayer's input. In CPU training the pair is recomputed in the backward
+        (memory-lean, like the CPU MLPs): only the sources are kept, which the stream holds anyway, not the
+        AttnRes output that the norm would save (≈ 13 KB per token of k3-tiny at 64K tokens)."""
+        def f(*srcs):
+            return norm(_mix(list(srcs), res_norm, res_proj, self.attn_res_backend))
+        if torch.is_grad_enabled() and not sources[0].is_cuda:
+            return torch.utils.checkpoint.checkpoint(f, *sources, use_reentrant=False)
+        return f(*sources)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
     def forward(self, x: torch.Tensor, attention_mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
         """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off)."""
