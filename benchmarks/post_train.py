@@ -108,32 +108,35 @@ def load_model(ck: Path, args):
     return model, K3Tokenizer.from_pretrained(ck)
 
 
-def evaluate(model, tok, levels: list[tuple[str, str]], effort: str, args, manager=None,
+def evaluate(model, tok, levels: list[tuple[str, str]], efforts: tuple[str, ...], args, manager=None,
              budgets: dict[str, BudgetTable] | None = None, budget_levels: set | None = None) -> dict:
-    """One seeded sample per held-out task of every (domain, level) of `levels` at `effort`, all through one
-    engine; the budget rule applies to the (domain, level) pairs of `budget_levels` with `budgets[domain]`.
-    Returns {(domain, level): metrics}."""
+    """One seeded sample per held-out task of every (domain, level) of `levels` at each of `efforts`, all
+    through one engine run (a decode step costs about the same at any batch size on a GPU); the budget rule
+    applies to the (domain, level) pairs of `budget_levels` with `budgets[domain]`.
+    Returns {(domain, level, effort): metrics}."""
     n = args.eval_n
-    eng = Engine(model, EngineConfig(max_num_seqs=max(n * len(levels), 1), max_model_len=4096,
+    eng = Engine(model, EngineConfig(max_num_seqs=max(n * len(levels) * len(efforts), 1), max_model_len=4096,
                                      gpu_memory_fraction=0.25))
     make = None
     if manager is not None:
         from k3.env import Sandbox
         make = lambda: Sandbox.create(manager=manager)  # noqa: E731
-    r = RolloutRunner(eng, tok, effort=effort, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
+    r = RolloutRunner(eng, tok, effort=efforts[0], max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                       max_total_tokens=args.max_total_tokens, temperature=args.eval_temperature, sandboxes=make)
-    trajs = {(d, lv): [r.start(t, f"e-{d}-{lv}-{i}", f"e-{d}-{lv}-{i}", derive_seed(args.seed, "bench-eval", t.id))
-                       for i, t in enumerate(tasks.generate(d, "test", n, args.task_seed, lv))] for d, lv in levels}
+    trajs = {(d, lv, e): [r.start(t, f"e-{d}-{lv}-{e}-{i}", f"e-{d}-{lv}-{e}-{i}",
+                                  derive_seed(args.seed, "bench-eval", t.id), effort=e)
+                          for i, t in enumerate(tasks.generate(d, "test", n, args.task_seed, lv))]
+             for d, lv in levels for e in efforts}
     r.run([t for ts in trajs.values() for t in ts])
-    budget = EffortBudget.for_effort(effort)
     out = {}
-    for (d, lv), ts in trajs.items():
+    for (d, lv, e), ts in trajs.items():
+        budget = EffortBudget.for_effort(e)
         table = budgets.get(d) if budgets is not None and (d, lv) in (budget_levels or ()) else None
         for t in ts:
             b0 = table.b0.get(t.task.id) if table is not None else None
             r.score(t, budget if b0 else None, b0)
         k = max(len(ts), 1)
-        out[(d, lv)] = {
+        out[(d, lv, e)] = {
             "n": len(ts), "pass_rate": sum(t.score > 0 for t in ts) / k, "reward": sum(t.reward for t in ts) / k,
             "length": sum(t.counted for t in ts) / k, "gen_tokens": sum(t.num_generated for t in ts) / k,
             "ended": sum(t.finish_reason in ("answer", "turns") for t in ts) / k,
@@ -401,12 +404,11 @@ def main(argv=None) -> int:
         under `<stage>_by_effort`, else under `stage`."""
         t = time.perf_counter()
         model, tok = load_model(ck, args)
-        for effort in efforts:
-            for (d, lv), r in evaluate(model, tok, levels, effort, args, manager, budgets, rl_pairs).items():
-                if len(efforts) == 1:
-                    res["eval"][d][lv][stage] = {"effort": effort, **r}
-                else:
-                    res["eval"][d][lv].setdefault(f"{stage}_by_effort", {})[effort] = r
+        for (d, lv, effort), r in evaluate(model, tok, levels, efforts, args, manager, budgets, rl_pairs).items():
+            if len(efforts) == 1:
+                res["eval"][d][lv][stage] = {"effort": effort, **r}
+            else:
+                res["eval"][d][lv].setdefault(f"{stage}_by_effort", {})[effort] = r
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -166,3 +166,28 @@ def test_multi_turn_tools_in_sandbox_survive_a_pause(tiny, tmp_path):
         for s in mgr.list():
             mgr.kill(s["sandbox_id"])
         mgr.shutdown()
+
+
+def test_samples_at_several_efforts_share_one_run(tiny):
+    """A trajectory started with its own effort renders (and keeps, through a pause) that effort's chat prompt;
+    one run at mixed efforts gives each sample exactly the tokens a run at its effort alone gives."""
+    model, tok = tiny
+    ts = tasks.generate("general", "test", 2, seed=3, level="easy")
+    alone = {}
+    for e in ("low", "max"):
+        r = RolloutRunner(_engine(model), tok, effort=e, max_turn_tokens=8, max_total_tokens=8, temperature=0)
+        alone[e] = [r.start(t, f"{e}{i}", f"{e}{i}", seed=i) for i, t in enumerate(ts)]
+        r.run(alone[e])
+    r = RolloutRunner(_engine(model), tok, effort="high", max_turn_tokens=8, max_total_tokens=8, temperature=0)
+    mixed = {e: [r.start(t, f"m{e}{i}", f"m{e}{i}", seed=i, effort=e) for i, t in enumerate(ts)]
+             for e in ("low", "max")}
+    for e, trajs in mixed.items():
+        for t, task in zip(trajs, ts):
+            want = chat.encode(tok, [dict(m) for m in task.messages], task.tools, add_generation_prompt=True,
+                               thinking_effort=e)
+            assert t.tokens == list(want) and t.effort == e
+    assert from_state(_roundtrip(to_state(mixed["low"][0]))).effort == "low"
+    r.run([t for trajs in mixed.values() for t in trajs])
+    for e in ("low", "max"):
+        assert [t.tokens for t in mixed[e]] == [t.tokens for t in alone[e]]
+    assert mixed["low"][0].tokens[:len(mixed["max"][0].tokens)] != mixed["max"][0].tokens  # efforts differ

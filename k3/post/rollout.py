@@ -56,6 +56,7 @@ class Trajectory:
     rid: str | None = None          # the engine request of the current turn
     paused: PausedRequest | None = None
     sandbox: object | None = None
+    effort: str | None = None       # the chat format's thinking effort of this sample (None: the runner's)
     # filled when scored
     score: float | None = None
     reward: float | None = None
@@ -86,7 +87,8 @@ class RolloutStats:
 
 class RolloutRunner:
     """Drives `engine` for trajectories. `sandboxes`: a callable returning a new `k3.env.Sandbox` (needed for
-    agent / coding tasks); `effort`: the chat format's thinking effort of every prompt."""
+    agent / coding tasks); `effort`: the chat format's thinking effort of every prompt (a trajectory started
+    with its own `effort` keeps that one, so samples at several efforts can share one engine run)."""
 
     def __init__(self, engine, tokenizer, *, effort: str = "max", max_turns: int = 4, max_turn_tokens: int = 256,
                  max_total_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
@@ -105,14 +107,18 @@ class RolloutRunner:
         self.version = 0   # policy version of the engine's weights (the trainer bumps it after each update)
 
     # ---- building ------------------------------------------------------------------------------------
-    def _chat_options(self) -> dict:
-        return {"thinking_effort": self.effort}
+    def _effort(self, t: Trajectory | None) -> str:
+        return t.effort if t is not None and t.effort is not None else self.effort
 
-    def start(self, task: Task, group: str, uid: str, seed: int) -> Trajectory:
+    def _chat_options(self, t: Trajectory | None = None) -> dict:
+        return {"thinking_effort": self._effort(t)}
+
+    def start(self, task: Task, group: str, uid: str, seed: int, effort: str | None = None) -> Trajectory:
         """A fresh trajectory: its prompt encoded (generation prompt included) and, for tasks with files, a new
-        sandbox holding them."""
+        sandbox holding them. `effort`: this sample's thinking effort (default: the runner's)."""
         messages = [dict(m) for m in task.messages]
-        ids = chat.encode(self.tok, messages, task.tools, add_generation_prompt=True, **self._chat_options())
+        ids = chat.encode(self.tok, messages, task.tools, add_generation_prompt=True,
+                          thinking_effort=effort if effort is not None else self.effort)
         sb = None
         if task.domain != "general" or task.files:
             if self.sandboxes is None:
@@ -125,7 +131,7 @@ class RolloutRunner:
                 raise TaskError(f"task {task.id}: its files could not be written into a sandbox: {e}") from e
         return Trajectory(uid=uid, task=task, group=group, seed=seed, tokens=list(ids), gen=[False] * len(ids),
                           logprobs=[0.0] * len(ids), versions=[-1] * len(ids), messages=messages, sandbox=sb,
-                          turn_start=len(ids))
+                          turn_start=len(ids), effort=effort)
 
     def _params(self, t: Trajectory) -> SamplingParams:
         used = t.num_generated
@@ -196,7 +202,7 @@ class RolloutRunner:
         """The current turn's request ended: parse it, run its tool calls and submit the next turn, or finish."""
         ids = t.tokens[t.turn_start:]
         turn = t.turns
-        parser = chat.ChatStreamParser(self.tok, inside="think" if self._thinking() else "response",
+        parser = chat.ChatStreamParser(self.tok, inside="think" if self._thinking(t) else "response",
                                        call_id=lambda i: f"call_{turn}_{i}")
         parser.feed_ids(ids)
         parser.finish()
@@ -219,11 +225,11 @@ class RolloutRunner:
         else:
             ex = ToolExecutor(t.sandbox, tools=t.task.tools, timeout=self.tool_timeout)
             results = [ex.execute_call(c) for c in calls]
-        before = chat.segments(t.messages, t.task.tools, add_generation_prompt=False, **self._chat_options())
+        before = chat.segments(t.messages, t.task.tools, add_generation_prompt=False, **self._chat_options(t))
         for c, r in zip(calls, results):
             t.messages.append({"role": "tool", "tool_call_id": c["id"], "content": r})
             t.tool_results.append(r)
-        after = chat.segments(t.messages, t.task.tools, add_generation_prompt=True, **self._chat_options())
+        after = chat.segments(t.messages, t.task.tools, add_generation_prompt=True, **self._chat_options(t))
         if after[:len(before)] != before:
             raise AssertionError("chat rendering is not prefix-stable across a tool round trip")
         tail = chat.encode_segments(self.tok, after[len(before):])
@@ -237,8 +243,8 @@ class RolloutRunner:
         t.turn_start = len(t.tokens)
         self._submit(t)
 
-    def _thinking(self) -> bool:
-        return self.effort != "none"
+    def _thinking(self, t: Trajectory | None = None) -> bool:
+        return self._effort(t) != "none"
 
     # ---- scoring -------------------------------------------------------------------------------------
     def score(self, t: Trajectory, budget=None, b0: float | None = None,
@@ -254,7 +260,7 @@ class RolloutRunner:
                     msg = str(e)
                     raise TaskError(msg if t.task.id in msg else f"task {t.task.id}: {msg}") from e
                 t.score, t.detail = float(r.score), r.detail
-            t.counted = count_tokens(t.messages, self.tok, t.task.domain, t.task.tools, thinking=self._thinking())
+            t.counted = count_tokens(t.messages, self.tok, t.task.domain, t.task.tools, thinking=self._thinking(t))
             t.over_budget = budget is not None and b0 is not None and budget.over(t.counted, b0)
             t.reward = -1.0 if t.over_budget else t.score
         finally:
@@ -285,7 +291,8 @@ def to_state(t: Trajectory) -> dict:
             "messages": t.messages, "tool_results": list(t.tool_results), "turns": t.turns,
             "turn_start": t.turn_start, "paused": None if t.paused is None else t.paused.state_dict(),
             "snapshot": snap, "finished": t.finished, "finish_reason": t.finish_reason, "score": t.score,
-            "reward": t.reward, "counted": t.counted, "over_budget": t.over_budget, "detail": t.detail}
+            "reward": t.reward, "counted": t.counted, "over_budget": t.over_budget, "detail": t.detail,
+            "effort": t.effort}
 
 
 def from_state(d: dict, restore_sandbox: Callable[[str], object] | None = None) -> Trajectory:
@@ -303,4 +310,5 @@ def from_state(d: dict, restore_sandbox: Callable[[str], object] | None = None) 
                       turns=d["turns"], turn_start=d["turn_start"], rid=None if paused is None else paused.request_id,
                       paused=paused, sandbox=sb, finished=d["finished"], finish_reason=d["finish_reason"],
                       score=d["score"], reward=d["reward"], counted=d["counted"], over_budget=d["over_budget"],
+                      effort=d.get("effort"),
                       detail=d["detail"])
