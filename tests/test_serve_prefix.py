@@ -268,3 +268,28 @@ def test_checkpoints_inside_a_chunk_are_stored_without_cutting_it(model):
     (s_in, c_in), (s_cut, c_cut) = slot[False], slot[True]
     assert (s_in - s_cut).abs().max() <= 1e-5 * s_cut.abs().max() and s_cut.abs().max() > 0
     assert (c_in - c_cut).abs().max() <= 1e-6 * c_cut.abs().max() and c_cut.abs().max() > 0
+
+
+def test_eviction_skips_held_pages_once():
+    """evict_one takes the least recently used page only the cache holds; pages running sequences still hold
+    are passed over and moved to the back, so later scans do not walk them again; none evictable: False."""
+    from k3.serve.prefix_cache import PrefixCache
+
+    class Pool:  # the two members the cache's eviction uses
+        def __init__(self, refs):
+            self.refcount = dict(refs)
+
+        def decref(self, p):
+            self.refcount[p] -= 1
+
+    pool = Pool({0: 2, 1: 2, 2: 2, 3: 1, 4: 1, 5: 1})  # 0-2 also held by sequences, 3-5 by the cache only
+    c = PrefixCache(pool, 16, 64)
+    for p in range(6):
+        key = bytes([p])
+        c.mla[key], c.page_keys[p], c.lru[p] = (p, 16), [key], None
+    assert c.evict_one() and list(c.lru) == [4, 5, 0, 1, 2] and pool.refcount[3] == 0 and bytes([3]) not in c.mla
+    assert c.evict_one() and list(c.lru) == [5, 0, 1, 2]
+    assert c.evict_one() and list(c.lru) == [0, 1, 2] and c.evictions == 3
+    assert not c.evict_one() and list(c.lru) == [0, 1, 2]  # every page still held: nothing to evict
+    pool.refcount[1] = 1  # a sequence let go of page 1
+    assert c.evict_one() and list(c.lru) == [2, 0] and pool.refcount[1] == 0

@@ -60,7 +60,8 @@ class SamplingParams:
 
 @dataclass
 class RequestOutput:
-    """Progress of one request. `token_ids` = every generated token so far, `new_token_ids` = those of
+    """Progress of one request. `prompt_token_ids`: the prompt, one list shared by every output of the
+    request (treat it as read-only); `token_ids` = every generated token so far, `new_token_ids` = those of
     this step; `logprobs` (when requested) has one entry per generated token: log p(token) under the
     model's distribution (log-softmax of the raw logits, before temperature / top-k / top-p)."""
     request_id: str
@@ -108,6 +109,7 @@ class Sequence:
     restore: "PausedRequest | None" = None  # pool state to copy in at the next admission (Engine.resume)
     cacheable: bool = True      # False for a restored sequence: its state may come from older weights
     failures: int = 0           # failed forwards it was part of (Engine._forward_failed)
+    prompt_out: list[int] | None = field(default=None, repr=False)  # the outputs' shared prompt_token_ids
 
     @property
     def tokens(self) -> list[int]:
@@ -129,8 +131,10 @@ class Sequence:
     def to_output(self) -> RequestOutput:
         new = self.output[self.emitted:]
         self.emitted = len(self.output)
+        if self.prompt_out is None:  # one copy per request, not one per step (O(prompt) per token otherwise)
+            self.prompt_out = list(self.prompt)
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=list(self.prompt), token_ids=list(self.output),
+            request_id=self.request_id, prompt_token_ids=self.prompt_out, token_ids=list(self.output),
             new_token_ids=list(new), logprobs=list(self.logprobs) if self.params.logprobs else None,
             finished=self.finished, finish_reason=self.finish_reason,
             num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
