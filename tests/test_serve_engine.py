@@ -431,3 +431,28 @@ def test_a_request_that_breaks_the_forward_fails_alone(model, monkeypatch):
     assert all(done[r].finish_reason == "length" for i, r in enumerate(rids) if i != 1)
     eng.check_pool()
     assert not eng.scheduler.suspects
+
+
+def test_output_kinds(model):
+    """output_kind: "delta" outputs concatenate to the cumulative ones (tokens and log-probs), "final_only" gives
+    one output per request, the cumulative final one; an unknown kind is refused by name."""
+    ps = prompts(3, 21)
+    runs = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        eng = tiny_engine(model)
+        sp = SamplingParams(max_tokens=7, temperature=0.8, seed=5, logprobs=True, ignore_eos=True, output_kind=kind)
+        rids = [eng.submit(p, sp) for p in ps]
+        seen = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                seen[o.request_id].append(o)
+        runs[kind] = [seen[r] for r in rids]
+    for cum, delta, final in zip(runs["cumulative"], runs["delta"], runs["final_only"]):
+        full = cum[-1]
+        assert len(full.token_ids) == 7 and full.finished
+        assert [t for o in delta for t in o.token_ids] == full.token_ids
+        assert [x for o in delta for x in o.logprobs] == full.logprobs
+        assert all(o.token_ids == o.new_token_ids for o in delta) and delta[-1].finished
+        assert len(final) == 1 and final[0].token_ids == full.token_ids and final[0].logprobs == full.logprobs
+    with pytest.raises(ValueError, match="output_kind.*'partial'"):
+        SamplingParams(output_kind="partial")

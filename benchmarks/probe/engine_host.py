@@ -31,14 +31,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=1000, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--generated", type=int, default=0, help="decode steps before timing (output length so far)")
     ap.add_argument("--vocab", type=int, default=4096, help="width of the stub's logits")
+    ap.add_argument("--output-kind", default="cumulative", choices=("cumulative", "delta", "final_only"))
     ap.add_argument("--profile", action="store_true", help="cProfile of 20 more steps (top 20 by own time)")
     a = ap.parse_args(argv)
     if a.batch < 1 or a.prompt < 1 or a.steps < 1:
         ap.error(f"--batch {a.batch}, --prompt {a.prompt} and --steps {a.steps} must be ≥ 1")
     torch.set_num_threads(1)
     B, P = a.batch, a.prompt
-    pages = B * (-(-(P + a.steps + 64) // 64) + 2) + 64  # MLA pages of 64 tokens + a KDA slot per request
+    pages = B * (-(-(P + a.generated + a.steps + 64) // 64) + 2) + 64  # MLA pages of 64 tokens + a KDA slot per request
     eng = Engine(make_tiny(seed=0).eval(), EngineConfig(block_size=64, hash_block_size=16, num_pages=pages,
                                                         max_num_seqs=B, max_num_batched_tokens=max(B, 8192)))
     fixed = torch.randn(B, a.vocab)
@@ -46,17 +48,19 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     for _ in range(B):
         eng.submit([rng.randrange(4000) for _ in range(P)],
-                   SamplingParams(max_tokens=10 ** 6, temperature=0, ignore_eos=True))
+                   SamplingParams(max_tokens=10 ** 6, temperature=0, ignore_eos=True, output_kind=a.output_kind))
     while any(not r.output for r in eng.requests.values()):  # every prompt prefilled
         eng.step()
     if len(eng.scheduler.running) != B:
         raise SystemExit(f"only {len(eng.scheduler.running)} of {B} requests run at once (pool too small)")
+    for _ in range(a.generated):
+        eng.step()
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
-    print(f"batch {B}, prompt {P}: host time per decode step (stub forward, {a.steps} steps): median "
+    print(f"batch {B}, prompt {P}, {len(next(iter(eng.requests.values())).output)} generated: host time per decode step (stub forward, {a.steps} steps): median "
           f"{1e3 * statistics.median(times):.2f} ms, mean {1e3 * statistics.mean(times):.2f} ms, max "
           f"{1e3 * max(times):.2f} ms")
     if a.profile:

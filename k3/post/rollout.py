@@ -138,7 +138,7 @@ class RolloutRunner:
         return SamplingParams(max_tokens=max(1, min(self.max_turn_tokens, self.max_total_tokens - used)),
                               temperature=self.temperature, top_p=self.top_p,
                               seed=derive_seed(t.seed, "turn", t.turns), stop_token_ids=self.stop_ids,
-                              logprobs=True)
+                              logprobs=True, output_kind="delta")
 
     def _submit(self, t: Trajectory) -> None:
         t.rid = self.engine.submit(t.tokens, self._params(t), request_id=f"{t.uid}/t{t.turns}", group=t.group)
@@ -176,7 +176,7 @@ class RolloutRunner:
                 if n:
                     t.tokens += o.new_token_ids
                     t.gen += [True] * n
-                    t.logprobs += o.logprobs[len(o.token_ids) - n:]
+                    t.logprobs += o.logprobs[len(o.logprobs) - n:]  # the new tokens' (delta outputs)
                     t.versions += [self.version] * n
                     stats.generated_tokens += n
                 if o.finished:

@@ -12,10 +12,11 @@ lock) that the next step drains, so a server may submit from request handlers wh
 
 from __future__ import annotations
 
+
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -335,7 +336,8 @@ class Engine:
                     with self._inbox_lock:
                         del self.requests[seq.request_id]
                     self.num_finished += 1
-                outs.append(seq.to_output())
+                if seq.finished or seq.params.output_kind != "final_only":
+                    outs.append(seq.to_output())
             return outs
 
     def _forward_failed(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
@@ -375,10 +377,12 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Blocking: run every prompt to completion; outputs in prompt order."""
+        """Blocking: run every prompt to completion; outputs in prompt order (each the cumulative final one:
+        no intermediate outputs are built, whatever `output_kind` the params name)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = [replace(sp or SamplingParams(), output_kind="final_only") for sp in plist]
         rids = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         pending = set(rids)

@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings.
@@ -21,6 +24,9 @@ class SamplingParams:
     with finish_reason "stop" (the stop token is kept in `token_ids`); `stop` strings need the engine's
     `detokenize` and end generation once the decoded output contains one (tokens are kept up to and
     including the one that completed it; trimming the text is the caller's job).
+    `output_kind` (as vLLM's): "cumulative" — each step's `RequestOutput.token_ids` / `logprobs` hold everything
+    generated so far; "delta" — only this step's (O(1) per token instead of O(output so far): long generations,
+    RL rollouts); "final_only" — no output until the request finishes, then the cumulative one.
     """
     max_tokens: int = 16
     temperature: float = 1.0
@@ -31,6 +37,7 @@ class SamplingParams:
     logprobs: bool = False
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -52,6 +59,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
@@ -128,13 +137,24 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    def to_output(self) -> RequestOutput:
-        new = self.output[self.emitted:]
-        self.emitted = len(self.output)
-        if self.prompt_out is None:  # one copy per request, not one per step (O(prompt) per token otherwise)
+    def _prompt_out(self) -> list[int]:
+        """One copy of the prompt per request, shared by its outputs (not one per step: O(prompt) per token)."""
+        if self.prompt_out is None:
             self.prompt_out = list(self.prompt)
+        return self.prompt_out
+
+    def to_output(self) -> RequestOutput:
+        """This step's output (see `SamplingParams.output_kind`); marks the new tokens as emitted."""
+        start, new = self.emitted, self.output[self.emitted:]
+        self.emitted = len(self.output)
+        if self.params.output_kind == "delta":
+            return RequestOutput(
+                request_id=self.request_id, prompt_token_ids=self._prompt_out(), token_ids=new,
+                new_token_ids=list(new), logprobs=self.logprobs[start:] if self.params.logprobs else None,
+                finished=self.finished, finish_reason=self.finish_reason,
+                num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt_out, token_ids=list(self.output),
+            request_id=self.request_id, prompt_token_ids=self._prompt_out(), token_ids=list(self.output),
             new_token_ids=list(new), logprobs=list(self.logprobs) if self.params.logprobs else None,
             finished=self.finished, finish_reason=self.finish_reason,
             num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
