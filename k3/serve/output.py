@@ -133,8 +133,8 @@ class Choice:
         new = list(out.new_token_ids)
         self.token_ids += new
         lp_new: list[tuple[int, float]] = []
-        if out.logprobs is not None:
-            lps = out.logprobs[len(self.logprobs):]
+        if out.logprobs is not None:  # the new tokens' (the tail: cumulative and delta outputs alike)
+            lps = out.logprobs[len(out.logprobs) - len(new):] if new else []
             self.logprobs += lps
             lp_new = list(zip(new[-len(lps):] if lps else [], lps))
         if self.parser is not None:

@@ -137,7 +137,8 @@ class _Server:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                                   top_k=0 if req.top_k in (None, -1) else req.top_k, seed=seed,
-                                  stop_token_ids=stop_ids + extra_stop, logprobs=logprobs, ignore_eos=req.ignore_eos)
+                                  stop_token_ids=stop_ids + extra_stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                                  output_kind="delta")  # the choices accumulate; no O(length) copy per token
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
