@@ -4,10 +4,10 @@
     OMP_NUM_THREADS=2 python benchmarks/post_train.py --out runs/bench-post-3dom --domains general,agent,coding \
         --levels easy --sft-steps 300 --sft-seq-len 768 --sft-n 96 --sft-n-standard 0 --eval-n 8 --pool 16 \
         --rl-steps 3 --tput-steps 1 --time-budget 660             # every domain, 2-core CPU: 390 s
-    python benchmarks/post_train.py --preset k3-small --device cuda --no-checkpoints --time-budget 500 \
-        --domains general,agent,coding --levels easy --sft-steps 400 --sft-lr 1e-3 --sft-n 256 \
+    python benchmarks/post_train.py --preset k3-small --device cuda --no-checkpoints --time-budget 440 \
+        --domains general,agent,coding --levels easy --sft-steps 400 --sft-lr 1e-3 --sft-n 192 \
         --sft-n-standard 0 --rl-steps 6 --rl-lr 1e-4 --prompts 8 --samples 8 --pool 64 --eval-n 32
-                                                    # one H200: meant to take ~540 s with start-up (not run yet)
+                        # one H200, 457 s (benchmarks/run_post_gpu.sh; docs/benchmarks.md: too short to learn)
 
 The chain: the starting model (a random init of --preset, or --base) → cold-start data from the built-in
 tasks (scripted solutions whose reasoning length follows the effort: low < high < max) → `k3 sft` → rollout
