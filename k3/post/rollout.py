@@ -118,7 +118,7 @@ class RolloutRunner:
         sandbox holding them. `effort`: this sample's thinking effort (default: the runner's)."""
         messages = [dict(m) for m in task.messages]
         ids = chat.encode(self.tok, messages, task.tools, add_generation_prompt=True,
-                          thinking_effort=effort if effort is not None else self.effort)
+                          thinking_effort=effort or self.effort)
         sb = None
         if task.domain != "general" or task.files:
             if self.sandboxes is None:

@@ -12,7 +12,6 @@ lock) that the next step drains, so a server may submit from request handlers wh
 
 from __future__ import annotations
 
-
 import logging
 import threading
 import uuid

@@ -118,7 +118,7 @@ class Sequence:
     restore: "PausedRequest | None" = None  # pool state to copy in at the next admission (Engine.resume)
     cacheable: bool = True      # False for a restored sequence: its state may come from older weights
     failures: int = 0           # failed forwards it was part of (Engine._forward_failed)
-    prompt_out: list[int] | None = field(default=None, repr=False)  # the outputs' shared prompt_token_ids
+    prompt_copy: list[int] | None = field(default=None, repr=False)  # the outputs' shared prompt_token_ids
 
     @property
     def tokens(self) -> list[int]:
@@ -137,25 +137,17 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    def _prompt_out(self) -> list[int]:
-        """One copy of the prompt per request, shared by its outputs (not one per step: O(prompt) per token)."""
-        if self.prompt_out is None:
-            self.prompt_out = list(self.prompt)
-        return self.prompt_out
-
     def to_output(self) -> RequestOutput:
-        """This step's output (see `SamplingParams.output_kind`); marks the new tokens as emitted."""
+        """This step's output (see `SamplingParams.output_kind`); marks the new tokens as emitted. The prompt
+        is copied once per request and shared by its outputs (not once per step: O(prompt) per token)."""
         start, new = self.emitted, self.output[self.emitted:]
         self.emitted = len(self.output)
-        if self.params.output_kind == "delta":
-            return RequestOutput(
-                request_id=self.request_id, prompt_token_ids=self._prompt_out(), token_ids=new,
-                new_token_ids=list(new), logprobs=self.logprobs[start:] if self.params.logprobs else None,
-                finished=self.finished, finish_reason=self.finish_reason,
-                num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
+        if self.prompt_copy is None:
+            self.prompt_copy = list(self.prompt)
+        first = start if self.params.output_kind == "delta" else 0  # delta: this step's tokens only
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self._prompt_out(), token_ids=list(self.output),
-            new_token_ids=list(new), logprobs=list(self.logprobs) if self.params.logprobs else None,
+            request_id=self.request_id, prompt_token_ids=self.prompt_copy, token_ids=self.output[first:],
+            new_token_ids=new, logprobs=self.logprobs[first:] if self.params.logprobs else None,
             finished=self.finished, finish_reason=self.finish_reason,
             num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
 

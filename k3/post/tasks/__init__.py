@@ -15,11 +15,11 @@ Domains and their levels (`LEVELS`, easiest first):
   addition;
 - "agent": "standard" find and combine values over files in a k3.env sandbox with ls/cat/grep/write_file,
   sometimes leaving an answer file; "easy" read the number in a named note (`cat`), name the note that
-  mentions a word (`grep`), sometimes writing the number to an answer file;
+  mentions a word (`grep`);
 - "coding": "standard" fix or write a function in /work/solution.py; "easy" write a one-line function
   (x + K, x * K, the constant K); hidden asserts run in the sandbox.
-An easy episode is one or two tool calls and a short answer, a few dozen generated tokens, so it fits in a
-few 64-token turns. The scripted solutions of the easy levels (and of general's standard one) are longer at a
+An easy episode is one tool call and a short answer (≈ 80–155 generated tokens with K3's chat markup, a tool
+call alone being ≈ 52–66), so it fits in a few turns of 128 tokens. The scripted solutions of the easy levels (and of general's standard one) are longer at a
 higher reasoning effort (low < high < max); agent and coding standard solutions are the same at every effort.
 Agent and coding need the sandbox's process tier (`k3.env`) to solve or verify; generating them does not.
 """
