@@ -1,7 +1,9 @@
 """Serving-engine benchmark (k3.serve.Engine) against a plain `model.generate()` loop, same weights, same run.
 
 Measures, for `k3-small` with random bf16 weights on one GPU:
-  - decode tokens/s at batch 1 / 32 / 256 (median step time over the decode phase, CUDA events), and at batch 1
+  - decode tokens/s at batch 1 / 32 / 256 (mean step time over the decode phase, CUDA events around the whole
+    loop, so that the asynchronous engine's overlap of host and GPU is counted; the same steps with
+    `async_scheduling` off and with CUDA graphs off are timed in the same run), and at batch 1
     the fraction of the HBM-bandwidth limit: (active weights + KDA states + MLA latents read per token) ÷ 4.3 TB/s;
   - prefill tokens/s (one long prompt, chunked under the token budget);
   - TTFT for a long shared prefix: cold, then a second request that hits the prefix cache;
@@ -105,7 +107,8 @@ def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
-    """Prefill everything, then time `steps` pure decode steps; tokens/s = batch / median step time."""
+    """Prefill everything, then time `steps` pure decode steps as one loop (one synchronisation before and
+    after: an asynchronous step returns while its forward still runs); tokens/s = tokens returned / time."""
     sp = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)  # none finishes while timed
     rids = [engine.submit(p, sp) for p in prompts]
     started = set()
@@ -113,18 +116,16 @@ def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
         for o in engine.step():
             if o.new_token_ids:
                 started.add(o.request_id)
-    times, n_tok = [], []
-    for _ in range(steps):
-        with Clock(cuda) as c:
-            outs = engine.step()
-        times.append(c.s)
-        n_tok.append(sum(len(o.new_token_ids) for o in outs))
+    n_tok = []
+    with Clock(cuda) as c:
+        for _ in range(steps):
+            n_tok.append(sum(len(o.new_token_ids) for o in engine.step()))
     for r in rids:
         with contextlib.suppress(KeyError):  # already finished
             engine.abort(r)
-    med = statistics.median(times)
+    engine.flush()
     assert all(n == len(prompts) for n in n_tok), n_tok
-    return dict(batch=len(prompts), step_ms=med * 1e3, tokens_per_s=len(prompts) / med)
+    return dict(batch=len(prompts), step_ms=c.s / steps * 1e3, tokens_per_s=sum(n_tok) / c.s)
 
 
 def run(a) -> dict:
@@ -135,7 +136,7 @@ def run(a) -> dict:
         preset, blocks, prompt_len, batches, steps = "k3-tiny", (16, 64), 24, (1, 4, 8), 4
         long_prefill, shared, budget, gen_batch, gen_tokens = 300, 256, 128, 4, 8
     else:
-        preset, blocks, prompt_len, batches, steps = "k3-small", (512, 6144), 128, (1, 32, 256), 24
+        preset, blocks, prompt_len, batches, steps = "k3-small", (512, 6144), 128, (1, 32, 256), 48
         long_prefill, shared, budget, gen_batch, gen_tokens = 8192, 16384, 8192, 32, 64
     model = build(preset, device, dtype)
     V = model.config.text_config.vocab_size
@@ -153,6 +154,11 @@ def run(a) -> dict:
     for b in batches:
         eng.reset_prefix_cache()
         r = decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)
+        eng.config.async_scheduling = False  # the same steps, synchronous (before / after in one run)
+        eng.reset_prefix_cache()
+        s = decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)
+        eng.config.async_scheduling = True
+        r["sync_step_ms"], r["sync_tokens_per_s"] = s["step_ms"], s["tokens_per_s"]
         if eng.runner.use_graphs:  # the same decode without CUDA graphs (eager), before / after in one run
             eng.runner.use_graphs = False
             eng.reset_prefix_cache()
@@ -233,6 +239,8 @@ def table(res: dict) -> str:
     for r in res["decode"]:
         extra = f"   {100 * r['hbm_fraction']:.2f}% of the HBM limit ({r['hbm_limit_tokens_per_s']:.0f} tok/s)" \
             if "hbm_fraction" in r else ""
+        if "sync_step_ms" in r:
+            extra += f"   (synchronous {r['sync_step_ms']:.2f} ms)"
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")

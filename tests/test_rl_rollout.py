@@ -97,6 +97,9 @@ class ScriptedEngine:
     def has_unfinished(self):
         return bool(self.live)
 
+    def flush(self):  # synchronous double: nothing in flight
+        return []
+
     def pause(self, rid):
         return _Paused(rid, self.live.pop(rid))
 

@@ -204,7 +204,7 @@ def test_a_request_with_nan_logits_fails_alone(server, tok, model, monkeypatch):
     import k3.serve.engine as engine_module
 
     srv, _ = server
-    name = "sample_rows" if hasattr(engine_module, "sample_rows") else "sample"
+    name = "sample_device"
     real = getattr(engine_module, name)
 
     def poisoned(logits, params, generators):

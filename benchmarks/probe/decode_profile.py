@@ -41,7 +41,7 @@ def main():
     model = build("k3-small", "cuda", torch.bfloat16)
     V = model.config.text_config.vocab_size
     eng = Engine(model, EngineConfig(block_size=6144, hash_block_size=512, max_num_seqs=max(a.batch),
-                                     gpu_memory_fraction=0.5))
+                                     gpu_memory_fraction=0.5, async_scheduling=False))  # one step = one forward
     res = {}
     for B in a.batch:
         eng.reset_prefix_cache()

@@ -18,6 +18,12 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(-1))
 
 
+def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device's queue (a plain
+    `torch.tensor(values, device=cuda)` synchronises the stream: the engine's asynchronous steps avoid that)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def filter_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
                  top_p: Sequence[float]) -> torch.Tensor:
     """logits [n, V] (finite rows) and per-row host values temperature (> 0), top_k (0 = off), top_p →
@@ -30,17 +36,17 @@ def filter_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequ
     dev, dt = logits.device, logits.dtype
     z = logits - logits.amax(-1, keepdim=True)
     tiny = torch.finfo(dt).tiny
-    probs = torch.softmax(z / torch.tensor(temperature, device=dev, dtype=dt)[:, None], dim=-1)
+    probs = torch.softmax(z / host_tensor(temperature, dev, dt)[:, None], dim=-1)
     small = [i for i, t in enumerate(temperature) if t < tiny]   # not representable in the logits' dtype
     if small:
-        si = torch.tensor(small, device=dev)
-        t64 = torch.tensor([temperature[i] for i in small], device=dev, dtype=torch.float64)
+        si = host_tensor(small, dev)
+        t64 = host_tensor([temperature[i] for i in small], dev, torch.float64)
         probs[si] = torch.softmax(z[si].double() / t64[:, None], dim=-1).to(dt)
     if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
         sp, si = probs.sort(dim=-1, descending=True)
         rank = torch.arange(sp.shape[-1], device=dev)[None, :]
-        tp = torch.tensor(top_p, device=dev, dtype=dt)[:, None]
-        tk = torch.tensor(top_k, device=dev)[:, None]
+        tp = host_tensor(top_p, dev, dt)[:, None]
+        tk = host_tensor(top_k, dev)[:, None]
         keep = (sp.cumsum(-1) - sp) < tp  # smallest prefix reaching top_p (first always kept)
         keep &= (tk == 0) | (rank < tk)
         probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)

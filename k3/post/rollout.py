@@ -164,10 +164,8 @@ class RolloutRunner:
         done = sum(t.finished for t in trajs)
         def stop() -> bool:
             return stop_at is not None and done >= stop_at and (stop_when is None or stop_when(trajs))
-        while live and not stop():
-            outs = self.engine.step()
-            if not outs and not self.engine.has_unfinished():
-                raise RuntimeError(f"the engine went idle with {len(live)} trajectories unfinished")
+        def handle(outs) -> None:
+            nonlocal done
             for o in outs:
                 t = live.get(o.request_id)
                 if t is None:
@@ -190,6 +188,14 @@ class RolloutRunner:
                         stats.finished += 1
                     else:
                         live[t.rid] = t
+
+        while live and not stop():
+            outs = self.engine.step()
+            if not outs and not self.engine.has_unfinished():
+                raise RuntimeError(f"the engine went idle with {len(live)} trajectories unfinished")
+            handle(outs)
+        if live:
+            handle(self.engine.flush())  # the step in flight (asynchronous scheduling): its tokens are ours
         for rid, t in live.items():   # partial rollout: stop here, keep their state for the next iteration
             t.paused = self.engine.pause(rid)
             if t.sandbox is not None:

@@ -6,6 +6,15 @@ RL "resume": abort a request (the returned output has the partial tokens and the
 blocks stay cached and its KDA state at the last fine-block boundary it passed becomes a checkpoint, so
 only the tokens after that boundary are recomputed.
 
+Asynchronous scheduling (`EngineConfig.async_scheduling`, vLLM's name): a step's sampled tokens stay on the
+device while the next step is scheduled and launched; that step's decodes read their input ids there
+(`ModelRunner.last_tokens`), and the host turns the previous step's tokens into outputs while the GPU runs the
+new one. `step()` therefore returns the outputs of the step before the one it launched. A continuation is
+launched only when every running sequence is a decode of the step in flight and no admission is due; a
+sequence that turns out to have finished (EOS, stop string) was computed once more for nothing, and its
+pages, released meanwhile, are only reused by work queued after that forward. Anything else (prefill chunks,
+admissions, preemption) first completes the step in flight, as the synchronous engine does.
+
 Thread safety: step() and abort() hold the engine lock; submit() only touches an inbox (under its own
 lock) that the next step drains, so a server may submit from request handlers while a loop thread steps.
 """
@@ -26,9 +35,9 @@ from .pool import PagePool, PoolLayout
 from .prefix_cache import PrefixCache
 from .request import PausedRequest, RequestOutput, SamplingParams, Sequence
 from .runner import ModelRunner, SeqInput, text_model
-from .sampling import sample_rows
+from .sampling import sample_device
 from .stop import first_stop
-from .scheduler import Scheduler
+from .scheduler import Scheduler, Work
 
 log = logging.getLogger("k3.serve.engine")
 MAX_FORWARD_FAILURES = 3  # forwards a sequence may be part of that fail before it is failed itself
@@ -60,6 +69,10 @@ class EngineConfig:
     cuda_graphs: replay captured CUDA graphs for pure decode steps on CUDA (`runner.DecodeGraph`; reserves two
         pool pages). The graphs hold the weights' addresses: update weights in place (`load_state_dict`,
         `copy_`), never by assigning new tensors.
+    async_scheduling: overlap the host's work (scheduling, outputs) with the GPU's forward: `step()` launches
+        the next decode step before reading back the previous step's tokens and returns the previous step's
+        outputs (see the module docstring). False: each step's outputs come from that step (one
+        device→host wait per step).
     """
     block_size: int = 6144
     hash_block_size: int = 512
@@ -78,6 +91,7 @@ class EngineConfig:
     kda_backend: str = "auto"
     record_logits: bool = False
     cuda_graphs: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "hash_block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -114,7 +128,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.cache, cfg.hash_block_size, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, cfg.checkpoint_interval, cfg.affinity_window,
                                    cfg.checkpoints_in_chunks)
-        self.runner = ModelRunner(model, self.pool, cfg.kda_backend, cfg.cuda_graphs)
+        self.runner = ModelRunner(model, self.pool, cfg.kda_backend, cfg.cuda_graphs, cfg.max_num_seqs)
         eos = tc.eos_token_id
         self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self.requests: dict[str, Sequence] = {}
@@ -125,6 +139,10 @@ class Engine:
         self.num_finished = self.num_aborted = self.num_paused = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.num_steps = 0
+        self._inflight: _Inflight | None = None  # the step whose tokens are still on the device
+        self._stash: list[RequestOutput] = []     # outputs completed outside step() (pause, weight updates)
+        pin = self.device.type == "cuda"
+        self._host_ids = [torch.empty(2, cfg.max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
 
     def _num_pages(self, layout: PoolLayout) -> int:
         cfg = self.config
@@ -217,8 +235,16 @@ class Engine:
         A running request's KDA slot and the MLA rows of its computed positions are copied to host memory and
         its device pages freed; a waiting one (not admitted, or preempted) keeps no state and is recomputed on
         resume. Its tokens, log-probs and sampler generator travel in the returned `PausedRequest`. Raises
-        KeyError for an unknown or finished request."""
+        KeyError for an unknown or finished request. A token still in flight (asynchronous scheduling) is
+        completed first and belongs to the paused request (its output for it is not returned by `step()`)."""
         with self._lock:
+            with self._inbox_lock:
+                live = self.requests.get(request_id)
+            emitted = None if live is None else live.emitted
+            self._complete_inflight()
+            if live is not None and not live.finished and live.emitted != emitted:
+                self._stash = [o for o in self._stash if o.request_id != request_id]
+                live.emitted = emitted  # its next output after `resume` carries the token again
             seq = self._take(request_id)
             if seq.restore is not None:  # resumed but not admitted since: still the same state
                 paused = seq.restore
@@ -261,6 +287,7 @@ class Engine:
         prefix cache (computed with the old weights). Paused requests keep their old-weight states (partial
         rollout's off-policy segment). A no-op copy when `source` is the engine's own model."""
         with self._lock:
+            self._complete_inflight()  # its tokens came from the old weights; its outputs wait in the stash
             if source is not self.model:
                 sd = source.state_dict() if isinstance(source, torch.nn.Module) else source
                 with torch.no_grad():
@@ -278,26 +305,42 @@ class Engine:
                 self.cache.clear()
 
     def has_unfinished(self) -> bool:
+        """Whether `step()` still has work or outputs to return."""
         with self._inbox_lock:
-            return bool(self.requests)
+            return bool(self.requests or self._stash)
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: outputs for the requests that got tokens (or finished) in it."""
+        """One scheduler iteration: one forward launched, and the outputs of the requests that got tokens (or
+        finished) in the step before it (with `async_scheduling`; else in this one)."""
         with self._lock:
             self._drain_inbox()
-            work = self.scheduler.schedule()
-            if not work:
-                return []
+            outs, self._stash = self._stash, []
+            prev, self._inflight = self._inflight, None
+            work = None
+            if prev is not None and self.config.async_scheduling:
+                work = self.scheduler.schedule_continuation(prev.seqs, self._ends_with_pending)
+            if work is None:  # not a continuation of the step in flight: complete that one first
+                if prev is not None:
+                    outs += self._finish(prev)
+                    prev = None
+                work = self.scheduler.schedule()
+                if not work:
+                    return outs
+                work.sort(key=lambda w: w.n != 1)  # decodes first (the runner's packed layout)
             self.num_steps += 1
-            work.sort(key=lambda w: w.n != 1)  # decodes first (the runner's packed layout)
-            inputs = [SeqInput(tokens=w.seq.token_slice(w.start, w.n), start=w.start,
+            src = {} if prev is None else {seq: i for i, seq in enumerate(prev.seqs)}
+            inputs = [SeqInput(tokens=[0] if w.seq in src else w.seq.token_slice(w.start, w.n), start=w.start,
                                state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample,
-                               checkpoints=[(x - w.start, page) for x, page in w.ckpts])
+                               checkpoints=[(x - w.start, page) for x, page in w.ckpts], src=src.get(w.seq, -1))
                       for w in work]
             try:
                 logits = self.runner.forward(inputs)
+                nxt = self._sample([w.seq for w in work if w.sample], logits)
             except BaseException as e:
+                if prev is not None:  # the step before ran: its tokens are good
+                    outs += self._finish(prev)
+                    work = [w for w in work if not w.seq.finished]
                 # some layers may have advanced these sequences' KDA slots: recompute them from scratch
                 self.scheduler.drop_checkpoints(work)
                 for w in work:
@@ -305,39 +348,85 @@ class Engine:
                         self.scheduler.preempt(w.seq)
                 if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit
                     raise
-                return self._forward_failed([w.seq for w in work], e)
+                return outs + self._forward_failed([w.seq for w in work], e)
+            if prev is not None:  # its tokens are this forward's inputs: read them while the GPU runs it
+                outs += self._finish(prev)
+                work = [w for w in work if not w.seq.finished]  # ended by those tokens: computed for nothing
             self.scheduler.after_forward(work)
-            done = [w.seq for w in work if w.sample]
-            if not done:
-                return []
-            # a row with non-finite logits fails its request alone; every other row is sampled as usual
-            toks, lps, failed = sample_rows(logits, [s.params for s in done], [s.generator for s in done])
-            failed = set(failed)
-            outs = []
-            for i, (seq, t, lp) in enumerate(zip(done, toks, lps)):
-                if i in failed:
-                    seq.finished, seq.finish_reason = True, "error"
-                    seq.stop_reason = "its logits were not finite (NaN / +inf); it cannot be sampled"
-                    self.scheduler.remove(seq)
-                    with self._inbox_lock:
-                        del self.requests[seq.request_id]
-                    outs.append(seq.to_output())
-                    continue
-                if self.config.record_logits:
-                    self.recorded_logits[seq.request_id].append(logits[i].detach().cpu())
-                seq.output.append(t)
-                seq.logprobs.append(lp)
-                self.scheduler.on_token(seq)
-                self.generation_tokens_total += 1
-                self._check_stop(seq, t)
-                if seq.finished:
-                    self.scheduler.remove(seq)
-                    with self._inbox_lock:
-                        del self.requests[seq.request_id]
-                    self.num_finished += 1
-                if seq.finished or seq.params.output_kind != "final_only":
-                    outs.append(seq.to_output())
+            if nxt is not None:
+                if self.config.async_scheduling:
+                    self._inflight = nxt
+                else:
+                    outs += self._finish(nxt)
             return outs
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Whether the token seq has in flight ends it by length (so the next step need not compute it)."""
+        return len(seq.output) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _sample(self, done: list[Sequence], logits: torch.Tensor) -> "_Inflight | None":
+        """Sample the rows of `done` on the device, keep the ids for the next forward (`runner.publish`) and
+        start their copy to the host; `_finish` reads them."""
+        if not done:
+            return None
+        toks, lps = sample_device(logits, [s.params for s in done], [s.generator for s in done])
+        self.runner.publish(toks)
+        host = self._host_ids[self.num_steps % 2][:, :len(done)]  # two buffers: the step in flight keeps its own
+        host.copy_(torch.stack([toks.double(), lps.double()]), non_blocking=True)  # ids < 2^53 exact in fp64
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        rec = logits.detach().clone() if self.config.record_logits else None  # a graph's output is reused
+        return _Inflight(done, host, event, rec)
+
+    def _finish(self, inf: "_Inflight") -> list[RequestOutput]:
+        """The host's side of a sampled step: append each sequence's token, check stops, build outputs.
+        Sequences that finished meanwhile (aborted, or ended by the step before) are skipped."""
+        if inf.event is not None:
+            inf.event.synchronize()
+        host = inf.host.tolist()
+        outs = []
+        for i, (seq, t, lp) in enumerate(zip(inf.seqs, host[0], host[1])):
+            if seq.finished:
+                continue
+            t = int(t)
+            if t < 0:  # its logits were not finite: this request fails alone
+                seq.finished, seq.finish_reason = True, "error"
+                seq.stop_reason = "its logits were not finite (NaN / +inf); it cannot be sampled"
+                self.scheduler.remove(seq)
+                with self._inbox_lock:
+                    del self.requests[seq.request_id]
+                outs.append(seq.to_output())
+                continue
+            if inf.logits is not None:
+                self.recorded_logits[seq.request_id].append(inf.logits[i].cpu())
+            seq.output.append(t)
+            seq.logprobs.append(lp)
+            self.scheduler.on_token(seq)
+            self.generation_tokens_total += 1
+            self._check_stop(seq, t)
+            if seq.finished:
+                self.scheduler.remove(seq)
+                with self._inbox_lock:
+                    del self.requests[seq.request_id]
+                self.num_finished += 1
+            if seq.finished or seq.params.output_kind != "final_only":
+                outs.append(seq.to_output())
+        return outs
+
+    def flush(self) -> list[RequestOutput]:
+        """Complete the step in flight (asynchronous scheduling) and return the outputs not yet returned by
+        `step()`: call before pausing requests whose tokens you track from the outputs."""
+        with self._lock:
+            self._complete_inflight()
+            outs, self._stash = self._stash, []
+            return outs
+
+    def _complete_inflight(self) -> None:
+        if self._inflight is not None:
+            inf, self._inflight = self._inflight, None
+            self._stash += self._finish(inf)
 
     def _forward_failed(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
         """A forward raised: find whose it was without failing the others. A forward of one sequence (or one
@@ -441,3 +530,13 @@ class Engine:
             if refs != self.pool.refcount:
                 bad = [i for i, (a, b) in enumerate(zip(refs, self.pool.refcount)) if a != b]
                 raise AssertionError(f"page reference counts disagree with owners at pages {bad[:10]}")
+
+
+@dataclass(eq=False)
+class _Inflight:
+    """A sampled step whose token ids are still on their way to the host: `host` [2, n] (ids, log-probs; pinned
+    on CUDA) is filled by an asynchronous copy that `event` marks; `logits` is a copy kept for record_logits."""
+    seqs: list[Sequence]
+    host: torch.Tensor
+    event: "torch.cuda.Event | None"
+    logits: torch.Tensor | None

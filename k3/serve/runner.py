@@ -38,6 +38,7 @@ class SeqInput:
     mla_pages: list[int]
     want_logits: bool
     checkpoints: list[tuple[int, int]] = ()  # (offset into tokens, slot): KDA states to store mid-chunk
+    src: int = -1  # >= 0: a decode whose token is still on the device, `ModelRunner.last_tokens[src]`
 
 
 def text_model(model):
@@ -47,16 +48,18 @@ def text_model(model):
 
 class DecodeGraph:
     """One captured decode forward for `batch` sequences with MLA histories up to `history` tokens.
-    Inputs live in one int64 device buffer: ids [B] | starts [B] | slots [B] | page table [B, pages]."""
+    Inputs live in one int64 device buffer: ids [B] | src [B] | starts [B] | slots [B] | page table [B, pages];
+    a row with src >= 0 takes its token from the runner's `last_tokens[src]` (the previous step's sample,
+    never seen by the host) instead of ids."""
 
     def __init__(self, runner: "ModelRunner", batch: int, history: int, mempool):
         ps = runner.pool.layout.block_size
         self.batch, self.history, self.pages = batch, history, -(-history // ps)
         B, W = batch, self.pages
-        self.host = torch.empty(3 * B + B * W, dtype=torch.long, pin_memory=True)
+        self.host = torch.empty(4 * B + B * W, dtype=torch.long, pin_memory=True)
         self.buf = torch.empty_like(self.host, device=runner.device)
-        self.ids, self.starts, self.slots = self.buf[:B], self.buf[B:2 * B], self.buf[2 * B:3 * B]
-        self.table = self.buf[3 * B:].view(B, W)
+        self.ids, self.src, self.starts, self.slots = self.buf[:4 * B].view(4, B)
+        self.table = self.buf[4 * B:].view(B, W)
         self.copied = torch.cuda.Event()
         self.fill([], runner.scratch)
 
@@ -80,7 +83,7 @@ class DecodeGraph:
         r.cache.batch = PackedBatch.for_decode(self.starts, self.slots, self.table, self.history,
                                                r.pool.layout.block_size)
         try:
-            return r.logits(self.ids, None)
+            return r.logits(torch.where(self.src >= 0, r.last_tokens[self.src.clamp_min(0)], self.ids), None)
         finally:
             r.cache.batch = None
 
@@ -89,14 +92,13 @@ class DecodeGraph:
         and writes only the scratch slot and page."""
         B, W, n = self.batch, self.pages, len(seqs)
         self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
-        h = self.host
-        h[:3 * B].view(3, B)[:, n:] = torch.tensor([[0], [0], [scratch[0]]])
-        table = h[3 * B:].view(B, W)
+        h = self.host[:4 * B].view(4, B)
+        h[:, n:] = torch.tensor([[0], [-1], [0], [scratch[0]]])
+        table = self.host[4 * B:].view(B, W)
         table[n:] = scratch[1]
         if n:
-            h[:n] = torch.tensor([s.tokens[0] for s in seqs])
-            h[B:B + n] = torch.tensor([s.start for s in seqs])
-            h[2 * B:2 * B + n] = torch.tensor([s.state_page for s in seqs])
+            h[:, :n] = torch.tensor([[s.tokens[0] for s in seqs], [s.src for s in seqs], [s.start for s in seqs],
+                                     [s.state_page for s in seqs]])
             table[:n] = torch.tensor([(s.mla_pages + [scratch[1]] * W)[:W] for s in seqs])
 
     def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> torch.Tensor:
@@ -108,7 +110,10 @@ class DecodeGraph:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, kda_backend: str = "auto", cuda_graphs: bool = True):
+    """`max_seqs`: the most sequences one step samples (the size of `last_tokens`)."""
+
+    def __init__(self, model, pool: PagePool, kda_backend: str = "auto", cuda_graphs: bool = True,
+                 max_seqs: int = 256):
         self.lm = text_model(model)
         self.cfg = self.lm.config
         self.pool = pool
@@ -118,6 +123,8 @@ class ModelRunner:
                                 mla_layers=[l.layer_idx for l in layers if not l.is_kda],
                                 kda_backend=None if kda_backend == "auto" else kda_backend)
         self.device = self.lm.lm_head.weight.device
+        # the latest step's sampled ids on the device (`publish`): the next forward's decodes read theirs here
+        self.last_tokens = torch.zeros(max(max_seqs, 1), dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
         self._mempool = None
         self.use_graphs = False  # set below when the scratch pages are reserved; benchmarks turn it off
@@ -169,6 +176,13 @@ class ModelRunner:
             self._mempool = self.graphs[B, S].graph.pool()
         return self.graphs[B, S]
 
+    def publish(self, tokens: torch.Tensor) -> None:
+        """Keep a step's sampled ids [n] (device) for the next forward's `SeqInput.src` rows (a failed row's -1
+        becomes 0: the sequence is dropped when the host sees it, and an id must stay a valid index)."""
+        if tokens.shape[0] > self.last_tokens.shape[0]:
+            raise ValueError(f"{tokens.shape[0]} sampled ids exceed the runner's max_seqs {self.last_tokens.shape[0]}")
+        self.last_tokens[:tokens.shape[0]].copy_(tokens.clamp_min(0), non_blocking=True)
+
     @torch.no_grad()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Run one packed forward; returns fp32 logits [R, V] for the sequences with `want_logits`, in order."""
@@ -178,7 +192,15 @@ class ModelRunner:
         if g is not None:
             return g(seqs, self.scratch)
         b = self.batch(seqs)
-        ids = torch.tensor([t for s in seqs for t in s.tokens], device=self.device)
+        ids = torch.tensor([t for s in seqs for t in s.tokens]).to(self.device, non_blocking=True)
+        src, at = [], 0
+        for s in seqs:  # packed position of each device-fed token
+            if s.src >= 0:
+                src.append((at, s.src))
+            at += len(s.tokens)
+        if src:
+            at = torch.tensor(src).to(self.device, non_blocking=True)
+            ids[at[:, 0]] = self.last_tokens[at[:, 1]]
         self.cache.batch = b
         try:
             return self.logits(ids, b.rows)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sampling import filter_probs, nonfinite_rows
+from ..ops.sampling import filter_probs, host_tensor, nonfinite_rows
 from .request import SamplingParams
 
 
@@ -29,10 +29,12 @@ class SamplingError(RuntimeError):
         self.rows, self.params = rows, params
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-                ) -> tuple[list[int], list[float], list[int]]:
-    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits), failed rows). A failed row
-    (see `nonfinite_rows`) gets token -1 and log-prob NaN; the others are sampled as if it were absent."""
+def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] fp32 → (token ids [n] int64, log p(token) [n] fp32 under log_softmax(logits)), both on
+    the logits' device and without reading anything back to the host (the engine's asynchronous scheduling
+    feeds the ids to the next forward before the host has seen them). A row whose logits are not finite
+    (`nonfinite_rows`) gets token -1 and log-prob NaN; the others are sampled as if it were absent."""
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"need one SamplingParams and generator per row ({n}), got {len(params)} and "
@@ -46,27 +48,38 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     else:
         out = torch.empty(n, dtype=torch.long, device=dev)
         if greedy:
-            gi = torch.tensor(greedy, device=dev)
+            gi = host_tensor(greedy, dev)
             out[gi] = logits[gi].argmax(-1)
-        ri = torch.tensor(rand, device=dev)
+        ri = host_tensor(rand, dev)
         sub = logits[ri]
         sub = torch.where(bad[ri][:, None], torch.zeros((), device=dev, dtype=sub.dtype), sub)  # failed rows
         probs = filter_probs(sub, [params[i].temperature for i in rand], [params[i].top_k for i in rand],
                              [params[i].top_p for i in rand])
         shared = [j for j, i in enumerate(rand) if generators[i] is None]
         if shared:
-            sj = torch.tensor(shared, device=dev)
+            sj = host_tensor(shared, dev)
             out[ri[sj]] = torch.multinomial(probs[sj], 1).squeeze(-1)
         for j, i in enumerate(rand):
             if generators[i] is not None:
                 out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     # log p(token) = logit - logsumexp: one reduction pass, no [n, V] log-softmax written
     lp = logits.gather(-1, out[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    out = torch.where(bad, -1, out)
-    lp = torch.where(bad, float("nan"), lp)
-    host = torch.stack([out.double(), lp.double()]).tolist()  # one device→host copy per step (ids < 2^53)
-    toks = [int(t) for t in host[0]]
-    return toks, host[1], [i for i, t in enumerate(toks) if t < 0]
+    return torch.where(bad, -1, out), torch.where(bad, float("nan"), lp)
+
+
+def to_host(toks: torch.Tensor, lps: torch.Tensor) -> tuple[list[int], list[float], list[int]]:
+    """`sample_device`'s tensors as host lists (one device→host copy; ids < 2^53 are exact in fp64), and the
+    failed rows (token -1)."""
+    host = torch.stack([toks.double(), lps.double()]).tolist()
+    ids = [int(t) for t in host[0]]
+    return ids, host[1], [i for i, t in enumerate(ids) if t < 0]
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                ) -> tuple[list[int], list[float], list[int]]:
+    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits), failed rows), on the host
+    (`sample_device`, then one copy back)."""
+    return to_host(*sample_device(logits, params, generators))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -18,6 +18,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Callable
 
 from ..ops.kda import STATES_AT_MULTIPLE
 from .pool import PagePool
@@ -352,6 +353,27 @@ class Scheduler:
             work.append(self._work(seq, end))
             budget -= end - seq.num_computed
         return work
+
+    def schedule_continuation(self, pending: list[Sequence], ends: Callable[[Sequence], bool]) -> list[Work] | None:
+        """Asynchronous scheduling: the next step while the tokens of `pending` (the sequences the step in flight
+        sampled) are still on the device: one decode each of those tokens, at position num_computed. None
+        (the engine then completes the step in flight and calls `schedule`) when a running sequence is not
+        among them (a prefill chunk is due), an admission may be due, a failed batch is being bisected, or a
+        page cannot be had without preemption. Sequences whose pending token ends them (`ends`: by length)
+        are left out."""
+        if self.suspects or (self.waiting and len(self.running) < min(self.max_num_seqs, self.budget)):
+            return None
+        ids = set(pending)
+        if any(seq not in ids or seq.num_computed != seq.num_tokens for seq in self.running):
+            return None
+        work = []
+        for seq in self.running:
+            if ends(seq):
+                continue
+            if not self._grow(seq, seq.num_computed + 1):
+                return None
+            work.append(Work(seq, seq.num_computed, 1, True))
+        return work if 0 < len(work) <= self.budget else None
 
     def _return(self, seq: Sequence) -> None:
         if seq.preempted:
