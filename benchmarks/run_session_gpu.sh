@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (≤ 10 min) of this session's GPU measurements, results in $OUT:
 #   1. the CUDA tests touched by the change (KDA states_at, paged cache, engine, decode graphs);
-#   2. benchmarks/probe/prefill_profile.py (forwards, GPU time, syncs and host hot spots of a prefill);
+#   2. benchmarks/probe/prefill_profile.py (forwards, GPU time, syncs and host hot spots of a prefill; PREFILL=0
+#      skips it) and benchmarks/probe/decode_profile.py (GPU time and kernels of a decode step; DECODE=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 set -u
@@ -9,11 +10,18 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_kda_triton.py tests/test_paged_cache.py \
-  tests/test_serve_engine.py tests/test_decode_graphs.py > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
+  tests/test_serve_engine.py tests/test_decode_graphs.py tests/test_serve_async.py > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
 tail -3 "$OUT/tests.log"
-timeout ${PROF_S:-80} python3 benchmarks/probe/prefill_profile.py --out "$OUT/prefill_profile.json" > "$OUT/prefill.log" 2>&1 \
-  || echo "prefill profile exit $?" >> "$OUT/prefill.log"
-grep "==" "$OUT/prefill.log"
+if [ "${PREFILL:-1}" = 1 ]; then
+  timeout ${PROF_S:-80} python3 benchmarks/probe/prefill_profile.py --out "$OUT/prefill_profile.json" > "$OUT/prefill.log" 2>&1 \
+    || echo "prefill profile exit $?" >> "$OUT/prefill.log"
+  grep "==" "$OUT/prefill.log"
+fi
+if [ "${DECODE:-0}" = 1 ]; then
+  timeout ${DEC_S:-120} python3 benchmarks/probe/decode_profile.py --batch 1 256 --out "$OUT/decode_profile.json" \
+    > "$OUT/decode.log" 2>&1 || echo "decode profile exit $?" >> "$OUT/decode.log"
+  grep "batch" "$OUT/decode.log"
+fi
 timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
   || echo "serve exit $?" >> "$OUT/serve.log"
 tail -14 "$OUT/serve.log"
