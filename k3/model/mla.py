@@ -25,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..config import K3TextConfig
 from ..ops.attention import doc_causal_attention
+from ..ops.mla_decode import paged_mla_decode, triton_reason
 from ..ops.varlen import doc_ids
 from .layers import RMSNorm
 from .paged_cache import PagedLayerCache
@@ -53,6 +54,10 @@ class MLAttention(nn.Module):
         # no cache, no attention_mask: doc_causal_attention's backend ("auto" | "flex" | "sdpa"), or "reference"
         # for the dense [B, 1, T, T] mask path (the baseline for before/after benchmarks)
         self.attn_backend = "auto"
+        # engine decodes over the paged pool: "auto" (the Triton paged kernel `k3.ops.mla_decode` on CUDA, else the
+        # gathered-history path below), "triton" / "reference" (that op's backends), "gather" (always the
+        # gathered history + `attend_absorbed`)
+        self.decode_backend = "auto"
         self.record_max_logit = False  # QK-clip: keep each head's max pre-softmax logit of the last training forward
         self.max_logit: torch.Tensor | None = None  # fp32 [H], detached
         # context parallelism, applied from outside (`k3.parallel.cp.enable_context_parallel`): an executor whose
@@ -182,9 +187,7 @@ class MLAttention(nn.Module):
         cache.write_latents(c[0], k_pe[0])
         parts = []
         if nd:
-            kv, valid = cache.decode_latents(c.dtype)  # [nd, S, C + R]
-            cc, kp = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-            parts.append(self.attend_absorbed(q[:nd, None], cc, kp, valid[:, None, None, :])[:, 0])
+            parts.append(self._decode_paged(q[:nd], cache))
         if nd < b.num_docs:
             hist = cache.history(c.dtype)
             off = nd
@@ -198,6 +201,24 @@ class MLAttention(nn.Module):
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(x, o[None])
+
+    def _decode_paged(self, q: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
+        """The leading single-token documents (decodes), q [nd, H, Dq] → [nd, H, V], absorbed: the paged kernel
+        reads the latents from the pool in place; the fallback gathers each padded history first."""
+        pool = cache.mla_pool()
+        backend = self.decode_backend
+        if backend == "auto":
+            backend = "triton" if pool.is_cuda and triton_reason(q, pool) is None else "gather"
+        if backend == "gather":
+            kv, valid = cache.decode_latents(q.dtype)  # [nd, S, C + R]
+            cc, kp = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+            return self.attend_absorbed(q[:, None], cc, kp, valid[:, None, None, :])[:, 0]
+        w_uk, w_uv = self._kv_b()
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk.to(q.dtype))
+        b = cache.batch
+        o_lat = paged_mla_decode(q_lat, q_pe, pool, b.dec_page, b.dec_len, self.scale, backend=backend)
+        return torch.einsum("nhc,hvc->nhv", o_lat, w_uv.to(o_lat.dtype))
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] → output gate and o_proj → [B, T, D]."""

@@ -30,7 +30,8 @@ class PackedBatch:
     [n + 1]. `slots` [n]: KDA slot per document. `rows` [R]: packed positions whose logits are wanted.
     Conv windows ("extended" layout: each document's W-1 window rows, then its tokens): `ext_cu` int32 [n + 1],
     `ext_win_rows` [n·(W-1)], `ext_tok_rows` [N], `ext_last_rows` [n, W-1]. MLA: the first `num_decode`
-    documents are single tokens read in the absorbed form from `dec_page`, `dec_off`, `dec_valid` [nd, S];
+    documents are single tokens read in the absorbed form from `dec_page`, `dec_off`, `dec_valid` [nd, S] and
+    `dec_len` [nd] (start + 1: the history each attends, its own row included);
     the others read their history rows `hist_page`, `hist_off` (document after document, bounds `hist_cu`).
     KDA checkpoints inside prefill chunks (the prefix cache's states, without cutting the forward there):
     `ckpt_pos` (host) [M] packed positions among the chunked documents' tokens (`chunk_cu_seqlens`' frame),
@@ -51,6 +52,7 @@ class PackedBatch:
     dec_page: torch.Tensor | None
     dec_off: torch.Tensor | None
     dec_valid: torch.Tensor | None
+    dec_len: torch.Tensor | None
     hist_page: torch.Tensor | None
     hist_off: torch.Tensor | None
     hist_cu: list[int]
@@ -117,7 +119,7 @@ class PackedBatch:
         nd = 0
         while nd < n and lens[nd] == 1:
             nd += 1
-        dec_page = dec_off = dec_valid = hist_page = hist_off = None
+        dec_page = dec_off = dec_valid = dec_len = hist_page = hist_off = None
         hist_cu = [0]
         if nd:  # decode: every history row [0, start + 1) of each single-token document, padded to S
             S = max(starts[:nd]) + 1
@@ -125,6 +127,7 @@ class PackedBatch:
             dec_valid = p[None, :] <= torch.tensor(starts[:nd])[:, None]
             dec_page = torch.where(dec_valid, table[:nd, p // Ps], 0)
             dec_off = (p % Ps).expand(nd, S)
+            dec_len = torch.tensor(starts[:nd]) + 1
         if nd < n:  # the other documents: rows [0, start + len) each, packed
             hl = torch.tensor([starts[j] + lens[j] for j in range(nd, n)])
             hdoc = torch.repeat_interleave(torch.arange(n - nd), hl)
@@ -155,7 +158,7 @@ class PackedBatch:
                    ext_win_rows=dev((ext_cu[:-1, None] + win).reshape(-1)),
                    ext_tok_rows=dev(torch.arange(N) + (doc + 1) * Wm1),
                    ext_last_rows=dev(ext_cu[1:, None] - Wm1 + win), num_decode=nd, dec_page=dev(dec_page),
-                   dec_off=dev(dec_off), dec_valid=dev(dec_valid), hist_page=dev(hist_page),
+                   dec_off=dev(dec_off), dec_valid=dev(dec_valid), dec_len=dev(dec_len), hist_page=dev(hist_page),
                    hist_off=dev(hist_off), hist_cu=hist_cu, ckpt_pos=ckpt_pos, ckpt_pages=dev(ckpt_pages),
                    ckpt_win_rows=dev(ckpt_win))
 
@@ -179,7 +182,7 @@ class PackedBatch:
         return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=ar.to(torch.int32), slots=slots, rows=ar[:n],
                    tok_page=table.gather(1, (starts // page_size)[:, None])[:, 0], tok_off=starts % page_size,
                    ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none, num_decode=n,
-                   dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
+                   dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid, dec_len=starts + 1,
                    hist_page=None, hist_off=None, hist_cu=[0])
 
 
@@ -265,6 +268,10 @@ class PagedLayerCache:
         kv = self.pc.mla[:, self.j]
         b = self.batch
         kv[b.tok_page, b.tok_off] = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
+
+    def mla_pool(self) -> torch.Tensor:
+        """[P, page_size, C + R]: this layer's latent rows of every page (a strided view of the pool)."""
+        return self.pc.mla[:, self.j]
 
     def decode_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The leading single-token documents' histories [0, start + 1) (after `write_latents`), padded:

@@ -1,0 +1,74 @@
+"""Paged MLA decode attention in the absorbed (latent) form; `paged_mla_decode` is the dispatch point.
+
+Each of n single-token queries attends the first lens[i] positions of its sequence's history, read straight
+from a paged latent pool: o_i = Σ_p softmax_p(scale · (q_lat_i · c_p + q_pe_i · k_pe_p)) · c_p, with c_p ‖ k_pe_p the
+pool row of position p (page pages[i, p], row p mod page size). q_lat = q_nope · W_uk per head (the caller
+absorbs kv_b's key half into the query, and its value half into the output).
+
+Backends: "triton" (one kernel, flash-decoding splits; CUDA, or the CPU interpreter), "reference" (gathers
+the [n, S, C + R] rows and computes in fp32 (fp64 for fp64 inputs): the oracle), "auto" (triton on CUDA).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._triton import device_reason
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def paged_mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
+                               lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dense oracle: gather every history row, mask past lens, softmax in fp32 / fp64."""
+    n, H, C = q_lat.shape
+    S = pages.shape[1]
+    acc = torch.promote_types(q_lat.dtype, torch.float32)
+    pos = torch.arange(S, device=kv.device)
+    valid = pos[None, :] < lens[:, None]
+    rows = kv[torch.where(valid, pages, 0), (pos % kv.shape[1])[None, :].expand(n, S)].to(acc)  # [n, S, C + R]
+    c, k_pe = rows[..., :C], rows[..., C:]
+    s = (torch.einsum("nhc,nsc->nhs", q_lat.to(acc), c) + torch.einsum("nhr,nsr->nhs", q_pe.to(acc), k_pe)) * scale
+    p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("nhs,nsc->nhc", p, c).to(q_lat.dtype)
+
+
+def _check(q_lat, q_pe, kv, pages, lens, backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"paged_mla_decode: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if q_lat.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(f"paged_mla_decode: expected q_lat [n, H, C] and q_pe [n, H, R], got {tuple(q_lat.shape)} "
+                         f"and {tuple(q_pe.shape)}")
+    n, _, C = q_lat.shape
+    if kv.dim() != 3 or kv.shape[2] != C + q_pe.shape[2] or kv.stride(2) != 1:
+        raise ValueError(f"paged_mla_decode: kv must be [pages, page_size, C + R] = [*, *, {C + q_pe.shape[2]}] "
+                         f"with contiguous rows, got {tuple(kv.shape)} strides {kv.stride()}")
+    if pages.dim() != 2 or pages.shape[0] != n or lens.shape != (n,) or pages.dtype.is_floating_point \
+            or lens.dtype.is_floating_point:
+        raise ValueError(f"paged_mla_decode: pages must be an integer [n, S] and lens an integer [n] with n = {n}, "
+                         f"got {pages.dtype} {tuple(pages.shape)} and {lens.dtype} {tuple(lens.shape)}")
+
+
+def triton_reason(q_lat: torch.Tensor, kv: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot take these inputs, or None."""
+    why = device_reason(kv, __name__)
+    if why is None and kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        why = f"pool dtype {kv.dtype} (needs fp32 / bf16 / fp16)"
+    return why
+
+
+def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
+                     lens: torch.Tensor, scale: float, backend: str = "auto") -> torch.Tensor:
+    """q_lat [n, H, C] and q_pe [n, H, R] (one query per sequence), kv [P, page_size, C + R] the latent pool of
+    one layer (a strided view is fine), pages [n, S] the page of each history position (S >= max(lens); any
+    value past lens[i]), lens [n] >= 1 the history lengths (the query's own row included) → o_lat [n, H, C]
+    in q_lat's dtype. Lengths are not read back to the host (CUDA-graph safe)."""
+    _check(q_lat, q_pe, kv, pages, lens, backend)
+    if backend == "auto":
+        backend = "triton" if kv.is_cuda and triton_reason(q_lat, kv) is None else "reference"
+    if backend == "reference":
+        return paged_mla_decode_reference(q_lat, q_pe, kv, pages, lens, scale)
+    why = triton_reason(q_lat, kv)
+    if why is not None:
+        raise ValueError(f"paged_mla_decode: backend 'triton' cannot run here: {why}")
+    from .triton import paged_mla_decode_triton
+    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale)

@@ -1,0 +1,111 @@
+"""Paged MLA decode attention in the absorbed form as a Triton kernel (flash-decoding over KV splits).
+
+One program per (sequence, block of heads, split of the history): it walks the split in blocks of BS
+positions, gathers each position's latent row c ‖ k_pe straight from the paged pool (page from the per-position
+page table, row = position mod page size: no [n, S, C + R] gather, no mask tensor), and keeps an online
+softmax in fp32. A history in one split writes the normalised output; more splits write unnormalised partials
+and their (max, sum) statistics, combined by `combine` (torch, a few small ops). Dot products take their
+inputs in the pool's dtype and accumulate in fp32 ("ieee" for fp32 pools: no TF32).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton import interpreted as _interpreted
+
+BH = 16      # heads per program (the dot's M)
+BS = 32      # history positions per block
+SPLIT = 1024  # history positions per program (flash-decoding split)
+
+
+def interpreted() -> bool:
+    return _interpreted(mla_decode_kernel)
+
+
+@triton.jit
+def mla_decode_kernel(QL, QP, KV, PAGES, LENS, O, M, L, scale, H, PS, s_kv_page, s_kv_row, s_pages,
+                      C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
+                      BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr, DOT_PREC: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    i = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    heads = hb * BH + tl.arange(0, BH)
+    hm = heads < H
+    cc = tl.arange(0, CP)
+    rr = tl.arange(0, RP)
+    cm = cc < C
+    rm = rr < R
+    qrow = (i * H + heads).to(tl.int64)
+    ql = tl.load(QL + qrow[:, None] * C + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    qp = tl.load(QP + qrow[:, None] * R + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    dot_t = tl.float32 if UPCAST else KV.dtype.element_ty  # UPCAST: the CPU interpreter (its bf16 dot is wrong)
+    ql = ql.to(dot_t)
+    qp = qp.to(dot_t)
+    n_valid = tl.load(LENS + i).to(tl.int32)
+    start = sp * SPLIT
+    end = tl.minimum(start + SPLIT, n_valid)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, CP], tl.float32)
+    for s0 in range(start, end, BS):
+        pos = s0 + tl.arange(0, BS)
+        pm = pos < end
+        page = tl.load(PAGES + i.to(tl.int64) * s_pages + pos, mask=pm, other=0)
+        row = page.to(tl.int64) * s_kv_page + (pos % PS).to(tl.int64) * s_kv_row
+        c = tl.load(KV + row[:, None] + cc[None, :], mask=pm[:, None] & cm[None, :], other=0.0).to(dot_t)  # [BS, CP]
+        kp = tl.load(KV + row[:, None] + C + rr[None, :], mask=pm[:, None] & rm[None, :], other=0.0).to(dot_t)
+        s = tl.dot(ql, tl.trans(c), input_precision=DOT_PREC) + tl.dot(qp, tl.trans(kp), input_precision=DOT_PREC)
+        s = tl.where(pm[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), c, input_precision=DOT_PREC)
+        m_i = m_new
+    if NS == 1:
+        out = acc / l_i[:, None]
+        tl.store(O + qrow[:, None] * C + cc[None, :], out.to(O.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+    else:
+        prow = ((i * NS + sp) * H + heads).to(tl.int64)
+        tl.store(O + prow[:, None] * C + cc[None, :], acc, mask=hm[:, None] & cm[None, :])
+        tl.store(M + prow, m_i, mask=hm)
+        tl.store(L + prow, l_i, mask=hm)
+
+
+def combine(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Splits' unnormalised outputs part [n, NS, H, C] and statistics m, l [n, NS, H] → [n, H, C] in dtype
+    (an empty split has m = -inf, l = 0 and weighs nothing)."""
+    mx = m.amax(1, keepdim=True)
+    w = torch.exp(m - mx)  # [n, NS, H]
+    return ((part * w[..., None]).sum(1) / (l * w).sum(1)[..., None]).to(dtype)
+
+
+def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
+                            lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """See `k3.ops.mla_decode.paged_mla_decode` (inputs already checked)."""
+    n, H, C = q_lat.shape
+    R = q_pe.shape[-1]
+    S = pages.shape[1]
+    q_lat, q_pe, pages, lens = q_lat.contiguous(), q_pe.contiguous(), pages.contiguous(), lens.contiguous()
+    NS = triton.cdiv(S, SPLIT)
+    grid = (n, triton.cdiv(H, BH), NS)
+    up = interpreted()
+    prec = "ieee" if kv.dtype == torch.float32 or up else "tf32"
+    CP, RP = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
+    warps = 8 if CP >= 512 else 4
+    if NS == 1:
+        out = torch.empty(n, H, C, device=q_lat.device, dtype=q_lat.dtype)
+        mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, out, out, out, float(scale), H, kv.shape[1],
+                                kv.stride(0), kv.stride(1), pages.stride(0), C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS,
+                                SPLIT=SPLIT, NS=1, DOT_PREC=prec, UPCAST=up, num_warps=warps)
+        return out
+    part = torch.empty(n, NS, H, C, device=q_lat.device, dtype=torch.float32)
+    m = torch.empty(n, NS, H, device=q_lat.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, part, m, l, float(scale), H, kv.shape[1], kv.stride(0),
+                            kv.stride(1), pages.stride(0), C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS, SPLIT=SPLIT, NS=NS,
+                            DOT_PREC=prec, UPCAST=up, num_warps=warps)
+    return combine(part, m, l, q_lat.dtype)

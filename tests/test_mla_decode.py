@@ -1,0 +1,104 @@
+"""Paged MLA decode attention (`k3.ops.mla_decode`): the Triton kernel (CPU interpreter here, CUDA in the
+`cuda` test) against the dense fp64 oracle, on a strided per-layer view of a paged pool with random page tables,
+several flash-decoding splits and a history of one row; and the engine with the kernel against the
+gathered-history path (k3-tiny, fp32)."""
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from k3.ops.mla_decode import paged_mla_decode
+from k3.ops.mla_decode.triton import SPLIT
+from k3.serve import Engine, EngineConfig, SamplingParams
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def case(H, C, R, page_size, n_pages, S, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(n_pages, 2, page_size, C + R, generator=g, dtype=torch.float64)  # 2 layers: strided view
+    n = 4
+    lens = torch.tensor([1, S // 3 + 1, S - 5, S])
+    table = torch.randint(0, n_pages - 1, (n, -(-S // page_size)), generator=g)  # the last page: unused
+    pages = table[:, torch.arange(S) // page_size]
+    q_lat = torch.randn(n, H, C, generator=g, dtype=torch.float64)
+    q_pe = torch.randn(n, H, R, generator=g, dtype=torch.float64)
+    return [t.to(device) for t in (q_lat, q_pe, pool[:, 1], pages, lens)]
+
+
+@pytest.mark.parametrize("H,C,R,page_size,S", [(12, 256, 64, 16, 300), (4, 32, 8, 16, 70),
+                                                (20, 64, 16, 6144, SPLIT * 2 + 77)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_kernel_equals_the_fp64_oracle(H, C, R, page_size, S, dtype, tol):
+    """fp32: ≤ 1e-5 relative RMS (ieee dots); bf16: ≤ 8e-3 (the inputs' own rounding is ~3e-3). Heads past a
+    block of 16, padded C / R (32 / 8 → 16-wide tiles) and three KV splits are covered."""
+    q_lat, q_pe, kv, pages, lens = case(H, C, R, page_size, 3 if page_size > 1000 else 40, S)
+    ref = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.07, backend="reference")
+    out = paged_mla_decode(q_lat.to(dtype), q_pe.to(dtype), kv.to(dtype), pages, lens, 0.07, backend="triton")
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert rel(out, ref) <= tol, rel(out, ref)
+    # the first query sees one row: its output is that row's latent, exactly its softmax weight 1
+    row = kv[pages[0, 0], 0, :C]
+    torch.testing.assert_close(out[0].double(), row.expand(H, C).to(dtype).double(), rtol=tol, atol=tol)
+
+
+def test_rows_past_each_length_do_not_count():
+    """Positions past lens[i] point at a poisoned page (1e6 everywhere): the oracle and the kernel ignore them."""
+    q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 16, 40, 60, seed=1)
+    a = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.1, backend="reference")
+    past = torch.arange(pages.shape[1])[None, :] >= lens[:, None]
+    pages2 = torch.where(past, 39, pages)
+    kv2 = kv.clone()
+    kv2[39] = 1e6
+    torch.testing.assert_close(paged_mla_decode(q_lat, q_pe, kv2, pages2, lens, 0.1, backend="reference"), a)
+    f = torch.float32
+    assert rel(paged_mla_decode(q_lat.to(f), q_pe.to(f), kv2.to(f), pages2, lens, 0.1, backend="triton"), a) < 1e-5
+
+
+def test_bad_inputs_are_named():
+    q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 16, 40, 60)
+    with pytest.raises(ValueError, match="backend"):
+        paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.1, backend="fast")
+    with pytest.raises(ValueError, match="kv must be"):
+        paged_mla_decode(q_lat, q_pe, kv[..., :-1], pages, lens, 0.1)
+    with pytest.raises(ValueError, match="pages must be"):
+        paged_mla_decode(q_lat, q_pe, kv, pages.float(), lens, 0.1)
+    with pytest.raises(ValueError, match="q_lat"):
+        paged_mla_decode(q_lat[0], q_pe, kv, pages, lens, 0.1)
+
+
+def test_engine_with_the_kernel_equals_the_gathered_path():
+    """The engine's decodes through the paged kernel (interpreter) give the gathered path's tokens and logits
+    (fp32, 1e-4), over several pages per sequence."""
+    model = make_tiny(seed=4)
+    prompts = [[(7 * i + 3 * j) % 4000 for j in range(5 + 9 * i)] for i in range(3)]
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    runs = {}
+    for backend in ("gather", "triton"):
+        for m in model.modules():
+            if type(m).__name__ == "MLAttention":
+                m.decode_backend = backend
+        eng = Engine(model, EngineConfig(block_size=8, hash_block_size=4, num_pages=64, record_logits=True))
+        outs = eng.generate(prompts, sp)
+        runs[backend] = (outs, eng.recorded_logits)
+    for m in model.modules():
+        if type(m).__name__ == "MLAttention":
+            m.decode_backend = "auto"
+    (a, la), (b, lb) = runs["gather"], runs["triton"]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        d = (torch.stack(la[x.request_id]) - torch.stack(lb[y.request_id])).abs().max()
+        assert d <= 1e-4, d
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_cuda_kernel_equals_the_fp64_oracle(dtype, tol):
+    for H, C, R, ps, S in [(12, 256, 64, 6144, 300), (64, 512, 64, 64, SPLIT * 3 + 5), (4, 32, 8, 16, 70)]:
+        q_lat, q_pe, kv, pages, lens = case(H, C, R, ps, 3 if ps > 1000 else 80, S, device="cuda")
+        ref = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.07, backend="reference")
+        out = paged_mla_decode(q_lat.to(dtype), q_pe.to(dtype), kv.to(dtype), pages, lens, 0.07)
+        assert rel(out, ref) <= tol, (H, C, R, S, rel(out, ref))
