@@ -160,10 +160,12 @@ def routing(N, K, E, seed, device="cpu"):
     return idx.to(device)
 
 
-def test_sort_by_expert_layout():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sort_by_expert_layout(backend):
+    """Both backends (the counting-sort kernel through the CPU interpreter here) give the stable layout."""
     N, K, E = 50, 3, 9
     idx = routing(N, K, E, seed=1)
-    pos, ends = moe_ops.sort_by_expert(idx, E)
+    pos, ends = moe_ops.sort_by_expert(idx, E, backend=backend)
     flat = pos.reshape(-1)
     assert torch.equal(flat.sort().values, torch.arange(N * K))  # a permutation
     sorted_e = torch.empty(N * K, dtype=torch.long)
@@ -173,6 +175,17 @@ def test_sort_by_expert_layout():
     for e in range(E):  # stable: token order inside each expert's rows
         entries = (idx.reshape(-1) == e).nonzero().squeeze(1)
         assert torch.equal(flat[entries], flat[entries].sort().values)
+
+
+@pytest.mark.parametrize("N,K,E", [(1, 4, 32), (256, 4, 32), (37, 8, 384), (2000, 2, 8)])
+def test_sort_kernel_equals_the_stable_sort(N, K, E):
+    """Token counts from one decode to a prefill chunk, K3's 384 experts (padded to 512 columns), int32 ends."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        idx = routing(N, K, E, seed=N, device=device)
+        a = moe_ops.sort_by_expert(idx, E, backend="torch")
+        b = moe_ops.sort_by_expert(idx, E, out_int32=True, backend="triton")
+        assert torch.equal(a[0], b[0]) and b[1].dtype == torch.int32 and torch.equal(a[1], b[1].long())
 
 
 def perm_run(backend, x, ys, w, pos, dtype, device):

@@ -53,9 +53,13 @@ def main():
         graph_ms = steps_ms(eng, 20)
         eng.runner.use_graphs = False
         eager_ms = steps_ms(eng, 10)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             eng.step()
             torch.cuda.synchronize()
+        # where the copy kernels come from: aten::copy_ calls grouped by the Python lines that issued them
+        sites = [e for e in prof.key_averages(group_by_stack_n=3) if e.key == "aten::copy_"]
+        res[f"copy_sites_{B}"] = [(e.count, [f for f in e.stack if "/k3/" in f][:3]) for e in
+                                  sorted(sites, key=lambda e: -e.count)[:12]]
         evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         gpu_us = sum(e.self_device_time_total for e in evs)
         n_k = sum(e.count for e in evs)
@@ -69,6 +73,8 @@ def main():
               f"{gpu_us / 1e3:.3f} ms in {n_k} kernels")
         for k, c, ms in res[B]["top"]:
             print(f"   {ms:8.3f} ms {c:5d}x  {k}")
+        for c, stack in res[f"copy_sites_{B}"]:
+            print(f"   copy_ {c:4d}x  {' <- '.join(stack)}")
     # TTFT of a prefix hit: a 16K-token prefix, then the same prefix with a new 64-token tail, profiled
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefix = rand_prompts(1, 16384, V, 8)[0]

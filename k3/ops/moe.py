@@ -122,11 +122,21 @@ def route_triton_available() -> bool:
 
 
 # ---- token permutation -------------------------------------------------------------------------------
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int, out_int32: bool = False
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int, out_int32: bool = False, backend: str = "auto"
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_idx [N, K] → (pos [N, K] int64, ends [E] int64, or int32 with `out_int32`: the grouped GEMM's
     offsets): the (token, expert) entries sorted by expert (stable: token order within an expert); entry
-    (n, k) goes to row pos[n, k]; expert e owns rows [ends[e−1], ends[e]), so ends[-1] = N·K. No host sync."""
+    (n, k) goes to row pos[n, k]; expert e owns rows [ends[e−1], ends[e]), so ends[-1] = N·K. No host sync.
+    Backends: "torch" (a stable sort), "triton" (one counting-sort kernel, `moe_triton.expert_sort`), "auto"
+    (the kernel on CUDA up to `SORT_MAX_ENTRIES` entries: decode and prefill batches; the sort above)."""
+    if backend == "auto":
+        backend = "torch"
+        if topk_idx.is_cuda and importable(__name__.rsplit(".", 1)[0] + ".moe_triton"):
+            from .moe_triton import SORT_MAX_ENTRIES
+            backend = "triton" if topk_idx.numel() <= SORT_MAX_ENTRIES else "torch"
+    if _use_triton(backend, topk_idx):
+        from .moe_triton import expert_sort
+        return expert_sort(topk_idx, num_experts, out_int32)
     flat = topk_idx.reshape(-1)
     sorted_e, order = torch.sort(flat, stable=True)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))

@@ -108,6 +108,43 @@ def scatter(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, other:
     return dst, dw
 
 
+@triton.jit
+def expert_sort_kernel(idx_ptr, pos_ptr, ends_ptr, NK, E, EP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: a stable counting sort of NK expert ids. Pass 1 counts each expert; pass 2 gives entry j
+    the row start[e] + (entries of e before j), the in-block rank from a cumulative sum over a one-hot tile."""
+    ee = tl.arange(0, EP)
+    counts = tl.zeros([EP], tl.int32)
+    for s in range(0, NK, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        e = tl.load(idx_ptr + offs, mask=offs < NK, other=-1)
+        counts += tl.sum((e[:, None] == ee[None, :]).to(tl.int32), 0)
+    ends = tl.cumsum(counts, 0)
+    tl.store(ends_ptr + ee, ends.to(ends_ptr.dtype.element_ty), mask=ee < E)
+    run = ends - counts
+    for s in range(0, NK, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        m = offs < NK
+        e = tl.load(idx_ptr + offs, mask=m, other=-1)
+        oh = (e[:, None] == ee[None, :]).to(tl.int32)
+        rank = tl.cumsum(oh, 0) - oh + run[None, :]
+        tl.store(pos_ptr + offs, tl.sum(oh * rank, 1).to(tl.int64), mask=m)
+        run += tl.sum(oh, 0)
+
+
+SORT_MAX_ENTRIES = 16384  # above this the one-program counting sort loses to torch.sort (training batches)
+
+
+def expert_sort(topk_idx: torch.Tensor, num_experts: int, out_int32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k3.ops.moe.sort_by_expert` as one kernel (inputs checked by the caller)."""
+    flat = topk_idx.reshape(-1).contiguous()
+    EP = max(16, triton.next_power_of_2(num_experts))
+    pos = torch.empty(flat.numel(), dtype=torch.int64, device=flat.device)
+    ends = torch.empty(num_experts, dtype=torch.int32 if out_int32 else torch.int64, device=flat.device)
+    expert_sort_kernel[(1,)](flat, pos, ends, flat.numel(), num_experts, EP=EP, BLOCK=max(16, 8192 // EP),
+                             num_warps=8)
+    return pos.view(topk_idx.shape), ends
+
+
 def interpreted() -> bool:
     """True when the kernels were bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return _interpreted(moe_gather_sum_kernel)
