@@ -20,7 +20,9 @@ fi
 if [ "${DECODE:-0}" = 1 ]; then
   timeout ${DEC_S:-120} python3 benchmarks/probe/decode_profile.py --batch 1 256 --out "$OUT/decode_profile.json" \
     > "$OUT/decode.log" 2>&1 || echo "decode profile exit $?" >> "$OUT/decode.log"
-  grep "batch" "$OUT/decode.log"
+  grep -E "batch|copy_" "$OUT/decode.log"
+  timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
+  cat "$OUT/kda_decode_cfg.log" | tail -22
 fi
 timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
   || echo "serve exit $?" >> "$OUT/serve.log"

@@ -78,6 +78,27 @@ def test_kda_decode_step_gated_updates_a_strided_pool_in_place():
     assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, :2], before[:, :2])
 
 
+@pytest.mark.parametrize("dt_bias_on", [True, False])
+def test_triton_decode_reads_strided_gate_and_beta_rows(dt_bias_on):
+    """The Triton step (CPU interpreter) takes f and beta as row slices of one wider projection output, as the
+    engine's joined projection hands them over (no copies), and equals the PyTorch step on contiguous copies."""
+    g = torch.Generator().manual_seed(3)
+    P, H, K, N = 6, 2, 16, 3
+    q, k, v, _, _, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g)
+    wide = torch.randn(N, H * K + 5 + H, generator=g)
+    f, bl = wide[:, :H * K].view(N, H, K), wide[:, H * K + 5:]
+    assert not f.is_contiguous() and bl.stride(0) != H
+    dtb = dt_bias if dt_bias_on else None
+    pool = torch.randn(P, 2, H, K, K, generator=g)
+    ref_pool = pool.clone()
+    slots = torch.tensor([5, 1, 2])
+    o = kda_decode_step_gated(q, k, v, f, bl, A_log, dtb, pool[:, 1], slots, -5.0, backend="triton")
+    ro = kda_decode_step_gated(q, k, v, f.contiguous(), bl.contiguous(),
+                               A_log, dtb if dt_bias_on else torch.zeros(H * K), ref_pool[:, 1], slots, -5.0,
+                               backend="torch")
+    assert (o - ro).abs().max() <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5
+
+
 @cuda
 @pytest.mark.cuda
 def test_cuda_kda_decode_step_gated_triton_equals_torch():

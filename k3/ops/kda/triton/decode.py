@@ -10,10 +10,11 @@ from .._common import check_token_shapes
 
 @triton.jit
 def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, idx_ptr, cu_ptr,
-                      H, K, V, slot_stride, sq, sk, sv, scale, lower_bound,
+                      H, K, V, slot_stride, sq, sk, sv, sg, sb, scale, lower_bound,
                       BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
-                      L2: tl.constexpr, HAS_IDX: tl.constexpr):
-    """Program (n, h, iv): tokens cu[n]..cu[n+1] of sequence n, state slot idx[n] (or n), columns iv*BV.."""
+                      L2: tl.constexpr, HAS_IDX: tl.constexpr, HAS_CU: tl.constexpr, HAS_DTB: tl.constexpr):
+    """Program (n, h, iv): tokens cu[n]..cu[n+1] of sequence n (token n alone without cu), state slot idx[n]
+    (or n), columns iv*BV.."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -21,8 +22,12 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
         slot = tl.load(idx_ptr + n).to(tl.int64)
     else:
         slot = n.to(tl.int64)
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
+    if HAS_CU:
+        bos = tl.load(cu_ptr + n)
+        eos = tl.load(cu_ptr + n + 1)
+    else:
+        bos = n
+        eos = n + 1
     kc = tl.arange(0, BK)
     vc = iv * BV + tl.arange(0, BV)
     km = kc < K
@@ -32,14 +37,17 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     S = tl.load(sp, mask=sm, other=0.0).to(tl.float32)
     if GATE:
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + h * K + kc, mask=km, other=0.0).to(tl.float32)
+        if HAS_DTB:
+            dtb = tl.load(dtb_ptr + h * K + kc, mask=km, other=0.0).to(tl.float32)
+        else:
+            dtb = tl.zeros([BK], tl.float32)
     for t in range(bos, eos):
         offk = h * K + kc
         q = tl.load(q_ptr + t * sq + offk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * sk + offk, mask=km, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * H * K + offk, mask=km, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * sg + offk, mask=km, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * sv + h * V + vc, mask=vm, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + t * H + h).to(tl.float32)
+        b = tl.load(b_ptr + t * sb + h).to(tl.float32)
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -87,27 +95,26 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     if state[0].stride() != (K * V, V, 1) or state.stride(0) < H * K * V:
         raise ValueError(f"kda_decode_triton: each state slot [H, K, V] must be contiguous and slots must not "
                          f"overlap (it is updated in place), got strides {state.stride()}")
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(T + 1, device=q.device, dtype=torch.int32)
-    N = cu_seqlens.numel() - 1
+    N = T if cu_seqlens is None else cu_seqlens.numel() - 1
     if state_indices is not None and state_indices.numel() != N:
         raise ValueError(f"kda_decode_triton: state_indices has {state_indices.numel()} entries for {N} sequences")
     if state_indices is None and state.shape[0] < N:
         raise ValueError(f"kda_decode_triton: state has {state.shape[0]} slots for {N} sequences")
     scale = K ** -0.5 if scale is None else float(scale)
-    # q, k, v may be row slices of a wider tensor (the decode conv's joined output): rows strided, each row's
-    # [H, K] contiguous; g and beta contiguous
-    q, k, v = (x if x.stride()[1:] == (x.shape[2], 1) else x.contiguous() for x in (q, k, v))
-    g, beta = g.contiguous(), beta.contiguous()
+    # q, k, v, g may be row slices of a wider tensor (the decode conv's or the joined projection's output): rows
+    # strided, each row's [H, K] contiguous; beta's rows likewise (no copy kernels per call)
+    q, k, v, g = (x if x.stride()[1:] == (x.shape[2], 1) else x.contiguous() for x in (q, k, v, g))
+    beta = beta if beta.stride(1) == 1 else beta.contiguous()
     o = torch.empty(T, H, V, device=q.device, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
     grid = (N, H, triton.cdiv(V, BV))
+    has_dtb = gate and dt_bias is not None
     kda_decode_kernel[grid](
-        q, k, v, g, beta, A_log.contiguous() if gate else None,
-        dt_bias.contiguous() if (gate and dt_bias is not None) else (torch.zeros(H * K, device=q.device) if gate else None),
-        o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, state.stride(0), q.stride(0), k.stride(0), v.stride(0), scale, float(lower_bound),
+        q, k, v, g, beta, A_log.contiguous() if gate else None, dt_bias.contiguous() if has_dtb else None,
+        o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, state.stride(0),
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), scale, float(lower_bound),
         BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
-        HAS_IDX=state_indices is not None, num_warps=num_warps)
+        HAS_IDX=state_indices is not None, HAS_CU=cu_seqlens is not None, HAS_DTB=has_dtb, num_warps=num_warps)
     return o

@@ -1,0 +1,52 @@
+"""Launch settings of the Triton KDA decode step (columns per program × warps) at the engine's shapes: k3-small
+(H 12, K = V 128), one layer's strided view of a page-major fp32 state pool, N sequences at scattered slots.
+Reports time (CUDA events, median of 50 after warm-up) and the state traffic's bandwidth (read + write)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from k3.ops.kda.triton import kda_decode_triton
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="kda_decode_cfg.json")
+    a = ap.parse_args()
+    H, K, L, P = 12, 128, 12, 600
+    pool = torch.randn(P, L, H, K, K, device="cuda") * 0.01
+    res = []
+    for N in (1, 32, 256):
+        g = torch.Generator(device="cuda").manual_seed(N)
+        slots = torch.randperm(P, device="cuda", generator=g)[:N]
+        q, k, f = (torch.randn(N, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        v = torch.randn(N, H, K, device="cuda", dtype=torch.bfloat16)
+        bl = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+        A_log, dtb = torch.randn(H, device="cuda"), torch.randn(H * K, device="cuda")
+        for bv, w in [(32, 4), (16, 4), (32, 2), (64, 4), (64, 8), (128, 8), (128, 16)]:
+            def run():
+                kda_decode_triton(q, k, v, f, bl, pool[:, 5], state_indices=slots, A_log=A_log, dt_bias=dtb,
+                                  beta_logits=True, use_qk_l2norm_in_kernel=True, block_v=bv, num_warps=w)
+            for _ in range(5):
+                run()
+            ts = []
+            for _ in range(50):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                run()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1))
+            ms = sorted(ts)[len(ts) // 2]
+            gbs = N * H * K * K * 4 * 2 / (ms * 1e-3) / 1e9
+            res.append(dict(N=N, block_v=bv, warps=w, ms=ms, GBps=gbs))
+            print(f"N {N:4d} BV {bv:4d} warps {w:3d}: {ms * 1e3:8.1f} us  {gbs:8.0f} GB/s")
+    with open(a.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
