@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache
+from ..ops.linear_ce.chunked import mm_out_dtype_available
 from ..ops.moe import grouped_mm_available
 from .pool import PagePool, PoolExhausted
 
@@ -156,9 +157,13 @@ class ModelRunner:
                                  self.pool.layout.conv_width, self.device, [list(s.checkpoints) for s in seqs])
 
     def logits(self, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """fp32 logits [R, V] of a packed forward over ids [N] (`cache.batch` set), at `rows` (None: all)."""
+        """fp32 logits [R, V] of a packed forward over ids [N] (`cache.batch` set), at `rows` (None: all). A
+        bf16 / fp16 head writes fp32 straight from its GEMM where the device can (no [R, V] cast kernel)."""
         _, hn, _ = self.lm.model(self.lm.model.embed_tokens(ids)[None], cache=self.cache, rows=rows)
-        return self.lm.lm_head(hn)[0].float()
+        head = self.lm.lm_head
+        if hn.dtype != torch.float32 and head.bias is None and mm_out_dtype_available(hn.device.type):
+            return torch.mm(hn[0], head.weight.t(), out_dtype=torch.float32)
+        return head(hn)[0].float()
 
     def graph_for(self, seqs: list[SeqInput]) -> DecodeGraph | None:
         """The decode graph for this step (captured on first use), or None when it must run eagerly."""

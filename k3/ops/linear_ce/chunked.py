@@ -61,7 +61,7 @@ def _addmm_out_dtype(device_type: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _mm_out_dtype(device_type: str) -> bool:
+def mm_out_dtype_available(device_type: str) -> bool:
     """Whether torch.mm(..., out_dtype=fp32) runs for bf16 operands on this device type."""
     if device_type != "cuda":
         return False
@@ -80,7 +80,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a, b)
     elif _addmm_out_dtype(acc.device.type):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    elif _mm_out_dtype(acc.device.type):
+    elif mm_out_dtype_available(acc.device.type):
         acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
     else:
         acc.add_(torch.mm(a, b))
