@@ -65,7 +65,7 @@ def kernels():
     for name in sorted({n for m in mods for n in dir(m) if n.endswith("_kernel")}):
         fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, SUMMARY=False, NV=1, VB=CFG["intra_bwd_vb"], KB=32, BT=16, PRE=False, STORE_O=False,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, HAS_CU=False, HAS_DTB=True, SUMMARY=False, NV=1, VB=CFG["intra_bwd_vb"], KB=32, BT=16, PRE=False, STORE_O=False,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
