@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ._compile import eager_op
 from ._triton import importable
 from .moe_recompute import experts_loop
 from .situ import gate_up_weight, situ_glu, situ_glu_fused
@@ -99,6 +100,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), gate_weight.float())
 
 
+@eager_op
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
           renormalize: bool = True, scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, D] → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32). Inference on CUDA takes
@@ -221,6 +223,7 @@ class _CombineRows(torch.autograd.Function):
         return dys, None, dw, None
 
 
+@eager_op
 def dispatch_rows(x: torch.Tensor, pos: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """x [N, L], pos [N, K] (`sort_by_expert`) → xs [N·K, L] with xs[pos[n, k]] = x[n]. The backward sums each
     token's K row gradients in fp32 (no atomics), output in x's dtype. backend: "auto" (Triton on CUDA), "torch",
@@ -228,6 +231,7 @@ def dispatch_rows(x: torch.Tensor, pos: torch.Tensor, backend: str = "auto") -> 
     return _DispatchRows.apply(x, pos, _use_triton(backend, x))
 
 
+@eager_op
 def combine_rows(ys: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """ys [N·K, L] (expert-sorted rows), pos [N, K], weight [N, K] → [N, L] in ys's dtype:
     Σ_k weight[n, k]·ys[pos[n, k]], accumulated in fp32 (fp64 for fp64). Differentiable in ys and weight."""
@@ -242,6 +246,7 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+@eager_op
 def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
                     grouped: bool | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from .._compile import eager_op
 from .flex import doc_block_mask, doc_block_tables, flex_doc_attention
 from .reference import doc_attention_mask, masked_max_logit, reference_doc_attention, token_docs
 from .sdpa import doc_segments, sdpa_doc_attention, segment_max_logit
@@ -49,6 +50,7 @@ def _check(q, k, v, cu_seqlens, backend) -> None:
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
 
 
+@eager_op
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          cu_seqlens: torch.Tensor | None = None, *, return_max_logit: bool = False,
                          backend: str = "auto"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compile import eager_op
 from .._triton import importable, interpreted
 
 from .fused import AttnResFunction
@@ -54,6 +55,7 @@ def _check(sources, query, norm_weight) -> None:
         raise ValueError(f"attn_res: norm_weight has shape {tuple(norm_weight.shape)}, expected [{D}]")
 
 
+@eager_op
 def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
              backend: str = "auto", **opts) -> torch.Tensor:
     """Mix `sources` (each [..., D], same shape) with the pseudo-query `query` [D] (or [1, D]).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compile import eager_op
 from .._triton import device_reason, importable
 
 from .recompute import short_conv_torch
@@ -63,6 +64,7 @@ def _check(fn, x, weight):
         raise ValueError(f"{fn}: weight must be [{C}, 1, W] with W >= 1, got {tuple(weight.shape)}")
 
 
+@eager_op
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
                output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,6 +89,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
     return short_conv_triton(x, weight, cu_seqlens)[0], None
 
 
+@eager_op
 def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...] | list[int],
                      cu_seqlens: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, ...]:
     """`short_conv(x, weight, cu_seqlens=cu_seqlens)[0].split(sizes, -1)` with each piece contiguous.
@@ -108,6 +111,7 @@ def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ..
     return short_conv_triton(x, weight, cu_seqlens, sizes)
 
 
+@eager_op
 def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
                     backend: str = "auto") -> torch.Tensor:
     """One new token for each of N sequences against a pool of conv windows (the serving engine's decode).

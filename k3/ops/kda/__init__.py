@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.utils.checkpoint
 
+from .._compile import eager_op
 from .._triton import importable
 
 from ._common import check_inputs
@@ -99,6 +100,7 @@ def _g_min(g, bound) -> float:
     return float(g.detach().min()) if g.numel() else 0.0
 
 
+@eager_op
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", states_at=None, g_lower_bound=None):
     """KDA over whole sequences (training and prefill); returns (o [B, T, H, V], final state or None).
@@ -135,6 +137,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return chunk_kda_torch(*args, **kw)
 
 
+@eager_op
 def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, initial_state=None,
                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True,
                     lower_bound=-5.0, backend="auto", states_at=None):
@@ -191,6 +194,7 @@ def _use_triton_decode(backend, q, state, *grad_inputs):
     return ok
 
 
+@eager_op
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                         cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto"):
     """Token-recurrent KDA for decode and short prefills (fla's `fused_recurrent_kda` contract).
@@ -216,6 +220,7 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     return o.reshape(B, T, H, V), (state if output_final_state else None)
 
 
+@eager_op
 def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False,
                     state_indices=None, inplace=True, backend="auto"):
     """Advance N sequences by ONE token each (see `decode.kda_decode_step` for the contract).
@@ -237,6 +242,7 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
     return o, state
 
 
+@eager_op
 def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, lower_bound,
                           scale=None, use_qk_l2norm_in_kernel=True, backend="auto"):
     """One new token for each of N sequences from the raw gate pre-activation: the engine's decode step.

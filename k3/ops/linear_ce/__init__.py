@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compile import eager_op
 from .._triton import importable
 
 from .chunked import ce_rows_torch, default_chunk_size, linear_cross_entropy_chunked
@@ -58,6 +59,7 @@ def _check(hidden, weight, target, chunk_size, backend):
         raise ValueError(f"linear_cross_entropy: chunk_size must be a positive row count, got {chunk_size}")
 
 
+@eager_op
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                          ignore_index: int = -100, chunk_size: int | None = None,
                          backend: str = "auto") -> torch.Tensor:

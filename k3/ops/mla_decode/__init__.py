@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compile import eager_op
 from .._triton import device_reason
 
 BACKENDS = ("auto", "triton", "reference")
@@ -56,6 +57,7 @@ def triton_reason(q_lat: torch.Tensor, kv: torch.Tensor) -> str | None:
     return why
 
 
+@eager_op
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
                      lens: torch.Tensor, scale: float, backend: str = "auto") -> torch.Tensor:
     """q_lat [n, H, C] and q_pe [n, H, R] (one query per sequence), kv [P, page_size, C + R] the latent pool of

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compile import eager_op
 from .._triton import device_reason, importable
 
 from .recompute import rms_norm_torch
@@ -66,6 +67,7 @@ def _check(fn, x, weight, gate=None):
         raise ValueError(f"{fn}: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
 
 
+@eager_op
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, backend: str = "auto") -> torch.Tensor:
     """`x / sqrt(mean(x²) + eps) * weight` over the last dim; fp32 statistics, output in x's dtype.
     (See the module docstring for where the backends round.)"""
@@ -79,6 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, backend: 
     return rms_norm_triton(x, weight, eps)
 
 
+@eager_op
 def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor | None, gate: torch.Tensor, eps: float,
                    backend: str = "auto") -> torch.Tensor:
     """rms_norm(x in fp32) * weight * sigmoid(gate in fp32), in fp32 (fp64 for fp64 inputs on the reference

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compile import eager_op
 from .._triton import importable
 
 from .recompute import SituGLU, SituGLUFused, situ_glu_grads
@@ -50,6 +51,7 @@ def _backend(fn: str, backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+@eager_op
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
              backend: str = "auto") -> torch.Tensor:
     """act(gate, up) elementwise; gate and up of one shape and dtype; output in that dtype."""
@@ -65,6 +67,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     return SituGLU.apply(gate, up, beta, linear_beta)
 
 
+@eager_op
 def situ_glu_fused(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
                    backend: str = "auto") -> torch.Tensor:
     """act of one [..., 2I] tensor holding the gate half then the up half (a fused gate/up GEMM's output,
