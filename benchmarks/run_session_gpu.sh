@@ -9,7 +9,7 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_kda_triton.py tests/test_paged_cache.py \
+[ "${TESTS:-1}" = 1 ] && timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_kda_triton.py tests/test_paged_cache.py \
   tests/test_serve_engine.py tests/test_decode_graphs.py tests/test_serve_async.py tests/test_mla_decode.py tests/test_moe_fast.py > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
 tail -3 "$OUT/tests.log"
 if [ "${PREFILL:-1}" = 1 ]; then
@@ -24,9 +24,11 @@ if [ "${DECODE:-0}" = 1 ]; then
   timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
   cat "$OUT/kda_decode_cfg.log" | tail -22
 fi
-timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
-  || echo "serve exit $?" >> "$OUT/serve.log"
-tail -14 "$OUT/serve.log"
+if [ "${SERVE:-1}" = 1 ]; then
+  timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
+    || echo "serve exit $?" >> "$OUT/serve.log"
+  tail -14 "$OUT/serve.log"
+fi
 if [ "${TRAIN:-1}" = 1 ]; then
   TT="python3 benchmarks/train_throughput.py --warmup 3 --steps 8 --batch 8"
   timeout 150 $TT --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"

@@ -70,7 +70,7 @@ def kernels():
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
         if "decode" in name:
-            consts["BV"] = 32  # kda_decode_triton's default block
+            consts["BV"] = 64  # kda_decode_triton's default block
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
                          "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
         out.append((name, fn, t, consts, warps))

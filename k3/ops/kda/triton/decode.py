@@ -107,7 +107,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     beta = beta if beta.stride(1) == 1 else beta.contiguous()
     o = torch.empty(T, H, V, device=q.device, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
-    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    BV = block_v or min(64, max(16, triton.next_power_of_2(V)))  # 64: 9 % faster than 32 at 256 sequences (H200)
     gate = A_log is not None
     grid = (N, H, triton.cdiv(V, BV))
     has_dtb = gate and dt_bias is not None
