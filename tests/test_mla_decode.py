@@ -39,6 +39,12 @@ def test_kernel_equals_the_fp64_oracle(H, C, R, page_size, S, dtype, tol):
     out = paged_mla_decode(q_lat.to(dtype), q_pe.to(dtype), kv.to(dtype), pages, lens, 0.07, backend="triton")
     assert out.dtype == dtype and out.shape == ref.shape
     assert rel(out, ref) <= tol, rel(out, ref)
+    # head-major views in and out (the model's layout around the kernel): same values, written in place
+    hm = q_lat.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)
+    buf = torch.empty(H, q_lat.shape[0], C, dtype=dtype)
+    res = paged_mla_decode(hm, q_pe.to(dtype), kv.to(dtype), pages, lens, 0.07, backend="triton",
+                           out=buf.transpose(0, 1))
+    assert res.data_ptr() == buf.data_ptr() and torch.equal(buf.transpose(0, 1), out)
     # the first query sees one row: its output is that row's latent, exactly its softmax weight 1
     row = kv[pages[0, 0], 0, :C]
     torch.testing.assert_close(out[0].double(), row.expand(H, C).to(dtype).double(), rtol=tol, atol=tol)

@@ -215,10 +215,13 @@ class MLAttention(nn.Module):
             return self.attend_absorbed(q[:, None], cc, kp, valid[:, None, None, :])[:, 0]
         w_uk, w_uv = self._kv_b()
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk.to(q.dtype))
+        # head-major [H, nd, C] around the kernel: both absorbed GEMMs are plain batched GEMMs (no permute copies)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype))
+        o_lat = torch.empty_like(q_lat)
         b = cache.batch
-        o_lat = paged_mla_decode(q_lat, q_pe, pool, b.dec_page, b.dec_len, self.scale, backend=backend)
-        return torch.einsum("nhc,hvc->nhv", o_lat, w_uv.to(o_lat.dtype))
+        paged_mla_decode(q_lat.transpose(0, 1), q_pe, pool, b.dec_page, b.dec_len, self.scale, backend=backend,
+                         out=o_lat.transpose(0, 1))
+        return torch.bmm(o_lat, w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] → output gate and o_proj → [B, T, D]."""

@@ -89,10 +89,13 @@ class LatentMoE(nn.Module):
                 self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
-        out = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(xf)
-        return out.reshape(shape)
+        if self.shared_experts is None:
+            return self.routed_expert_up_proj(y).reshape(shape)
+        shared = self.shared_experts(xf)
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+            return (self.routed_expert_up_proj(y) + shared).reshape(shape)
+        # inference: the shared experts' output is the up projection's GEMM accumulator (no add kernel)
+        return torch.addmm(shared, y, self.routed_expert_up_proj.weight.t()).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)

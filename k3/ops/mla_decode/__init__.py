@@ -59,18 +59,25 @@ def triton_reason(q_lat: torch.Tensor, kv: torch.Tensor) -> str | None:
 
 @eager_op
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
-                     lens: torch.Tensor, scale: float, backend: str = "auto") -> torch.Tensor:
+                     lens: torch.Tensor, scale: float, backend: str = "auto", out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """q_lat [n, H, C] and q_pe [n, H, R] (one query per sequence), kv [P, page_size, C + R] the latent pool of
     one layer (a strided view is fine), pages [n, S] the page of each history position (S >= max(lens); any
     value past lens[i]), lens [n] >= 1 the history lengths (the query's own row included) → o_lat [n, H, C]
-    in q_lat's dtype. Lengths are not read back to the host (CUDA-graph safe)."""
+    in q_lat's dtype, written into `out` when given (any [n, H, C] view with a contiguous last dimension, e.g. a
+    head-major buffer transposed: the callers' batched GEMMs then need no copies). Lengths are not read back
+    to the host (CUDA-graph safe)."""
     _check(q_lat, q_pe, kv, pages, lens, backend)
     if backend == "auto":
         backend = "triton" if kv.is_cuda and triton_reason(q_lat, kv) is None else "reference"
+    if out is not None and (out.shape != q_lat.shape or out.dtype != q_lat.dtype or out.stride(-1) != 1):
+        raise ValueError(f"paged_mla_decode: out must be {tuple(q_lat.shape)} {q_lat.dtype} with a contiguous last "
+                         f"dimension, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if backend == "reference":
-        return paged_mla_decode_reference(q_lat, q_pe, kv, pages, lens, scale)
+        o = paged_mla_decode_reference(q_lat, q_pe, kv, pages, lens, scale)
+        return o if out is None else out.copy_(o)
     why = triton_reason(q_lat, kv)
     if why is not None:
         raise ValueError(f"paged_mla_decode: backend 'triton' cannot run here: {why}")
     from .triton import paged_mla_decode_triton
-    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale)
+    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale, out)

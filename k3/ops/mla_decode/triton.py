@@ -25,7 +25,8 @@ def interpreted() -> bool:
 
 
 @triton.jit
-def mla_decode_kernel(QL, QP, KV, PAGES, LENS, O, M, L, scale, H, PS, s_kv_page, s_kv_row, s_pages,
+def mla_decode_kernel(QL, QP, KV, PAGES, LENS, O, M, L, scale, H, PS, s_kv_page, s_kv_row, s_pages, s_qln, s_qlh,
+                      s_qpn, s_qph, s_on, s_oh,
                       C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
                       BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr, DOT_PREC: tl.constexpr,
                       UPCAST: tl.constexpr):
@@ -38,9 +39,10 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, O, M, L, scale, H, PS, s_kv_page,
     rr = tl.arange(0, RP)
     cm = cc < C
     rm = rr < R
-    qrow = (i * H + heads).to(tl.int64)
-    ql = tl.load(QL + qrow[:, None] * C + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-    qp = tl.load(QP + qrow[:, None] * R + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    i64 = i.to(tl.int64)
+    h64 = heads.to(tl.int64)
+    ql = tl.load(QL + i64 * s_qln + h64[:, None] * s_qlh + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    qp = tl.load(QP + i64 * s_qpn + h64[:, None] * s_qph + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
     dot_t = tl.float32 if UPCAST else KV.dtype.element_ty  # UPCAST: the CPU interpreter (its bf16 dot is wrong)
     ql = ql.to(dot_t)
     qp = qp.to(dot_t)
@@ -67,7 +69,8 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, O, M, L, scale, H, PS, s_kv_page,
         m_i = m_new
     if NS == 1:
         out = acc / l_i[:, None]
-        tl.store(O + qrow[:, None] * C + cc[None, :], out.to(O.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+        tl.store(O + i64 * s_on + h64[:, None] * s_oh + cc[None, :], out.to(O.dtype.element_ty),
+                 mask=hm[:, None] & cm[None, :])
     else:
         prow = ((i * NS + sp) * H + heads).to(tl.int64)
         tl.store(O + prow[:, None] * C + cc[None, :], acc, mask=hm[:, None] & cm[None, :])
@@ -84,12 +87,15 @@ def combine(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.d
 
 
 def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
-                            lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """See `k3.ops.mla_decode.paged_mla_decode` (inputs already checked)."""
+                            lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """See `k3.ops.mla_decode.paged_mla_decode` (inputs already checked). q_lat, q_pe and `out` may be strided
+    views (e.g. head-major [H, n, C] transposed) as long as their last dimension is contiguous."""
     n, H, C = q_lat.shape
     R = q_pe.shape[-1]
     S = pages.shape[1]
-    q_lat, q_pe, pages, lens = q_lat.contiguous(), q_pe.contiguous(), pages.contiguous(), lens.contiguous()
+    q_lat, q_pe = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_lat, q_pe))
+    pages, lens = pages.contiguous(), lens.contiguous()
+    qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
     NS = triton.cdiv(S, SPLIT)
     grid = (n, triton.cdiv(H, BH), NS)
     up = interpreted()
@@ -97,15 +103,21 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     CP, RP = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
     warps = 8 if CP >= 512 else 4
     if NS == 1:
-        out = torch.empty(n, H, C, device=q_lat.device, dtype=q_lat.dtype)
+        if out is None:
+            out = torch.empty(n, H, C, device=q_lat.device, dtype=q_lat.dtype)
         mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, out, out, out, float(scale), H, kv.shape[1],
-                                kv.stride(0), kv.stride(1), pages.stride(0), C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS,
+                                kv.stride(0), kv.stride(1), pages.stride(0), *qs, out.stride(0), out.stride(1),
+                                C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS,
                                 SPLIT=SPLIT, NS=1, DOT_PREC=prec, UPCAST=up, num_warps=warps)
         return out
     part = torch.empty(n, NS, H, C, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(n, NS, H, device=q_lat.device, dtype=torch.float32)
     l = torch.empty_like(m)
     mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, part, m, l, float(scale), H, kv.shape[1], kv.stride(0),
-                            kv.stride(1), pages.stride(0), C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS, SPLIT=SPLIT, NS=NS,
-                            DOT_PREC=prec, UPCAST=up, num_warps=warps)
-    return combine(part, m, l, q_lat.dtype)
+                            kv.stride(1), pages.stride(0), *qs, 0, 0, C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS,
+                            SPLIT=SPLIT, NS=NS, DOT_PREC=prec, UPCAST=up, num_warps=warps)
+    res = combine(part, m, l, q_lat.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
