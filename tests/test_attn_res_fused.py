@@ -398,3 +398,30 @@ def test_cuda_autocast_dispatches_to_triton_and_matches_torch(monkeypatch):
     assert calls == [1]
     assert tri[0].dtype == torch.bfloat16 and tri[2].dtype == torch.float32
     check(tor, tri, 1e-2)
+
+
+# ---------------------------------------------------------------- inference: AttnRes with its output RMSNorm fused
+@pytest.mark.parametrize("D", [48, 1100])
+def test_attn_res_norm_fused_equals_the_two_ops(D, one_thread):
+    """rms_norm(attn_res(...)) as one kernel without autograd: against the fp64 two-op oracle (fp32, 1e-5; D =
+    1100 spans two 1024-wide tiles of the small-rows launch, so the norm's third pass revisits written tiles),
+    against the two Triton ops in bf16 (the norm reads the rounded mix, as they do: within bf16 rounding), and
+    with autograd on it is the two ops (gradients flow)."""
+    from k3.ops.attn_res import attn_res_norm
+    from k3.ops.norm.reference import rms_norm_reference
+    src, query, norm_w, _, _ = make(3, (9, D), seed=60)
+    out_w = 1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(61), dtype=torch.float64)
+    ref = rms_norm_reference(attn_res_reference(src, query, norm_w, EPS), out_w, 1e-6)
+    f32 = [t.float().to(DEV) for t in (query, norm_w, out_w)]
+    with torch.no_grad():
+        out = attn_res_norm([s.float().to(DEV) for s in src], f32[0], f32[1], EPS, f32[2], 1e-6, backend="triton")
+        assert rel_rmse(ref, out.cpu()) <= 1e-5
+        bf = [s.to(DEV, torch.bfloat16) for s in src]
+        q16, n16, o16 = (t.to(torch.bfloat16) for t in f32)
+        two = rms_norm_reference(attn_res(bf, q16, n16, EPS, backend="triton"), o16, 1e-6)
+        one = attn_res_norm(bf, q16, n16, EPS, o16, 1e-6, backend="triton")
+        assert one.dtype == torch.bfloat16 and rel_rmse(two.float(), one.float()) <= 8e-3
+    leaves = [s.float().to(DEV).requires_grad_() for s in src]
+    y = attn_res_norm(leaves, f32[0], f32[1], EPS, f32[2], 1e-6, backend="triton")
+    y.sum().backward()
+    assert rel_rmse(ref, y.detach().cpu()) <= 1e-5 and all(t.grad is not None for t in leaves)

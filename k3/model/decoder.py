@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.attn_res import attn_res
+from ..ops.attn_res import attn_res, attn_res_norm
 from .kda import KimiDeltaAttention
 from .layers import RMSNorm, SituMLP
 from .mla import MLAttention
@@ -117,6 +117,9 @@ class KimiDecoderLayer(nn.Module):
             return norm(_mix(list(srcs), res_norm, res_proj, self.attn_res_backend))
         if torch.is_grad_enabled() and not sources[0].is_cuda:
             return torch.utils.checkpoint.checkpoint(f, *sources, use_reentrant=False)
+        if not torch.is_grad_enabled() and self.attn_res_backend in ("auto", "triton"):  # inference: one kernel
+            return attn_res_norm(sources, res_proj.weight, res_norm.weight, res_norm.eps, norm.weight, norm.eps,
+                                 backend=self.attn_res_backend)
         return f(*sources)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

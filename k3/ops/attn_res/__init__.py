@@ -17,11 +17,11 @@ import torch
 
 from .._compile import eager_op
 from .._triton import importable, interpreted
-
-from .fused import AttnResFunction
+from ..norm import rms_norm
+from .fused import AttnResFunction, acc_dtype, fold_query
 from .reference import attn_res_reference
 
-__all__ = ["attn_res", "attn_res_reference", "triton_available", "BACKENDS"]
+__all__ = ["attn_res", "attn_res_norm", "attn_res_reference", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
@@ -89,3 +89,29 @@ def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torc
         if why is not None:
             raise ValueError(f"attn_res: backend 'triton' cannot take these sources: {why}; use 'torch'")
     return AttnResFunction.apply(backend, opts, query, norm_weight, float(eps), *sources)
+
+
+@eager_op
+def attn_res_norm(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  out_weight: torch.Tensor, out_eps: float, backend: str = "auto") -> torch.Tensor:
+    """rms_norm(attn_res(sources, query, norm_weight, eps), out_weight, out_eps): a sublayer's input. Without
+    autograd, on CUDA (or the interpreter with backend "triton"), one Triton kernel (`attn_res_fwd_kernel` with
+    its NORM epilogue: the norm reads the mix as rounded to its dtype, as the two-op path does); otherwise
+    the two ops with `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attn_res_norm: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    sources = list(sources)
+    fused = not torch.is_grad_enabled() and backend in ("auto", "triton") and triton_available() \
+        and (sources[0].is_cuda or (backend == "triton" and _interpreted()))
+    if fused:
+        from .triton import kernel_fits
+        _check(sources, query, norm_weight)
+        fused = kernel_fits(sources) is None and out_weight.shape == sources[0].shape[-1:] \
+            and all(t.device == sources[0].device for t in (query, norm_weight, out_weight))
+    if not fused:
+        return rms_norm(attn_res(sources, query, norm_weight, eps, backend=backend), out_weight, out_eps)
+    from .triton import attn_res_fwd_triton
+    D = sources[0].shape[-1]
+    w = fold_query(query, norm_weight, acc_dtype(sources[0].dtype))
+    h, *_ = attn_res_fwd_triton([t.reshape(-1, D) for t in sources], w, eps, norm=(out_weight, out_eps))
+    return h.reshape(sources[0].shape)

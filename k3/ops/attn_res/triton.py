@@ -64,9 +64,12 @@ def _source(tab, i, like):
 
 
 @triton.jit
-def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, R, D, N, eps, BR: tl.constexpr,
-                        BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
-    """Rows [pid*BR, pid*BR + BR): h [R, D] (sources' dtype); alpha, rstd, s [N, R] fp32. src_tab: int64 [N]."""
+def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, nw_ptr, R, D, N, eps, out_eps,
+                        BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
+                        UNROLL: tl.constexpr, NORM: tl.constexpr = False):
+    """Rows [pid*BR, pid*BR + BR): h [R, D] (sources' dtype); alpha, rstd, s [N, R] fp32. src_tab: int64 [N].
+    NORM (inference): h is then replaced by RMSNorm(h) with weight nw_ptr [D] and out_eps, computed from h as
+    rounded to its dtype (pass 3: the rows just written, re-read from L1 / L2): the sublayer's input in one kernel."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BR * D  # int64: R * D may exceed 2**31; offsets inside the block are int32
     ri = tl.arange(0, BR)
@@ -97,6 +100,7 @@ def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, R, D,
     tl.store(alpha_ptr + so, p / tl.sum(p, 1)[:, None], mask=smask)
     tl.debug_barrier()  # and so is its alpha
     hp = h_ptr + base
+    ss2 = tl.zeros([BR], tl.float32)
     for d0 in range(0, D, BD):  # pass 2: h = Σ_i α_i v_i, one D tile at a time
         dc = d0 + tl.arange(0, BD)
         m2 = rmask[:, None] & (dc < D)[None, :]
@@ -107,7 +111,23 @@ def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, R, D,
             v = tl.load(_source(src_tab, i, h_ptr) + base + off, mask=m2, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
             acc += a[:, None] * v
-        tl.store(hp + off, acc.to(h_ptr.dtype.element_ty), mask=m2, eviction_policy="evict_first")
+        hb = acc.to(h_ptr.dtype.element_ty)
+        if NORM:
+            hf = hb.to(tl.float32)
+            ss2 += tl.sum(hf * hf, 1)
+            tl.store(hp + off, hb, mask=m2)
+        else:
+            tl.store(hp + off, hb, mask=m2, eviction_policy="evict_first")
+    if NORM:  # pass 3: y = h · rsqrt(mean(h²) + eps) · weight, in place
+        tl.debug_barrier()
+        r2 = 1.0 / tl.sqrt(ss2 / D + out_eps)
+        for d0 in range(0, D, BD):
+            dc = d0 + tl.arange(0, BD)
+            m2 = rmask[:, None] & (dc < D)[None, :]
+            off = roff[:, None] + dc[None, :]
+            hf = tl.load(hp + off, mask=m2, other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + dc, mask=dc < D, other=0.0).to(tl.float32)
+            tl.store(hp + off, (hf * r2[:, None] * nw[None, :]).to(h_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -234,9 +254,11 @@ def _consts(cfg: dict, N: int) -> dict:
                 STAGES=cfg["num_stages"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"])
 
 
-def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, **launch):
+def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, norm: tuple | None = None,
+                        **launch):
     """flat: N contiguous [R, D] sources of one dtype; w: [D] (used in fp32). Returns h [R, D] in the sources'
-    dtype, alpha, rstd and s (the scores) [N, R] fp32. launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
+    dtype, alpha, rstd and s (the scores) [N, R] fp32. norm = (weight [D], eps): h is RMSNorm(h) instead
+    (inference; `attn_res_norm`). launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
     cfg = launch_config("fwd", D, **({**LAUNCH_SMALL_FWD, **launch} if R <= SMALL_ROWS else launch))
@@ -245,8 +267,11 @@ def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, *
     if R == 0:
         return h, alpha, rstd, s
     tab = _table([t.data_ptr() for t in flat], dev)
-    attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](tab, w.float().contiguous(), h, alpha, rstd, s, R, D, N,
-                                                           float(eps), **_consts(cfg, N))
+    nw, out_eps = norm if norm is not None else (None, 0.0)
+    attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](tab, w.float().contiguous(), h, alpha, rstd, s,
+                                                           None if nw is None else nw.contiguous(), R, D, N,
+                                                           float(eps), float(out_eps), NORM=norm is not None,
+                                                           **_consts(cfg, N))
     return h, alpha, rstd, s
 
 
