@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from k3.ops.kda.triton import kda_decode_triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402
+
+from k3.ops.kda.triton import kda_decode_triton  # noqa: E402
 
 
 def main():
@@ -30,17 +35,7 @@ def main():
             def run():
                 kda_decode_triton(q, k, v, f, bl, pool[:, 5], state_indices=slots, A_log=A_log, dt_bias=dtb,
                                   beta_logits=True, use_qk_l2norm_in_kernel=True, block_v=bv, num_warps=w)
-            for _ in range(5):
-                run()
-            ts = []
-            for _ in range(50):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                run()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            ms = sorted(ts)[len(ts) // 2]
+            ms = median_ms(run, warmup=5, reps=50)
             gbs = N * H * K * K * 4 * 2 / (ms * 1e-3) / 1e9
             res.append(dict(N=N, block_v=bv, warps=w, ms=ms, GBps=gbs))
             print(f"N {N:4d} BV {bv:4d} warps {w:3d}: {ms * 1e3:8.1f} us  {gbs:8.0f} GB/s")
