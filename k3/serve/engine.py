@@ -37,7 +37,7 @@ from .request import PausedRequest, RequestOutput, SamplingParams, Sequence
 from .runner import ModelRunner, SeqInput, text_model
 from .sampling import sample_device
 from .stop import first_stop
-from .scheduler import Scheduler, Work
+from .scheduler import Scheduler
 
 log = logging.getLogger("k3.serve.engine")
 MAX_FORWARD_FAILURES = 3  # forwards a sequence may be part of that fail before it is failed itself
