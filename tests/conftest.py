@@ -1,4 +1,5 @@
 import os
+import random
 
 import pytest
 import torch
@@ -42,6 +43,12 @@ def make_tiny(seed: int = 0, vision: bool = False, **text_overrides) -> K3ForCon
     model = K3ForConditionalGeneration(cfg)
     randomize(model, seed)
     return model.eval()
+
+
+def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    """n prompts of random k3-tiny token ids (below its special ids), lengths in [lo, hi)."""
+    g = random.Random(seed)
+    return [[g.randrange(0, 4000) for _ in range(g.randrange(lo, hi))] for _ in range(n)]
 
 
 @torch.no_grad()

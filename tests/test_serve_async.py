@@ -3,12 +3,11 @@ ids still on the device and the previous step's tokens read back while it runs. 
 synchronously (and `model.generate`); every test compares whole token / log-prob sequences (k3-tiny, fp32, CPU,
 plus a CUDA check that a continuation step never waits for the device)."""
 
-import random
 
 import pytest
 import torch
 
-from conftest import make_tiny
+from conftest import make_tiny, random_prompts as prompts
 from k3.serve import Engine, EngineConfig, SamplingParams
 
 
@@ -21,11 +20,6 @@ def engine(model, async_scheduling: bool, **kw) -> Engine:
     args = dict(block_size=16, hash_block_size=4, num_pages=96, async_scheduling=async_scheduling)
     args.update(kw)
     return Engine(model, EngineConfig(**args))
-
-
-def prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    g = random.Random(seed)
-    return [[g.randrange(0, 4000) for _ in range(g.randrange(lo, hi))] for _ in range(n)]
 
 
 def mixed_params(n: int, stop_ids: tuple[int, ...] = ()) -> list[SamplingParams]:

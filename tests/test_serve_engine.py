@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import make_tiny
+from conftest import make_tiny, random_prompts as prompts
 from k3.serve import Engine, EngineConfig, RequestOutput, SamplingParams
 
 TOL = 1e-4  # max |Δlogit| (fp32)
@@ -24,11 +24,6 @@ def tiny_engine(model, **kw) -> Engine:
     args = dict(block_size=16, hash_block_size=4, num_pages=96, record_logits=True)
     args.update(kw)
     return Engine(model, EngineConfig(**args))
-
-
-def prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    g = random.Random(seed)
-    return [[g.randrange(0, 4000) for _ in range(g.randrange(lo, hi))] for _ in range(n)]
 
 
 def full_logits(model, prompt: list[int], out: list[int]) -> torch.Tensor:

@@ -113,13 +113,11 @@ class KimiDecoderLayer(nn.Module):
         """norm(AttnRes(sources)): a sublayer's input. In CPU training the pair is recomputed in the backward
         (memory-lean, like the CPU MLPs): only the sources are kept, which the stream holds anyway, not the
         AttnRes output that the norm would save (≈ 13 KB per token of k3-tiny at 64K tokens)."""
-        def f(*srcs):
-            return norm(_mix(list(srcs), res_norm, res_proj, self.attn_res_backend))
+        def f(*srcs):  # one kernel in inference on CUDA (`attn_res_norm`), else the two ops
+            return attn_res_norm(list(srcs), res_proj.weight, res_norm.weight, res_norm.eps, norm.weight, norm.eps,
+                                 backend=self.attn_res_backend)
         if torch.is_grad_enabled() and not sources[0].is_cuda:
             return torch.utils.checkpoint.checkpoint(f, *sources, use_reentrant=False)
-        if not torch.is_grad_enabled() and self.attn_res_backend in ("auto", "triton"):  # inference: one kernel
-            return attn_res_norm(sources, res_proj.weight, res_norm.weight, res_norm.eps, norm.weight, norm.eps,
-                                 backend=self.attn_res_backend)
         return f(*sources)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -208,7 +208,7 @@ class MLAttention(nn.Module):
         pool = cache.mla_pool()
         backend = self.decode_backend
         if backend == "auto":
-            backend = "triton" if pool.is_cuda and triton_reason(q, pool) is None else "gather"
+            backend = "triton" if pool.is_cuda and triton_reason(pool) is None else "gather"
         if backend == "gather":
             kv, valid = cache.decode_latents(q.dtype)  # [nd, S, C + R]
             cc, kp = kv.split([self.kv_lora_rank, self.rope], dim=-1)

@@ -362,7 +362,17 @@ class Engine:
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """Whether the token seq has in flight ends it by length (so the next step need not compute it)."""
-        return len(seq.output) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+        return self._length_done(seq, pending=1)
+
+    def _length_done(self, seq: Sequence, pending: int = 0) -> bool:
+        """seq's output (plus `pending` tokens not yet on the host) reached max_tokens or max_model_len."""
+        return len(seq.output) + pending >= seq.params.max_tokens or seq.num_tokens + pending >= self.max_model_len
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished request leaves the scheduler (its pages released) and the in-flight table."""
+        self.scheduler.remove(seq)
+        with self._inbox_lock:
+            self.requests.pop(seq.request_id, None)
 
     def _sample(self, done: list[Sequence], logits: torch.Tensor) -> "_Inflight | None":
         """Sample the rows of `done` on the device, keep the ids for the next forward (`runner.publish`) and
@@ -394,9 +404,7 @@ class Engine:
             if t < 0:  # its logits were not finite: this request fails alone
                 seq.finished, seq.finish_reason = True, "error"
                 seq.stop_reason = "its logits were not finite (NaN / +inf); it cannot be sampled"
-                self.scheduler.remove(seq)
-                with self._inbox_lock:
-                    del self.requests[seq.request_id]
+                self._retire(seq)
                 outs.append(seq.to_output())
                 continue
             if inf.logits is not None:
@@ -407,9 +415,7 @@ class Engine:
             self.generation_tokens_total += 1
             self._check_stop(seq, t)
             if seq.finished:
-                self.scheduler.remove(seq)
-                with self._inbox_lock:
-                    del self.requests[seq.request_id]
+                self._retire(seq)
                 self.num_finished += 1
             if seq.finished or seq.params.output_kind != "final_only":
                 outs.append(seq.to_output())
@@ -441,11 +447,9 @@ class Engine:
                 self.scheduler.suspects.add(seq)
                 continue
             self.scheduler.suspects.discard(seq)
-            self.scheduler.remove(seq)
             seq.finished, seq.finish_reason = True, "error"
             seq.stop_reason = f"the model forward failed on this request: {type(error).__name__}: {error}"
-            with self._inbox_lock:
-                self.requests.pop(seq.request_id, None)
+            self._retire(seq)
             outs.append(seq.to_output())
         return outs
 
@@ -460,7 +464,7 @@ class Engine:
             if hit is not None:
                 seq.finished, seq.finish_reason, seq.stop_reason = True, "stop", hit[1]
                 return
-        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._length_done(seq):
             seq.finished, seq.finish_reason = True, "length"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -67,19 +67,14 @@ def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators
     return torch.where(bad, -1, out), torch.where(bad, float("nan"), lp)
 
 
-def to_host(toks: torch.Tensor, lps: torch.Tensor) -> tuple[list[int], list[float], list[int]]:
-    """`sample_device`'s tensors as host lists (one device→host copy; ids < 2^53 are exact in fp64), and the
-    failed rows (token -1)."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                ) -> tuple[list[int], list[float], list[int]]:
+    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits), failed rows: token -1), on the
+    host: `sample_device`, then one device→host copy (ids < 2^53 are exact in fp64)."""
+    toks, lps = sample_device(logits, params, generators)
     host = torch.stack([toks.double(), lps.double()]).tolist()
     ids = [int(t) for t in host[0]]
     return ids, host[1], [i for i, t in enumerate(ids) if t < 0]
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-                ) -> tuple[list[int], list[float], list[int]]:
-    """logits [n, V] fp32 → (token ids, log p(token) under log_softmax(logits), failed rows), on the host
-    (`sample_device`, then one copy back)."""
-    return to_host(*sample_device(logits, params, generators))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

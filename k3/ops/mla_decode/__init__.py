@@ -49,8 +49,8 @@ def _check(q_lat, q_pe, kv, pages, lens, backend) -> None:
                          f"got {pages.dtype} {tuple(pages.shape)} and {lens.dtype} {tuple(lens.shape)}")
 
 
-def triton_reason(q_lat: torch.Tensor, kv: torch.Tensor) -> str | None:
-    """Why the Triton kernel cannot take these inputs, or None."""
+def triton_reason(kv: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot read this latent pool, or None."""
     why = device_reason(kv, __name__)
     if why is None and kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         why = f"pool dtype {kv.dtype} (needs fp32 / bf16 / fp16)"
@@ -69,14 +69,14 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, 
     to the host (CUDA-graph safe)."""
     _check(q_lat, q_pe, kv, pages, lens, backend)
     if backend == "auto":
-        backend = "triton" if kv.is_cuda and triton_reason(q_lat, kv) is None else "reference"
+        backend = "triton" if kv.is_cuda and triton_reason(kv) is None else "reference"
     if out is not None and (out.shape != q_lat.shape or out.dtype != q_lat.dtype or out.stride(-1) != 1):
         raise ValueError(f"paged_mla_decode: out must be {tuple(q_lat.shape)} {q_lat.dtype} with a contiguous last "
                          f"dimension, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if backend == "reference":
         o = paged_mla_decode_reference(q_lat, q_pe, kv, pages, lens, scale)
         return o if out is None else out.copy_(o)
-    why = triton_reason(q_lat, kv)
+    why = triton_reason(kv)
     if why is not None:
         raise ValueError(f"paged_mla_decode: backend 'triton' cannot run here: {why}")
     from .triton import paged_mla_decode_triton
