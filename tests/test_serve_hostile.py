@@ -248,12 +248,14 @@ def test_capacity_answers_429_with_retry_after(server):
 
 def test_a_big_request_does_not_starve_a_small_one(server):
     """12 choices in waves of max_num_seqs=4, then a 2-token request: it is admitted at the next free slot
-    (round-robin between requests: 4 choices finish first), not after the 12 (FIFO: at least 8 would)."""
+    (round-robin between requests: 4 choices finish first), not after the 12 (FIFO: at least 8 would). The
+    choices are 16 tokens long so that the small request surely arrives while the first wave runs (at 4 tokens
+    a fast engine could admit the second wave first, and the test failed by timing alone)."""
     srv, _ = server
     finished, started = [], threading.Event()
 
     def big():
-        body = COMP | {"prompt": ["one", "two", "three", "four"], "n": 3, "max_tokens": 4, "ignore_eos": True,
+        body = COMP | {"prompt": ["one", "two", "three", "four"], "n": 3, "max_tokens": 16, "ignore_eos": True,
                        "stream": True}
         with httpx.stream("POST", srv.url + P, headers=AUTH, json=body, timeout=120) as r:
             for line in r.iter_lines():
