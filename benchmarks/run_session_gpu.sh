@@ -18,7 +18,7 @@ if [ "${PREFILL:-1}" = 1 ]; then
   grep "==" "$OUT/prefill.log"
 fi
 if [ "${DECODE:-0}" = 1 ]; then
-  timeout ${DEC_S:-120} python3 benchmarks/probe/decode_profile.py --batch 1 256 --out "$OUT/decode_profile.json" \
+  timeout ${DEC_S:-120} python3 benchmarks/probe/decode_profile.py --batch ${DEC_BATCH:-1 256} --out "$OUT/decode_profile.json" \
     > "$OUT/decode.log" 2>&1 || echo "decode profile exit $?" >> "$OUT/decode.log"
   grep -E "batch|copy_" "$OUT/decode.log"
   timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
@@ -31,8 +31,8 @@ if [ "${SERVE:-1}" = 1 ]; then
 fi
 if [ "${TRAIN:-1}" = 1 ]; then
   TT="python3 benchmarks/train_throughput.py --warmup 3 --steps 8 --batch 8"
-  timeout 150 $TT --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
-  timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
+  timeout 150 $TT ${TRAIN_ARGS:-} --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
+  [ "${COMPILE:-1}" = 1 ] && timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
     || echo "exit $?" >> "$OUT/train_compile.log"
-  tail -n 4 "$OUT/train_plain.log" "$OUT/train_compile.log"
+  tail -n 30 "$OUT/train_plain.log"; [ "${COMPILE:-1}" = 1 ] && tail -n 4 "$OUT/train_compile.log"
 fi

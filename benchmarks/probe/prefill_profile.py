@@ -79,6 +79,7 @@ def hot_spots(fn, n: int = 35) -> str:
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(n)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats("k3/", n)
     return s.getvalue()
 
 
@@ -118,7 +119,7 @@ def main():
               f"{r['n_syncs']} syncs")
         for k, v in list(r["syncs"].items())[:25]:
             print(f"   {v:5d}  {k}")
-        print("\n".join(r["cprofile"].splitlines()[:60]))
+        print(r["cprofile"])
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 
