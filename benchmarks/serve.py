@@ -178,6 +178,9 @@ def run(a) -> dict:
     for warm in (long_prefill, shared + 64):  # compile / autotune the prefill shapes outside the timed runs
         eng.reset_prefix_cache()
         eng.generate(rand_prompts(1, warm, V, 70), one)
+    # and a prefix hit of the timed shape (a 64-token tail after `shared` cached tokens: its extend graph is
+    # captured here, as a server captures its graphs before taking requests)
+    eng.generate([rand_prompts(1, shared, V, 71)[0] + rand_prompts(1, 64, V, 72)[0]], one)
     times = []
     for rep in range(3):
         eng.reset_prefix_cache()
@@ -204,6 +207,12 @@ def run(a) -> dict:
             out = eng.generate([prefix + tail], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
         ttft[name] = dict(seconds=c.s, cached_tokens=out.num_cached_tokens, prompt_tokens=shared + 64)
     ttft["speedup"] = ttft["cold"]["seconds"] / ttft["prefix_hit"]["seconds"]
+    if eng.runner.use_graphs:  # the same hit with the tail run eagerly (no extend graph), before / after in one run
+        eng.runner.use_extend_graphs = False
+        with Clock(cuda) as c:
+            out = eng.generate([prefix + rand_prompts(1, 64, V, 73)[0]], one)[0]
+        eng.runner.use_extend_graphs = True
+        ttft["prefix_hit_eager_tail"] = dict(seconds=c.s, cached_tokens=out.num_cached_tokens)
     res["ttft_shared_prefix"] = ttft
 
     eng.reset_prefix_cache()
@@ -211,7 +220,8 @@ def run(a) -> dict:
     sp = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     ids = torch.tensor(prompts, device=device)
     model.generate(ids[:2], max_new_tokens=2)  # warm-up
-    t_gen, t_eng = [], []
+    eng.generate(rand_prompts(gen_batch, prompt_len, V, 11), sp)  # warm-up: this shape's graphs captured
+    t_gen, t_eng, t_eager = [], [], []
     for _ in range(a.reps):
         with Clock(cuda) as c:
             ref = model.generate(ids, max_new_tokens=gen_tokens)
@@ -220,6 +230,13 @@ def run(a) -> dict:
         with Clock(cuda) as c:
             outs = eng.generate(prompts, sp)
         t_eng.append(c.s)
+        if eng.runner.use_graphs:  # the prompts' forward eagerly (no extend graph), before / after in one run
+            eng.runner.use_extend_graphs = False
+            eng.reset_prefix_cache()
+            with Clock(cuda) as c:
+                eng.generate(prompts, sp)
+            eng.runner.use_extend_graphs = True
+            t_eager.append(c.s)
     ref = ref[:, prompt_len:].tolist()
     agree = sum(x == y for o, r in zip(outs, ref) for x, y in zip(o.token_ids, r)) / (gen_batch * gen_tokens)
     n = gen_batch * gen_tokens
@@ -228,6 +245,9 @@ def run(a) -> dict:
                               generate_tokens_per_s=n / statistics.median(t_gen),
                               speedup=statistics.median(t_gen) / statistics.median(t_eng),
                               greedy_token_agreement=agree)
+    if t_eager:
+        res["vs_generate"].update(engine_eager_prefill_tokens_per_s=n / statistics.median(t_eager),
+                                  speedup_eager_prefill=statistics.median(t_gen) / statistics.median(t_eager))
     res["engine_stats"] = eng.stats()
     return res
 
@@ -252,10 +272,18 @@ def table(res: dict) -> str:
                  f"prefix hit ({t['prefix_hit']['cached_tokens']} cached) {1e3 * t['prefix_hit']['seconds']:.1f} ms "
                  f"({t['speedup']:.1f}x); 2nd request ({t['junction']['cached_tokens']} cached) "
                  f"{1e3 * t['junction']['seconds']:.1f} ms")
+    if "prefix_hit_eager_tail" in t:
+        e = t["prefix_hit_eager_tail"]
+        lines.append(f"  prefix hit with the tail run eagerly: {1e3 * e['seconds']:.1f} ms "
+                     f"({100 * e['seconds'] / t['cold']['seconds']:.1f}% of cold; with its graph "
+                     f"{100 * t['prefix_hit']['seconds'] / t['cold']['seconds']:.1f}%)")
     g = res["vs_generate"]
     lines.append(f"batch {g['batch']} x {g['new_tokens']} greedy tokens: engine {g['engine_tokens_per_s']:.0f} tok/s, "
                  f"model.generate {g['generate_tokens_per_s']:.0f} tok/s ({g['speedup']:.2f}x), "
                  f"token agreement {100 * g['greedy_token_agreement']:.1f}%")
+    if "speedup_eager_prefill" in g:
+        lines.append(f"  engine with its prompts' forward eager (no extend graph): "
+                     f"{g['engine_eager_prefill_tokens_per_s']:.0f} tok/s ({g['speedup_eager_prefill']:.2f}x)")
     return "\n".join(lines)
 
 

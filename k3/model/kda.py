@@ -155,9 +155,10 @@ class KimiDeltaAttention(nn.Module):
         the window needs no stateful conv kernel; the last W-1 rows of each extended document are its new
         window. KDA: `kda_decode_step` on the gathered states for the leading single-token documents,
         `chunk_kda_gated` (the training kernel) over the others with their states as initial states.
-        A pure decode batch (every document one token) instead updates each slot's conv window and state in
-        place (`short_conv_step`, `kda_decode_step_gated`): no gather / scatter of the states, no data-dependent
-        shape (the engine captures it in a CUDA graph)."""
+        A pure decode batch (every document one token) or an extend batch (`PackedBatch.for_extend`: a few tokens
+        per sequence, stepped through recurrently) instead updates each slot's conv window and state in place
+        (`short_conv_step`, `kda_decode_step_gated`): no gather / scatter of the states, no data-dependent shape
+        (the engine captures it in a CUDA graph)."""
         b = cache.batch
         N, H, K = x.shape[1], self.num_heads, self.head_dim
         HK = H * K
@@ -169,11 +170,12 @@ class KimiDeltaAttention(nn.Module):
         y, fa, beta_logit, gate = F.linear(x[0], w).split([3 * HK, K, H, HK], dim=-1)
         f = self.f_b_proj(fa).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
-        if b.decode:  # one token per document: the conv windows and states are updated in place in the pool
-            q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots).split(HK, dim=-1)
+        if b.decode:  # decode / extend: each slot's conv window and state advanced in place in the pool
+            q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu).split(HK, dim=-1)
             o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
-                                      backend="torch" if backend in ("torch", "reference") else "auto")
+                                      backend="torch" if backend in ("torch", "reference") else "auto",
+                                      cu_seqlens=b.step_cu)
             return self._output(o, gate)
         win = cache.conv_windows()  # [n, 3HK, W-1]
         ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)

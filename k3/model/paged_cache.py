@@ -36,6 +36,9 @@ class PackedBatch:
     KDA checkpoints inside prefill chunks (the prefix cache's states, without cutting the forward there):
     `ckpt_pos` (host) [M] packed positions among the chunked documents' tokens (`chunk_cu_seqlens`' frame),
     `ckpt_pages` [M] the slots they go to, `ckpt_win_rows` [M, W-1] the extended rows of their conv windows.
+    Extend batches (`for_extend`, a captured CUDA graph over a few new tokens per sequence) are decode-shaped
+    for MLA (every token is a single-token row of the absorbed form, `num_decode` = N) while KDA steps each
+    sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots.
     """
     lens: list[int]
     starts: list[int]
@@ -59,6 +62,7 @@ class PackedBatch:
     ckpt_pos: torch.Tensor | None = None
     ckpt_pages: torch.Tensor | None = None
     ckpt_win_rows: torch.Tensor | None = None
+    step_cu: torch.Tensor | None = None
 
     @property
     def num_docs(self) -> int:
@@ -172,18 +176,34 @@ class PackedBatch:
         Every field comes from tensor ops on the inputs (no host data), so a graph captured over this batch
         replays correctly after new values are copied into `starts`, `slots` and `table`. The conv-window
         ("extended") and prefill-history fields are unused by a decode forward and left empty."""
-        n, dev = starts.shape[0], starts.device
+        ar = torch.arange(starts.shape[0] + 1, device=starts.device)
+        return cls._token_rows(starts, table, history, page_size, slots=slots, rows=ar[:-1], step_cu=None)
+
+    @classmethod
+    def for_extend(cls, pos: torch.Tensor, tdoc: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor,
+                   table: torch.Tensor, history: int, page_size: int) -> "PackedBatch":
+        """An extend batch built ON THE DEVICE for a captured CUDA graph: N tokens at positions `pos` [N] of
+        the sequences `tdoc` [N] (row of `table` [n + 1, pages], long, whose last row may be padding's), n
+        sequences with tokens cu[i]..cu[i+1] (`cu` [n + 1], long) and KDA slots `slots` [n]. Tokens past cu[n]
+        are padding: no KDA / conv state reads them, and their MLA rows read and write `table[tdoc]`'s pages
+        only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
+        `history` (static) bounds every pos + 1."""
+        return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu)
+
+    @classmethod
+    def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu) -> "PackedBatch":
+        """Every token a single-token row for MLA (its page table row `table` [N, pages], history [0, pos])."""
+        n, dev = pos.shape[0], pos.device
         p = torch.arange(history, device=dev)
-        valid = p[None, :] <= starts[:, None]
+        valid = p[None, :] <= pos[:, None]
         col = (p // page_size).clamp_max(table.shape[1] - 1)  # past the table: invalid rows anyway
         dec_page = torch.where(valid, table.gather(1, col.expand(n, history)), 0)
         none = torch.empty(0, dtype=torch.long, device=dev)
-        ar = torch.arange(n + 1, device=dev)
-        return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=ar.to(torch.int32), slots=slots, rows=ar[:n],
-                   tok_page=table.gather(1, (starts // page_size)[:, None])[:, 0], tok_off=starts % page_size,
-                   ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none, num_decode=n,
-                   dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid, dec_len=starts + 1,
-                   hist_page=None, hist_off=None, hist_cu=[0])
+        return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=torch.arange(n + 1, device=dev, dtype=torch.int32),
+                   slots=slots, rows=rows, tok_page=table.gather(1, (pos // page_size)[:, None])[:, 0],
+                   tok_off=pos % page_size, ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none,
+                   num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
+                   dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu)
 
 
 class PagedCache:

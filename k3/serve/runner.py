@@ -9,8 +9,11 @@ rows only. No layer logic lives here (see k3/model/paged_cache.py).
 Pure decode steps of a bf16 model on CUDA replay CUDA graphs (`DecodeGraph`), captured lazily per (batch bucket, history
 bucket): the batch is padded to the bucket with entries that point at two scratch pages the runner reserves
 (a KDA slot and an MLA page), its metadata is built on the device from one int64 buffer (`PackedBatch.for_decode`),
-and one host→device copy of that buffer is all a step sends. Other steps (prefill chunks, mixed batches,
-batches or histories past the largest bucket) run eagerly.
+and one host→device copy of that buffer is all a step sends. Steps of short chunks (prefix-hit tails, short
+prompts, decodes beside them) replay `ExtendGraph`s, captured per (token bucket, sequence bucket, history
+bucket): KDA steps through each chunk recurrently and MLA reads each token's history from the pages, so no
+shape depends on the chunk lengths. Other steps (long chunks, chunks with KDA checkpoints inside, batches or
+histories past the largest bucket) run eagerly.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from .pool import PagePool, PoolExhausted
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIN_HISTORY = 256          # smallest padded MLA history of a decode graph (then powers of two)
 MAX_GRAPH_ROWS = 1 << 22   # batch × history above this decodes eagerly (the padded history gather grows with it)
+EXTEND_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # token buckets of the extend graphs
+EXTEND_MAX_LEN = 128       # longest chunk an extend graph steps through recurrently (longer: the chunked kernels)
 
 
 @dataclass
@@ -47,7 +52,44 @@ def text_model(model):
     return model.language_model if hasattr(model, "language_model") else model
 
 
-class DecodeGraph:
+class _Graph:
+    """A forward captured in a CUDA graph over inputs in one int64 device buffer (`buf`, filled from the pinned
+    `host` by `fill`); subclasses define `run` (the work, eagerly), `fill` and `select` (the rows returned)."""
+
+    def _capture(self, runner: "ModelRunner", mempool) -> None:
+        self.runner, self.graph = runner, None
+        self.buf.copy_(self.host)
+        if runner.device.type != "cuda":  # nothing to capture: `__call__` runs the same work eagerly (CPU tests)
+            return
+        self.copied = torch.cuda.Event()
+        side = torch.cuda.Stream(runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
+            self.run()
+        torch.cuda.current_stream(runner.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.out = self.run()
+
+    def _ids(self, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Each row's token: ids, or the previous step's sample `last_tokens[src]` where src >= 0."""
+        return torch.where(src >= 0, self.runner.last_tokens[src.clamp_min(0)], ids)
+
+    def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> torch.Tensor:
+        if self.graph is None:
+            self.fill(seqs, scratch)
+            self.buf.copy_(self.host)
+            self.out = self.run()
+            return self.select(seqs)
+        self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
+        self.fill(seqs, scratch)
+        self.buf.copy_(self.host, non_blocking=True)
+        self.copied.record()
+        self.graph.replay()
+        return self.select(seqs)
+
+
+class DecodeGraph(_Graph):
     """One captured decode forward for `batch` sequences with MLA histories up to `history` tokens.
     Inputs live in one int64 device buffer: ids [B] | src [B] | starts [B] | slots [B] | page table [B, pages];
     a row with src >= 0 takes its token from the runner's `last_tokens[src]` (the previous step's sample,
@@ -57,23 +99,12 @@ class DecodeGraph:
         ps = runner.pool.layout.block_size
         self.batch, self.history, self.pages = batch, history, -(-history // ps)
         B, W = batch, self.pages
-        self.host = torch.empty(4 * B + B * W, dtype=torch.long, pin_memory=True)
+        self.host = torch.empty(4 * B + B * W, dtype=torch.long, pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
         self.ids, self.src, self.starts, self.slots = self.buf[:4 * B].view(4, B)
         self.table = self.buf[4 * B:].view(B, W)
-        self.copied = torch.cuda.Event()
         self.fill([], runner.scratch)
-
-        self.runner = runner
-        self.buf.copy_(self.host)
-        side = torch.cuda.Stream(runner.device)
-        side.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
-            self.run()
-        torch.cuda.current_stream(runner.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
-            self.out = self.run()
+        self._capture(runner, mempool)
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -84,7 +115,7 @@ class DecodeGraph:
         r.cache.batch = PackedBatch.for_decode(self.starts, self.slots, self.table, self.history,
                                                r.pool.layout.block_size)
         try:
-            return r.logits(torch.where(self.src >= 0, r.last_tokens[self.src.clamp_min(0)], self.ids), None)
+            return r.logits(self._ids(self.ids, self.src), None)
         finally:
             r.cache.batch = None
 
@@ -92,7 +123,6 @@ class DecodeGraph:
         """Write the step's inputs into the pinned host buffer; entries past len(seqs) are padding that reads
         and writes only the scratch slot and page."""
         B, W, n = self.batch, self.pages, len(seqs)
-        self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
         h = self.host[:4 * B].view(4, B)
         h[:, n:] = torch.tensor([[0], [-1], [0], [scratch[0]]])
         table = self.host[4 * B:].view(B, W)
@@ -102,12 +132,69 @@ class DecodeGraph:
                                      [s.state_page for s in seqs]])
             table[:n] = torch.tensor([(s.mla_pages + [scratch[1]] * W)[:W] for s in seqs])
 
-    def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> torch.Tensor:
-        self.fill(seqs, scratch)
-        self.buf.copy_(self.host, non_blocking=True)
-        self.copied.record()
-        self.graph.replay()
+    def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         return self.out[:len(seqs)]
+
+
+class ExtendGraph(_Graph):
+    """One captured forward of up to `tokens` new tokens from up to `seqs` sequences (a few tokens each: short
+    prefill chunks, prefix-hit tails, decodes beside them) with MLA histories up to `history` tokens, in the
+    decode form (`PackedBatch.for_extend`: KDA and the short conv step each sequence through its tokens in its
+    pool slot, MLA reads every token's history from the pages). Inputs: one int64 device buffer
+    ids [N] | src [N] | pos [N] | tdoc [N] | cu [n + 1] | slots [n] | page table [n + 1, pages]; padding tokens
+    belong to no sequence (row n of the table: the scratch page), padding sequences are empty (the scratch slot)."""
+
+    def __init__(self, runner: "ModelRunner", tokens: int, seqs: int, history: int, mempool):
+        ps = runner.pool.layout.block_size
+        self.tokens, self.seqs, self.history, self.pages = tokens, seqs, history, -(-history // ps)
+        N, n, W = tokens, seqs, self.pages
+        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * W, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+        self.buf = torch.empty_like(self.host, device=runner.device)
+        self.ids, self.src, self.pos, self.tdoc = self.buf[:4 * N].view(4, N)
+        self.cu = self.buf[4 * N:4 * N + n + 1]
+        self.slots = self.buf[4 * N + n + 1:4 * N + 2 * n + 1]
+        self.table = self.buf[4 * N + 2 * n + 1:].view(n + 1, W)
+        self.fill([], runner.scratch)
+        self._capture(runner, mempool)
+
+    @torch.no_grad()
+    def run(self) -> torch.Tensor:
+        """The captured work, eagerly → fp32 logits [n, V] of each sequence's last token (no autograd, as
+        `DecodeGraph.run`)."""
+        r = self.runner
+        r.cache.batch = PackedBatch.for_extend(self.pos, self.tdoc, self.cu, self.slots, self.table, self.history,
+                                               r.pool.layout.block_size)
+        try:
+            return r.logits(self._ids(self.ids, self.src), r.cache.batch.rows)
+        finally:
+            r.cache.batch = None
+
+    def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
+        N, n, W = self.tokens, self.seqs, self.pages
+        h = self.host
+        lens = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
+        m, k = int(lens.sum()), len(seqs)
+        ids, src, pos, tdoc = h[:4 * N].view(4, N)
+        cu, slots = h[4 * N:4 * N + n + 1], h[4 * N + n + 1:4 * N + 2 * n + 1]
+        table = h[4 * N + 2 * n + 1:].view(n + 1, W)
+        cu[0] = 0
+        torch.cumsum(lens, 0, out=cu[1:k + 1])
+        cu[k + 1:] = m
+        ids[m:], src[:], pos[m:], tdoc[m:] = 0, -1, 0, n
+        slots[k:], table[k:] = scratch[0], scratch[1]
+        if k:
+            ids[:m] = torch.tensor([t for s in seqs for t in s.tokens])
+            tdoc[:m] = torch.repeat_interleave(torch.arange(k), lens)
+            pos[:m] = torch.arange(m) - cu[tdoc[:m]] + torch.tensor([s.start for s in seqs])[tdoc[:m]]
+            dev = [(int(cu[j]), s.src) for j, s in enumerate(seqs) if s.src >= 0]  # decodes fed from the device
+            if dev:
+                src[[i for i, _ in dev]] = torch.tensor([j for _, j in dev])
+            slots[:k] = torch.tensor([s.state_page for s in seqs])
+            table[:k] = torch.tensor([(s.mla_pages + [scratch[1]] * W)[:W] for s in seqs])
+
+    def select(self, seqs: list[SeqInput]) -> torch.Tensor:
+        want = [j for j, s in enumerate(seqs) if s.want_logits]
+        return self.out[:len(seqs)] if len(want) == len(seqs) else self.out[want]
 
 
 class ModelRunner:
@@ -129,18 +216,28 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
         self._mempool = None
         self.use_graphs = False  # set below when the scratch pages are reserved; benchmarks turn it off
+        self.use_extend_graphs = True  # short chunks too (`ExtendGraph`), when use_graphs
         self.scratch: tuple[int, int] | None = None  # (KDA slot, MLA page) the graphs' padding entries use
         # capturable only where the MoE takes its sync-free grouped path (bf16 activations on CUDA); fp32 models
         # decode eagerly (the per-expert loop reads expert counts on the host)
         act = torch.empty(0, dtype=self.lm.model.embed_tokens.weight.dtype, device=self.device)
-        if cuda_graphs and grouped_mm_available(act) and pool.num_free >= 4:
+        if cuda_graphs and grouped_mm_available(act):
+            self.enable_graphs()
+
+    def enable_graphs(self) -> bool:
+        """Reserve the graphs' scratch slot and page and turn the graph paths on (done at construction where the
+        graphs can be captured; tests call it on the CPU, where the same paths run eagerly). False: the pool
+        has no room for them."""
+        if self.scratch is None:
+            if self.pool.num_free < 4:
+                return False
             try:
-                self.scratch = (pool.allocate(), pool.allocate())
+                self.scratch = (self.pool.allocate(), self.pool.allocate())
             except PoolExhausted:
-                self.scratch = None
-            else:
-                pool.zero_slot(self.scratch[0])
-                self.use_graphs = True
+                return False
+            self.pool.zero_slot(self.scratch[0])
+        self.use_graphs = True
+        return True
 
     @property
     def reserved_pages(self) -> list[int]:
@@ -165,21 +262,35 @@ class ModelRunner:
             return torch.mm(hn[0], head.weight.t(), out_dtype=torch.float32)
         return head(hn)[0].float()
 
-    def graph_for(self, seqs: list[SeqInput]) -> DecodeGraph | None:
-        """The decode graph for this step (captured on first use), or None when it must run eagerly."""
-        if not self.use_graphs or any(len(s.tokens) != 1 or not s.want_logits for s in seqs):
+    def graph_for(self, seqs: list[SeqInput]) -> _Graph | None:
+        """The captured graph for this step (captured on first use), or None when it must run eagerly: a
+        `DecodeGraph` for one token per sequence, an `ExtendGraph` for short chunks (each ≤ `EXTEND_MAX_LEN`
+        tokens, no KDA checkpoint inside, ≤ `EXTEND_TOKENS[-1]` tokens in all)."""
+        if not self.use_graphs:
             return None
         i = bisect.bisect_left(BATCH_BUCKETS, len(seqs))
         if i == len(BATCH_BUCKETS):
             return None
-        B = BATCH_BUCKETS[i]
-        S = max(MIN_HISTORY, 1 << (max(s.start for s in seqs)).bit_length())  # > every start
-        if B * S > MAX_GRAPH_ROWS:
+        n = BATCH_BUCKETS[i]
+        last = max(s.start + len(s.tokens) - 1 for s in seqs)  # the furthest position written
+        S = max(MIN_HISTORY, 1 << last.bit_length())  # > every position
+        if all(len(s.tokens) == 1 and s.want_logits for s in seqs):
+            rows, key, make = n, (n, S), lambda: DecodeGraph(self, n, S, self._mempool)
+        else:
+            m = sum(len(s.tokens) for s in seqs)
+            j = bisect.bisect_left(EXTEND_TOKENS, m)
+            if (not self.use_extend_graphs or j == len(EXTEND_TOKENS) or any(s.checkpoints for s in seqs)
+                    or max(len(s.tokens) for s in seqs) > EXTEND_MAX_LEN):
+                return None
+            N = EXTEND_TOKENS[j]
+            rows, key, make = N, ("extend", N, n, S), lambda: ExtendGraph(self, N, n, S, self._mempool)
+        if rows * S > MAX_GRAPH_ROWS:
             return None
-        if (B, S) not in self.graphs:
-            self.graphs[B, S] = DecodeGraph(self, B, S, self._mempool)
-            self._mempool = self.graphs[B, S].graph.pool()
-        return self.graphs[B, S]
+        if key not in self.graphs:
+            self.graphs[key] = make()
+            if self.graphs[key].graph is not None:
+                self._mempool = self.graphs[key].graph.pool()
+        return self.graphs[key]
 
     def publish(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled ids [n] (device) for the next forward's `SeqInput.src` rows (a failed row's -1

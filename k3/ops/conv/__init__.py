@@ -113,15 +113,17 @@ def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ..
 
 @eager_op
 def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
-                    backend: str = "auto") -> torch.Tensor:
-    """One new token for each of N sequences against a pool of conv windows (the serving engine's decode).
+                    backend: str = "auto", cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """New tokens of n sequences against a pool of conv windows (the serving engine's decode and extend steps).
 
     x [N, C]; weight [C, 1, W]; windows [P, C, W-1]: each slot's last W-1 inputs (oldest first), a view of the
-    engine's pool, updated IN PLACE at `slots` [N] (long, distinct) to include x. Returns SiLU(conv) [N, C] in
-    x's dtype, computed in fp32 (as the triton backend of `short_conv`; fp64 for fp64 inputs). Plain tensor ops with no host sync or
-    data-dependent shape, so it can be captured in a CUDA graph; equal to `short_conv` with `state` = the window.
-    backend: "auto" (the one-kernel Triton form, `triton_step.py`, on CUDA), "triton" or "reference" (these
-    PyTorch ops, the oracle).
+    engine's pool, updated IN PLACE at `slots` [n] (long, distinct) to include the sequence's new tokens.
+    cu_seqlens (int [n + 1], optional): sequence i owns rows cu[i]..cu[i+1] of x (empty allowed; rows past cu[n]
+    belong to none and get 0); without it each sequence has one token (n = N). Returns SiLU(conv) [N, C] in x's
+    dtype, computed in fp32 (fp64 for fp64 inputs); equal to `short_conv` with `state` = the window. No host
+    sync or data-dependent shape on the Triton path, so it can be captured in a CUDA graph.
+    backend: "auto" (the one-kernel Triton form, `triton_step.py`, on CUDA), "triton" or "reference" (PyTorch
+    ops, the oracle; a host loop over the sequences with cu_seqlens).
     """
     N, C = x.shape
     W = weight.shape[-1]
@@ -130,12 +132,25 @@ def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor
                          f"{tuple(weight.shape)} and {tuple(windows.shape)}")
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"short_conv_step: unknown backend {backend!r}; valid backends are auto, triton, reference")
+    n = N if cu_seqlens is None else cu_seqlens.numel() - 1
+    if slots.shape != (n,):
+        raise ValueError(f"short_conv_step: need one slot per sequence ({n}), got slots {tuple(slots.shape)}")
     if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in _TRITON_DTYPES
                                and windows[0].is_contiguous() and triton_available()):
         from .triton_step import short_conv_step_triton
-        return short_conv_step_triton(x, weight, windows, slots)
+        return short_conv_step_triton(x, weight, windows, slots, cu_seqlens)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    if cu_seqlens is not None:  # the oracle: each sequence's window, then its tokens, through `short_conv`
+        y = torch.zeros_like(x)
+        cu = cu_seqlens.tolist()
+        for i, slot in enumerate(slots.tolist()):
+            if cu[i + 1] > cu[i]:
+                yi, win = short_conv_reference(x[None, cu[i]:cu[i + 1]].to(acc), weight.to(acc),
+                                               windows[slot][None].to(acc), output_final_state=True)
+                y[cu[i]:cu[i + 1]] = yi[0].to(x.dtype)
+                windows[slot] = win[0].to(windows.dtype)
+        return y
     full = torch.cat([windows.index_select(0, slots).to(x.dtype), x[:, :, None]], dim=-1)  # [N, C, W]
     windows[slots] = full[..., 1:].to(windows.dtype)
-    acc = torch.promote_types(x.dtype, torch.float32)
     y = (full.to(acc) * weight.view(C, W).to(acc)).sum(-1)
     return torch.nn.functional.silu(y).to(x.dtype)

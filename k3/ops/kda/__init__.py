@@ -244,22 +244,37 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
 
 @eager_op
 def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, lower_bound,
-                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto"):
-    """One new token for each of N sequences from the raw gate pre-activation: the engine's decode step.
+                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto", cu_seqlens=None):
+    """New tokens of n sequences from the raw gate pre-activation: the engine's decode and extend steps.
 
     q, k, f [N, H, K]; v [N, H, V]; beta_logit [N, H]; A_log [H]; dt_bias [H·K]; state: fp32 pool [P, H, K, V]
     (a layer's strided view of the engine's page-major pool is fine; each slot must be contiguous), updated IN
-    PLACE at `state_indices` [N] (distinct). g = kda_gate(f) and beta = sigmoid(beta_logit), as in
+    PLACE at `state_indices` [n] (distinct). cu_seqlens (int [n + 1], optional): sequence i owns tokens
+    cu[i]..cu[i+1] (empty allowed; rows past cu[n] belong to none and get o = 0), stepped through in order;
+    without it each sequence has one token (n = N). g = kda_gate(f) and beta = sigmoid(beta_logit), as in
     `chunk_kda_gated`. backend "auto": the Triton decode kernel with the gate and beta fused (CUDA, no
-    autograd), else (and for "torch" / "reference") `kda_gate` + the PyTorch step. Returns o [N, H, V].
+    autograd), else (and for "torch" / "reference") `kda_gate` + the PyTorch step (a host loop over the
+    sequences with cu_seqlens). Returns o [N, H, V].
     """
     if not _use_triton_decode("torch" if backend in ("torch", "reference") else backend, q, state,
                               q, k, v, f, beta_logit):
         g = kda_gate(f[None], A_log, dt_bias, lower_bound)[0]
-        o, _ = _decode_step_torch(q, k, v, g, torch.sigmoid(beta_logit.float()), state, scale,
-                                  use_qk_l2norm_in_kernel, state_indices, inplace=True)
+        beta = torch.sigmoid(beta_logit.float())
+        if cu_seqlens is None:
+            o, _ = _decode_step_torch(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, state_indices,
+                                      inplace=True)
+            return o
+        o = torch.zeros_like(v)
+        cu = cu_seqlens.tolist()
+        for i, slot in enumerate(state_indices.tolist()):
+            a, b = cu[i], cu[i + 1]
+            if b > a:
+                oi, si = _fused_recurrent_torch(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], beta[None, a:b],
+                                                scale, state[slot][None], True,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                o[a:b], state[slot] = oi[0], si[0].to(state.dtype)
         return o
     from .triton import kda_decode_triton
-    return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, scale=scale,
-                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                             lower_bound=lower_bound, beta_logits=True)
+    return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+                             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
+                             dt_bias=dt_bias, lower_bound=lower_bound, beta_logits=True)

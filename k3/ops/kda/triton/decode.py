@@ -78,7 +78,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     """Advance sequences by their new tokens, updating `state` IN PLACE.
 
     q, k, g: [Ttot, H, K] packed new tokens; v: [Ttot, H, V]; beta: [Ttot, H]. cu_seqlens: int [N+1]
-    token ranges per sequence (default: one token each). state: fp32 [P, H, K, V]; state_indices:
+    token ranges per sequence (default: one token each; empty ranges allowed). state: fp32 [P, H, K, V]; state_indices:
     int [N] distinct slots (default: slot n for sequence n); each slot's [H, K, V] must be contiguous, the slots
     themselves may be strided (a layer's view of a page-major pool). With A_log given, g is the raw gate
     pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
@@ -105,7 +105,8 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     # strided, each row's [H, K] contiguous; beta's rows likewise (no copy kernels per call)
     q, k, v, g = (x if x.stride()[1:] == (x.shape[2], 1) else x.contiguous() for x in (q, k, v, g))
     beta = beta if beta.stride(1) == 1 else beta.contiguous()
-    o = torch.empty(T, H, V, device=q.device, dtype=v.dtype)
+    # rows past cu[N] belong to no sequence (a captured extend step's padding): zeros, never stale memory
+    o = (torch.empty if cu_seqlens is None else torch.zeros)(T, H, V, device=q.device, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))  # 64: 9 % faster than 32 at 256 sequences (H200)
     gate = A_log is not None

@@ -1,0 +1,234 @@
+"""The engine's extend steps (`ExtendGraph`: short chunks in the decode form, captured in CUDA graphs): the
+in-place pool ops over several tokens per sequence (`short_conv_step`, `kda_decode_step_gated` with
+cu_seqlens) against the chunked oracles, the device-built `PackedBatch.for_extend` (padded) against the
+host-built chunked batch, the engine with the graph paths on (run eagerly on the CPU) against the engine without,
+and (CUDA) replay against eager execution."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny, rel_rmse
+from k3.model.paged_cache import PackedBatch
+from k3.ops.conv import short_conv, short_conv_step
+from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
+
+from test_decode_graphs import _gated_inputs, _pool
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LENS = [3, 0, 6, 1]  # an empty sequence (the graphs' padding) among them; 2 more rows belong to none
+
+
+def _triton_or_skip():
+    if not torch.cuda.is_available():
+        from k3.ops.conv import triton_available
+        from k3.ops.moe_triton import interpreted
+        if not (triton_available() and interpreted()):
+            pytest.skip("needs CUDA or Triton's interpreter")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cu(lens, device="cpu"):
+    return torch.tensor([0] + lens, device=device).cumsum(0)
+
+
+def test_short_conv_step_over_several_tokens_equals_short_conv_with_state():
+    g = torch.Generator().manual_seed(10)
+    P, C, W = 9, 24, 4
+    N = sum(LENS) + 2
+    pool = torch.randn(P, 2, C, W - 1, generator=g, dtype=torch.float64)
+    before = pool.clone()
+    w = torch.randn(C, 1, W, generator=g, dtype=torch.float64)
+    x = torch.randn(N, C, generator=g, dtype=torch.float64)
+    slots = torch.tensor([7, 2, 5, 0])
+    cu = _cu(LENS)
+    y = short_conv_step(x, w, pool[:, 1], slots, backend="reference", cu_seqlens=cu)
+    for i, s in enumerate(slots.tolist()):
+        a, b = int(cu[i]), int(cu[i + 1])
+        if b == a:
+            assert torch.equal(pool[s], before[s])
+            continue
+        ref, new = short_conv(x[None, a:b], w, before[s, 1][None], output_final_state=True, backend="reference")
+        assert (y[a:b] - ref[0]).abs().max() <= 1e-12
+        assert (pool[s, 1] - new[0]).abs().max() == 0  # the window holds the last inputs: exact
+    assert not y[int(cu[-1]):].any()  # rows of no sequence
+    others = [p for p in range(P) if p not in slots.tolist()]
+    assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol):
+    dev = _triton_or_skip()
+    g = torch.Generator().manual_seed(11)
+    P, C, W = 8, 200, 4
+    N = sum(LENS) + 2
+    pool = torch.randn(P, 2, C, W - 1, generator=g).to(dev, dtype)
+    ref_pool = pool.clone()
+    w = torch.randn(C, 1, W, generator=g).to(dev)
+    x = torch.randn(N, 3 * C, generator=g).to(dev, dtype)[:, C:2 * C]
+    slots, cu = torch.tensor([5, 1, 2, 7], device=dev), _cu(LENS, dev)
+    y = short_conv_step(x, w, pool[:, 1], slots, backend="triton", cu_seqlens=cu)
+    ref = short_conv_step(x, w, ref_pool[:, 1], slots, backend="reference", cu_seqlens=cu)
+    assert rel_rmse(ref, y) <= tol and not y[int(cu[-1]):].any()
+    assert torch.equal(pool, ref_pool)  # windows hold copied inputs: exact
+
+
+def test_kda_decode_step_gated_over_several_tokens_equals_the_chunked_path():
+    """Each sequence stepped through its tokens from its pool slot (fp64) against the chunked path with
+    initial states over the same documents; empty sequences and rows of no sequence leave everything alone."""
+    g = torch.Generator().manual_seed(12)
+    P, H, K = 9, 2, 16
+    N = sum(LENS) + 2
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float64, g)
+    pool = torch.randn(P, 3, H, K, K, generator=g, dtype=torch.float64) * 0.3
+    before = pool.clone()
+    slots, cu = torch.tensor([4, 0, 6, 8]), _cu(LENS)
+    o = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, pool[:, 2], slots, -5.0, backend="torch", cu_seqlens=cu)
+    real = [i for i, n in enumerate(LENS) if n]
+    m = int(cu[-1])
+    ro, rs = chunk_kda_gated(q[None, :m], k[None, :m], v[None, :m], f[None, :m], bl[None, :m], A_log, dt_bias,
+                             initial_state=before[slots[real], 2], output_final_state=True,
+                             cu_seqlens=_cu([LENS[i] for i in real]).to(torch.int32), use_qk_l2norm_in_kernel=True,
+                             lower_bound=-5.0, backend="reference")
+    assert (o[:m] - ro[0]).abs().max() <= 1e-10 and not o[m:].any()
+    assert (pool[slots[real], 2] - rs).abs().max() <= 1e-10
+    untouched = [p for p in range(P) if p not in slots[real].tolist()]
+    assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, :2], before[:, :2])
+
+
+def test_kda_decode_step_gated_over_several_tokens_triton_equals_torch():
+    dev = _triton_or_skip()
+    g = torch.Generator().manual_seed(13)
+    P, H, K = 9, 2, 32
+    N = sum(LENS) + 2
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, dev)
+    pool = torch.randn(P, 2, H, K, K, generator=g).to(dev) * 0.3
+    ref_pool = pool.clone()
+    slots, cu = torch.tensor([4, 0, 6, 8], device=dev), _cu(LENS, dev)
+    o = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, pool[:, 1], slots, -5.0, backend="auto"
+                              if dev == "cuda" else "triton", cu_seqlens=cu)
+    ro = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, ref_pool[:, 1], slots, -5.0, backend="torch",
+                               cu_seqlens=cu)
+    assert rel_rmse(ro, o) <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5 and not o[int(cu[-1]):].any()
+
+
+@torch.no_grad()
+def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
+    """Three sequences prefilled; then a second chunk of 4, 1 and 7 tokens two ways: the host-built chunked batch
+    (chunked KDA, expanded MLA over each history) and the graph's device-built extend batch, padded to 16 tokens
+    and 5 sequences on a scratch slot and page holding garbage. Same logits, same pool afterwards (fp32)."""
+    model = make_tiny(seed=14)
+    lm, ps = model.language_model, 8
+    rng = random.Random(14)
+    a = _pool(model, 40, ps)
+    for s in (a.state, a.conv):
+        s[[1, 2, 3]] = 0
+    seqs = [[rng.randrange(4000) for _ in range(L)] for L in (13, 5, 21)]
+    tables = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
+
+    def run(cache, batch, ids):
+        cache.batch = batch
+        _, hn, _ = lm.model(lm.model.embed_tokens(torch.tensor(ids))[None], cache=cache, rows=batch.rows)
+        return lm.lm_head(hn)[0]
+
+    run(a, PackedBatch.build([len(s) for s in seqs], [0] * 3, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"),
+        [t for s in seqs for t in s])
+    b = _pool(model, 40, ps)
+    for src, dst in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        dst.copy_(src)
+    lens = [4, 1, 7]
+    new = [[rng.randrange(4000) for _ in range(n)] for n in lens]
+    starts = [len(s) for s in seqs]
+    ref = run(a, PackedBatch.build(lens, starts, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"),
+              [t for c in new for t in c])
+    N, n, m = 16, 5, sum(lens)
+    tdoc = torch.tensor([j for j, c in enumerate(lens) for _ in range(c)] + [n] * (N - m))
+    pos = torch.tensor([s + i for s, c in zip(starts, lens) for i in range(c)] + [0] * (N - m))
+    cu = torch.tensor([0, 4, 5, 12, 12, 12])
+    table = torch.tensor(tables + [[38] * 4] * (n + 1 - 3))
+    batch = PackedBatch.for_extend(pos, tdoc, cu, torch.tensor([1, 2, 3, 39, 39]), table, 32, ps)
+    got = run(b, batch, [t for c in new for t in c] + [0] * (N - m))
+    assert got.shape[0] == n
+    assert rel_rmse(ref, got[:3]) <= 1e-5  # fp32: chunked vs recurrent KDA, expanded vs absorbed MLA
+    real = [1, 2, 3] + [p for t in tables for p in t]
+    for x, y in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        assert (x[real] - y[real]).abs().max() <= 1e-5
+
+
+def test_engine_with_graph_paths_equals_the_engine_without(one_thread):
+    """A fp32 CPU engine whose graph paths are switched on (decode and extend graphs, run eagerly here: the
+    same padding, device-built metadata and pool updates as on the GPU) against the same engine without them,
+    over a load of prefix hits with short tails, short prompts beside decodes and long prompts (eager chunks):
+    the same tokens, logits within 1e-4, extend graphs used."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+
+    model = make_tiny(seed=15)
+    rng = random.Random(15)
+    shared = [rng.randrange(4000) for _ in range(40)]
+    prompts = [shared + [rng.randrange(4000) for _ in range(rng.randrange(1, 9))] for _ in range(4)]
+    prompts += [[rng.randrange(4000) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    prompts += [[rng.randrange(4000) for _ in range(150)]]
+    runs = []
+    for graphs in (False, True):
+        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=96, max_num_batched_tokens=64,
+                                         max_num_seqs=8, record_logits=True))
+        if graphs:
+            assert eng.runner.enable_graphs()
+        outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        runs.append((outs, eng))
+        eng.check_pool()
+    (a, ea), (b, eb) = runs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert any(k[0] == "extend" for k in eb.runner.graphs) and any(k[0] != "extend" for k in eb.runner.graphs)
+    for oa, ob in zip(a, b):
+        x, y = ea.recorded_logits[oa.request_id], eb.recorded_logits[ob.request_id]
+        assert len(x) == len(y) and all((u - v).abs().max() <= 1e-4 for u, v in zip(x, y))
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_extend_graph_replay_equals_eager():
+    """bf16 engine: sequences prefilled, then a step of short chunks (and a decode) through its extend graph,
+    replayed and run eagerly on the same inputs and pool: logits and every pool byte but the scratch pages'
+    bitwise equal; and against the eager chunked forward within bf16 rounding."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve.runner import SeqInput
+
+    model = make_tiny(seed=16).cuda().to(torch.bfloat16).eval()
+    eng = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=128, max_num_batched_tokens=512))
+    assert eng.runner.use_graphs
+    rng = random.Random(16)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 200))] for _ in range(5)]
+    rids = [eng.submit(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) for p in prompts]
+    while any(not eng.requests[r].output for r in rids):
+        eng.step()
+    eng.flush()
+    seqs = [eng.requests[r] for r in rids]
+    chunks = [[rng.randrange(4000) for _ in range(n)] for n in (5, 1, 12, 3, 30)]
+    for s, c in zip(seqs, chunks):  # room for the chunk in the sequences' pages
+        assert s.num_tokens - 1 + len(c) <= len(s.mla_pages) * 64
+    inputs = [SeqInput(tokens=c, start=s.num_tokens - 1, state_page=s.state_page, mla_pages=s.mla_pages,
+                       want_logits=j != 3) for j, (s, c) in enumerate(zip(seqs, chunks))]
+    g = eng.runner.graph_for(inputs)
+    assert g is not None and g.tokens == 64
+    before = eng.pool.storage.clone()
+    g.fill(inputs, eng.runner.scratch)
+    g.buf.copy_(g.host)
+    eager = g.run().clone()
+    after_eager = eng.pool.storage.clone()
+    eng.pool.storage.copy_(before)
+    replayed = g(inputs, eng.runner.scratch).clone()
+    torch.cuda.synchronize()
+    want = [j for j, i in enumerate(inputs) if i.want_logits]
+    assert torch.equal(eager[want], replayed) and torch.isfinite(replayed).all()
+    keep = [p for p in range(eng.pool.num_pages) if p not in eng.runner.reserved_pages]
+    assert all(torch.equal(after_eager[p], eng.pool.storage[p]) for p in keep)
+    eng.pool.storage.copy_(before)
+    eng.runner.use_graphs = False
+    chunked = eng.runner.forward(inputs)
+    eng.runner.use_graphs = True
+    assert rel_rmse(chunked, replayed) <= 2e-2  # bf16: chunked vs recurrent KDA, two roundings apart
+    for r in rids:
+        eng.abort(r)
+    eng.check_pool()
