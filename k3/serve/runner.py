@@ -148,7 +148,8 @@ class ExtendGraph(_Graph):
         ps = runner.pool.layout.block_size
         self.tokens, self.seqs, self.history, self.pages = tokens, seqs, history, -(-history // ps)
         N, n, W = tokens, seqs, self.pages
-        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * W, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * W, dtype=torch.long,
+                                pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
         self.ids, self.src, self.pos, self.tdoc = self.buf[:4 * N].view(4, N)
         self.cu = self.buf[4 * N:4 * N + n + 1]
