@@ -22,7 +22,7 @@ if [ "${DECODE:-0}" = 1 ]; then
     > "$OUT/decode.log" 2>&1 || echo "decode profile exit $?" >> "$OUT/decode.log"
   grep -E "batch|copy_" "$OUT/decode.log"
   timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
-  cat "$OUT/kda_decode_cfg.log" | tail -22
+  cat "$OUT/kda_decode_cfg.log" | tail -34
 fi
 if [ "${SERVE:-1}" = 1 ]; then
   timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \

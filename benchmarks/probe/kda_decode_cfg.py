@@ -39,6 +39,23 @@ def main():
             gbs = N * H * K * K * 4 * 2 / (ms * 1e-3) / 1e9
             res.append(dict(N=N, block_v=bv, warps=w, ms=ms, GBps=gbs))
             print(f"N {N:4d} BV {bv:4d} warps {w:3d}: {ms * 1e3:8.1f} us  {gbs:8.0f} GB/s")
+    # extend steps (`ExtendGraph`): n sequences of T tokens each, stepped through recurrently (latency-bound)
+    for n, T in ((1, 64), (32, 128)):
+        g = torch.Generator(device="cuda").manual_seed(n * T)
+        slots = torch.randperm(P, device="cuda", generator=g)[:n]
+        cu = torch.arange(0, n * T + 1, T, device="cuda")
+        q, k, f, v = (torch.randn(n * T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        bl = torch.randn(n * T, H, device="cuda", dtype=torch.bfloat16)
+        A_log, dtb = torch.randn(H, device="cuda"), torch.randn(H * K, device="cuda")
+        for bv, w in [(64, 4), (32, 4), (32, 2), (16, 2), (16, 1), (8, 1)]:
+            def run():
+                kda_decode_triton(q, k, v, f, bl, pool[:, 5], state_indices=slots, cu_seqlens=cu, A_log=A_log,
+                                  dt_bias=dtb, beta_logits=True, use_qk_l2norm_in_kernel=True, block_v=bv,
+                                  num_warps=w)
+            ms = median_ms(run, warmup=5, reps=50)
+            res.append(dict(n=n, T=T, block_v=bv, warps=w, ms=ms, us_per_token=ms * 1e3 / T))
+            print(f"extend n {n:3d} x T {T:4d} BV {bv:4d} warps {w:3d}: {ms * 1e3:8.1f} us  "
+                  f"{ms * 1e3 / T:6.2f} us per token")
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
 
