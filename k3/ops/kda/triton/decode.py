@@ -41,13 +41,26 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
             dtb = tl.load(dtb_ptr + h * K + kc, mask=km, other=0.0).to(tl.float32)
         else:
             dtb = tl.zeros([BK], tl.float32)
+    offk = h * K + kc
+    # token t's inputs are loaded during token t-1's math (software prefetch: the loop is latency-bound when a
+    # sequence has many tokens, as in the engine's extend steps)
+    live = (bos + 0 * kc) < eos  # as vectors: scalar masks are not supported everywhere (Triton's interpreter)
+    nq = tl.load(q_ptr + bos * sq + offk, mask=km & live, other=0.0)
+    nk = tl.load(k_ptr + bos * sk + offk, mask=km & live, other=0.0)
+    ng = tl.load(g_ptr + bos * sg + offk, mask=km & live, other=0.0)
+    nv = tl.load(v_ptr + bos * sv + h * V + vc, mask=vm & ((bos + 0 * vc) < eos), other=0.0)
+    first = kc == 0  # beta as a masked vector load, summed below
+    nb = tl.load(b_ptr + bos * sb + h + 0 * kc, mask=first & live, other=0.0)
     for t in range(bos, eos):
-        offk = h * K + kc
-        q = tl.load(q_ptr + t * sq + offk, mask=km, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * sk + offk, mask=km, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * sg + offk, mask=km, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + t * sv + h * V + vc, mask=vm, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + t * sb + h).to(tl.float32)
+        q, k, g, v = nq.to(tl.float32), nk.to(tl.float32), ng.to(tl.float32), nv.to(tl.float32)
+        b = tl.sum(nb.to(tl.float32), 0)
+        u = t + 1
+        more = (u + 0 * kc) < eos
+        nq = tl.load(q_ptr + u * sq + offk, mask=km & more, other=0.0)
+        nk = tl.load(k_ptr + u * sk + offk, mask=km & more, other=0.0)
+        ng = tl.load(g_ptr + u * sg + offk, mask=km & more, other=0.0)
+        nv = tl.load(v_ptr + u * sv + h * V + vc, mask=vm & ((u + 0 * vc) < eos), other=0.0)
+        nb = tl.load(b_ptr + u * sb + h + 0 * kc, mask=first & more, other=0.0)
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -108,7 +121,12 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     # rows past cu[N] belong to no sequence (a captured extend step's padding): zeros, never stale memory
     o = (torch.empty if cu_seqlens is None else torch.zeros)(T, H, V, device=q.device, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
-    BV = block_v or min(64, max(16, triton.next_power_of_2(V)))  # 64: 9 % faster than 32 at 256 sequences (H200)
+    # one token per sequence: 64 columns per program (9 % faster than 32 at 256 sequences on the H200); several
+    # (extend steps, a latency-bound loop per sequence): narrow programs, 1 warp (10-15 % faster at 1 x 64 and
+    # 32 x 128 tokens, `benchmarks/probe/kda_decode_cfg.py`)
+    if cu_seqlens is not None and block_v is None:
+        block_v, num_warps = 8, 1
+    BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
     grid = (N, H, triton.cdiv(V, BV))
     has_dtb = gate and dt_bias is not None
