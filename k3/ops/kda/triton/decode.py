@@ -122,10 +122,11 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     o = (torch.empty if cu_seqlens is None else torch.zeros)(T, H, V, device=q.device, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
     # one token per sequence: 64 columns per program (9 % faster than 32 at 256 sequences on the H200); several
-    # (extend steps, a latency-bound loop per sequence): narrow programs, 1 warp (10-15 % faster at 1 x 64 and
-    # 32 x 128 tokens, `benchmarks/probe/kda_decode_cfg.py`)
+    # (extend steps, a latency-bound loop per sequence): 16 columns, 1 warp (H200, `benchmarks/probe/
+    # kda_decode_cfg.py`: 1 x 64 tokens 122 us as 8 x 1 and against 146 us for 64 x 4; 32 x 128 tokens 543 us
+    # against 670 and 738)
     if cu_seqlens is not None and block_v is None:
-        block_v, num_warps = 8, 1
+        block_v, num_warps = 16, 1
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
     grid = (N, H, triton.cdiv(V, BV))
