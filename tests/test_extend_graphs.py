@@ -228,7 +228,9 @@ def test_cuda_extend_graph_replay_equals_eager():
     eng.runner.use_graphs = False
     chunked = eng.runner.forward(inputs)
     eng.runner.use_graphs = True
-    assert rel_rmse(chunked, replayed) <= 2e-2  # bf16: chunked vs recurrent KDA, two roundings apart
+    # bf16: the chunked and the recurrent KDA, the expanded and the absorbed MLA round in different places; over
+    # the tiny model's five layers (~50 roundings of 2^-8 each) that is ≈ √50 · 2^-8 ≈ 3 % RMS (measured 1.9–2.1 %)
+    assert rel_rmse(chunked, replayed) <= 4e-2
     for r in rids:
         eng.abort(r)
     eng.check_pool()
