@@ -3,6 +3,7 @@
 #   1. the CUDA tests touched by the change (KDA states_at, paged cache, engine, decode graphs);
 #   2. benchmarks/probe/prefill_profile.py (forwards, GPU time, syncs and host hot spots of a prefill; PREFILL=0
 #      skips it) and benchmarks/probe/decode_profile.py (GPU time and kernels of a decode step; DECODE=1);
+#   2b. benchmarks/probe/decode_ops.py (every op of a decode forward by source line, graph launch cost; OPS=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 set -u
@@ -23,6 +24,11 @@ if [ "${DECODE:-0}" = 1 ]; then
   grep -E "batch|copy_" "$OUT/decode.log"
   timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
   cat "$OUT/kda_decode_cfg.log" | tail -34
+fi
+if [ "${OPS:-0}" = 1 ]; then
+  timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
+    || echo "decode ops exit $?" >> "$OUT/decode_ops.log"
+  grep "==" "$OUT/decode_ops.log"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
   timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
