@@ -158,11 +158,16 @@ def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
 
 def test_engine_with_graph_paths_equals_the_engine_without(one_thread):
     """A fp32 CPU engine whose graph paths are switched on (decode and extend graphs, run eagerly here: the
-    same padding, device-built metadata and pool updates as on the GPU) against the same engine without them,
-    over a load of prefix hits with short tails, short prompts beside decodes and long prompts (eager chunks):
-    the same tokens, logits within 1e-4, extend graphs used."""
+    same padding, device-built metadata and pool updates as on the GPU; MLA through the Triton kernel, in
+    token runs, where Triton's interpreter runs) against the same engine without them (the gathered-history
+    MLA), over a load of prefix hits with short tails, short prompts beside decodes and long prompts (eager
+    chunks): the same tokens, logits within 1e-4, extend graphs used."""
     from k3.serve import Engine, EngineConfig, SamplingParams
 
+    from k3.ops.conv import triton_available
+    from k3.ops.moe_triton import interpreted
+
+    interpreter = triton_available() and interpreted()
     model = make_tiny(seed=15)
     rng = random.Random(15)
     shared = [rng.randrange(4000) for _ in range(40)]
@@ -175,7 +180,15 @@ def test_engine_with_graph_paths_equals_the_engine_without(one_thread):
                                          max_num_seqs=8, record_logits=True))
         if graphs:
             assert eng.runner.enable_graphs()
-        outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        for m in model.modules():
+            if type(m).__name__ == "MLAttention":
+                m.decode_backend = "triton" if graphs and interpreter else "gather"
+        try:
+            outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        finally:
+            for m in model.modules():
+                if type(m).__name__ == "MLAttention":
+                    m.decode_backend = "auto"
         runs.append((outs, eng))
         eng.check_pool()
     (a, ea), (b, eb) = runs

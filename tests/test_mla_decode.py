@@ -63,6 +63,46 @@ def test_rows_past_each_length_do_not_count():
     assert rel(paged_mla_decode(q_lat.to(f), q_pe.to(f), kv2.to(f), pages2, lens, 0.1, backend="triton"), a) < 1e-5
 
 
+@pytest.mark.parametrize("S,page_size", [(90, 16), (SPLIT + 300, 6144)])
+def test_token_runs_equal_one_row_each(S, page_size):
+    """An extend step's rows (three sequences' tokens, positions ascending, and padding rows of history 1) read
+    in runs of up to GROUP_ROWS rows per program (`groups`, as `PackedBatch.for_extend` builds them) equal the
+    oracle; rows past each length point at a poisoned page (1e6) so a row reading past its own end would show.
+    With two KV splits, a run's shorter rows see splits where they have nothing (no NaN from -inf - -inf)."""
+    from k3.model.paged_cache import token_runs
+
+    g = torch.Generator().manual_seed(3)
+    H, C, R, n_pages = 12, 64, 16, 30
+    pool = torch.randn(n_pages, 2, page_size, C + R, generator=g, dtype=torch.float64)
+    pool[n_pages - 1] = 1e6
+    kv = pool[:, 1]
+    tokens = [(5, S - 5), (1, 7), (6, S // 2 - 3)]  # (tokens, start) per sequence
+    cu = torch.tensor([0] + [t for t, _ in tokens]).cumsum(0)
+    N = int(cu[-1]) + 3  # three padding rows after them
+    lens, tables = [], []
+    for t, start in tokens:
+        table = torch.randint(0, n_pages - 1, (-(-S // page_size),), generator=g)
+        for i in range(t):
+            lens.append(start + i + 1)
+            tables.append(table)
+    lens += [1] * 3
+    tables += [torch.zeros(-(-S // page_size), dtype=torch.long)] * 3
+    lens = torch.tensor(lens)
+    pages = torch.stack(tables)[:, torch.arange(S) // page_size]
+    pages = torch.where(torch.arange(S)[None, :] < lens[:, None], pages, n_pages - 1)
+    q_lat = torch.randn(N, H, C, generator=g, dtype=torch.float64)
+    q_pe = torch.randn(N, H, R, generator=g, dtype=torch.float64)
+    ref = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.1, backend="reference")
+    runs = token_runs(cu, N, 4)
+    # the runs' own page tables are their last rows': same pages within every row's length
+    for a, n in runs.tolist():
+        if n:
+            assert all(torch.equal(pages[r, :lens[r]], pages[a + n - 1, :lens[r]]) for r in range(a, a + n))
+    f = torch.float32
+    out = paged_mla_decode(q_lat.to(f), q_pe.to(f), kv.to(f), pages, lens, 0.1, backend="triton", groups=runs)
+    assert torch.isfinite(out).all() and rel(out, ref) <= 1e-5, rel(out, ref)
+
+
 def test_bad_inputs_are_named():
     q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 16, 40, 60)
     with pytest.raises(ValueError, match="backend"):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.mla_decode import GROUP_ROWS
+
 
 @dataclass
 class PackedBatch:
@@ -38,7 +40,8 @@ class PackedBatch:
     `ckpt_pages` [M] the slots they go to, `ckpt_win_rows` [M, W-1] the extended rows of their conv windows.
     Extend batches (`for_extend`, a captured CUDA graph over a few new tokens per sequence) are decode-shaped
     for MLA (every token is a single-token row of the absorbed form, `num_decode` = N) while KDA steps each
-    sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots.
+    sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots;
+    `dec_groups` [NG, 2] runs of up to `GROUP_ROWS` tokens of one sequence for the MLA kernel (first, count).
     """
     lens: list[int]
     starts: list[int]
@@ -63,6 +66,7 @@ class PackedBatch:
     ckpt_pages: torch.Tensor | None = None
     ckpt_win_rows: torch.Tensor | None = None
     step_cu: torch.Tensor | None = None
+    dec_groups: torch.Tensor | None = None
 
     @property
     def num_docs(self) -> int:
@@ -188,7 +192,9 @@ class PackedBatch:
         are padding: no KDA / conv state reads them, and their MLA rows read and write `table[tdoc]`'s pages
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
         `history` (static) bounds every pos + 1."""
-        return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu)
+        b = cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu)
+        b.dec_groups = token_runs(cu, pos.shape[0], GROUP_ROWS)
+        return b
 
     @classmethod
     def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu) -> "PackedBatch":
@@ -204,6 +210,23 @@ class PackedBatch:
                    tok_off=pos % page_size, ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none,
                    num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
                    dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu)
+
+
+def token_runs(cu: torch.Tensor, N: int, G: int) -> torch.Tensor:
+    """Runs of up to G consecutive rows of one sequence, ON THE DEVICE with a static count: sequences cu[i] ..
+    cu[i+1] (long [n + 1]) and the rows cu[n] .. N after them as one more, each cut into ceil(len / G) runs.
+    Returns long [N // G + n + 1, 2] of (first row, count); unused entries are (0, 0)."""
+    n = cu.shape[0] - 1
+    bounds = torch.cat([cu, cu.new_full((1,), N)])  # [n + 2]
+    per = (bounds[1:] - bounds[:-1] + G - 1) // G  # runs of each sequence [n + 1]
+    ends = torch.cumsum(per, 0)
+    j = torch.arange(N // G + n + 1, device=cu.device)
+    seq = torch.searchsorted(ends, j, right=True)  # the sequence of run j (n + 1: unused)
+    used = seq <= n
+    s = seq.clamp_max(n)
+    first = bounds[s] + (j - (ends[s] - per[s])) * G
+    count = (bounds[s + 1] - first).clamp(0, G)
+    return torch.stack([torch.where(used, first, 0), torch.where(used, count, 0)], 1)
 
 
 class PagedCache:

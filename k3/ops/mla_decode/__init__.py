@@ -15,6 +15,8 @@ import torch
 from .._compile import eager_op
 from .._triton import device_reason
 
+GROUP_ROWS = 4  # rows per run of `groups` (one Triton program each)
+
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -59,15 +61,23 @@ def triton_reason(kv: torch.Tensor) -> str | None:
 
 @eager_op
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
-                     lens: torch.Tensor, scale: float, backend: str = "auto", out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     lens: torch.Tensor, scale: float, backend: str = "auto", out: torch.Tensor | None = None,
+                     groups: torch.Tensor | None = None) -> torch.Tensor:
     """q_lat [n, H, C] and q_pe [n, H, R] (one query per sequence), kv [P, page_size, C + R] the latent pool of
     one layer (a strided view is fine), pages [n, S] the page of each history position (S >= max(lens); any
     value past lens[i]), lens [n] >= 1 the history lengths (the query's own row included) → o_lat [n, H, C]
     in q_lat's dtype, written into `out` when given (any [n, H, C] view with a contiguous last dimension, e.g. a
     head-major buffer transposed: the callers' batched GEMMs then need no copies). Lengths are not read back
-    to the host (CUDA-graph safe)."""
+    to the host (CUDA-graph safe).
+
+    groups (optional, int [NG, 2]): (first row, count ≤ `GROUP_ROWS`) runs of consecutive rows of ONE sequence,
+    positions ascending (an extend step's tokens), every row in exactly one run (count 0 for unused entries).
+    The Triton kernel then reads each block of that sequence's latents once for the whole run, through the last
+    row's page table; the result is the same (the reference ignores it)."""
     _check(q_lat, q_pe, kv, pages, lens, backend)
+    if groups is not None and (groups.dim() != 2 or groups.shape[1] != 2 or groups.dtype.is_floating_point):
+        raise ValueError(f"paged_mla_decode: groups must be an integer [NG, 2] of (first row, count), got "
+                         f"{groups.dtype} {tuple(groups.shape)}")
     if backend == "auto":
         backend = "triton" if kv.is_cuda and triton_reason(kv) is None else "reference"
     if out is not None and (out.shape != q_lat.shape or out.dtype != q_lat.dtype or out.stride(-1) != 1):
@@ -80,4 +90,4 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, 
     if why is not None:
         raise ValueError(f"paged_mla_decode: backend 'triton' cannot run here: {why}")
     from .triton import paged_mla_decode_triton
-    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale, out)
+    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale, out, groups)

@@ -1,7 +1,8 @@
 """Paged MLA decode attention in the absorbed form as a Triton kernel (flash-decoding over KV splits).
 
-One program per (sequence, block of heads, split of the history): it walks the split in blocks of BS
-positions, gathers each position's latent row c ‖ k_pe straight from the paged pool (page from the per-position
+One program per (sequence, block of heads, split of the history) -- or, with `groups`, per (up to GROUP_ROWS
+rows of one sequence, e.g. a prefix-hit tail's tokens, sharing one read of each latent block) -- walks the
+split in blocks of BS gathers each position's latent row c ‖ k_pe straight from the paged pool (page from the per-position
 page table, row = position mod page size: no [n, S, C + R] gather, no mask tensor), and keeps an online
 softmax in fp32. A history in one split writes the normalised output; more splits write unnormalised partials
 and their (max, sum) statistics, combined by `combine` (torch, a few small ops). Dot products take their
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted
+from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the dots' M is GROUP_ROWS x BH
 
 BH = 16      # heads per program (the dot's M)
 BS = 32      # history positions per block
@@ -25,57 +27,72 @@ def interpreted() -> bool:
 
 
 @triton.jit
-def mla_decode_kernel(QL, QP, KV, PAGES, LENS, O, M, L, scale, H, PS, s_kv_page, s_kv_row, s_pages, s_qln, s_qlh,
-                      s_qpn, s_qph, s_on, s_oh,
+def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_page, s_kv_row, s_pages, s_qln,
+                      s_qlh, s_qpn, s_qph, s_on, s_oh,
                       C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
-                      BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr, DOT_PREC: tl.constexpr,
-                      UPCAST: tl.constexpr):
-    i = tl.program_id(0)
+                      G: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr,
+                      DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_GRP: tl.constexpr):
+    """Program (group j, head block, split): rows GRP[j] = (row0, count) (row j alone without groups) x BH heads
+    as the dots' M; the rows of a group share the page table of its last row and each masks past its length."""
+    j = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
-    heads = hb * BH + tl.arange(0, BH)
-    hm = heads < H
+    if HAS_GRP:
+        row0 = tl.load(GRP + 2 * j).to(tl.int32)
+        cnt = tl.load(GRP + 2 * j + 1).to(tl.int32)
+    else:
+        row0 = j
+        cnt = 1
+    idx = tl.arange(0, G * BH)
+    grow = idx // BH
+    heads = hb * BH + idx % BH
+    im = (grow < cnt) & (heads < H)
+    rows = tl.where(im, row0 + grow, row0).to(tl.int64)
+    h64 = heads.to(tl.int64)
     cc = tl.arange(0, CP)
     rr = tl.arange(0, RP)
     cm = cc < C
     rm = rr < R
-    i64 = i.to(tl.int64)
-    h64 = heads.to(tl.int64)
-    ql = tl.load(QL + i64 * s_qln + h64[:, None] * s_qlh + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-    qp = tl.load(QP + i64 * s_qpn + h64[:, None] * s_qph + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    ql = tl.load(QL + rows[:, None] * s_qln + h64[:, None] * s_qlh + cc[None, :], mask=im[:, None] & cm[None, :],
+                 other=0.0)
+    qp = tl.load(QP + rows[:, None] * s_qpn + h64[:, None] * s_qph + rr[None, :], mask=im[:, None] & rm[None, :],
+                 other=0.0)
     dot_t = tl.float32 if UPCAST else KV.dtype.element_ty  # UPCAST: the CPU interpreter (its bf16 dot is wrong)
     ql = ql.to(dot_t)
     qp = qp.to(dot_t)
-    n_valid = tl.load(LENS + i).to(tl.int32)
+    lens = tl.load(LENS + rows, mask=im, other=0).to(tl.int32)  # [G * BH]: each row's history
+    last = (row0 + tl.maximum(cnt, 1) - 1).to(tl.int64)
+    n_valid = tl.max(lens, 0)  # the last row's (positions ascend within a group)
     start = sp * SPLIT
     end = tl.minimum(start + SPLIT, n_valid)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, CP], tl.float32)
+    m_i = tl.full([G * BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([G * BH], tl.float32)
+    acc = tl.zeros([G * BH, CP], tl.float32)
     for s0 in range(start, end, BS):
         pos = s0 + tl.arange(0, BS)
         pm = pos < end
-        page = tl.load(PAGES + i.to(tl.int64) * s_pages + pos, mask=pm, other=0)
+        page = tl.load(PAGES + last * s_pages + pos, mask=pm, other=0)
         row = page.to(tl.int64) * s_kv_page + (pos % PS).to(tl.int64) * s_kv_row
         c = tl.load(KV + row[:, None] + cc[None, :], mask=pm[:, None] & cm[None, :], other=0.0).to(dot_t)  # [BS, CP]
         kp = tl.load(KV + row[:, None] + C + rr[None, :], mask=pm[:, None] & rm[None, :], other=0.0).to(dot_t)
         s = tl.dot(ql, tl.trans(c), input_precision=DOT_PREC) + tl.dot(qp, tl.trans(kp), input_precision=DOT_PREC)
-        s = tl.where(pm[None, :], s * scale, float("-inf"))
+        s = tl.where(pos[None, :] < lens[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no NaN from -inf - -inf
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), c, input_precision=DOT_PREC)
         m_i = m_new
     if NS == 1:
-        out = acc / l_i[:, None]
-        tl.store(O + i64 * s_on + h64[:, None] * s_oh + cc[None, :], out.to(O.dtype.element_ty),
-                 mask=hm[:, None] & cm[None, :])
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on masked rows (never stored)
+        tl.store(O + rows[:, None] * s_on + h64[:, None] * s_oh + cc[None, :], out.to(O.dtype.element_ty),
+                 mask=im[:, None] & cm[None, :])
     else:
-        prow = ((i * NS + sp) * H + heads).to(tl.int64)
-        tl.store(O + prow[:, None] * C + cc[None, :], acc, mask=hm[:, None] & cm[None, :])
-        tl.store(M + prow, m_i, mask=hm)
-        tl.store(L + prow, l_i, mask=hm)
+        prow = ((rows * NS + sp) * H + h64).to(tl.int64)
+        tl.store(O + prow[:, None] * C + cc[None, :], acc, mask=im[:, None] & cm[None, :])
+        tl.store(M + prow, m_i, mask=im)
+        tl.store(L + prow, l_i, mask=im)
 
 
 def combine(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,9 +104,12 @@ def combine(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.d
 
 
 def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
-                            lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                            lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                            groups: torch.Tensor | None = None) -> torch.Tensor:
     """See `k3.ops.mla_decode.paged_mla_decode` (inputs already checked). q_lat, q_pe and `out` may be strided
-    views (e.g. head-major [H, n, C] transposed) as long as their last dimension is contiguous."""
+    views (e.g. head-major [H, n, C] transposed) as long as their last dimension is contiguous. groups: int
+    [NG, 2] (first row, count ≤ GROUP_ROWS) of rows that share their last row's page table (one program reads
+    each block of latents once for all of them), covering every row once."""
     n, H, C = q_lat.shape
     R = q_pe.shape[-1]
     S = pages.shape[1]
@@ -97,25 +117,27 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     pages, lens = pages.contiguous(), lens.contiguous()
     qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
     NS = triton.cdiv(S, SPLIT)
-    grid = (n, triton.cdiv(H, BH), NS)
+    G = 1 if groups is None else GROUP_ROWS
+    grid = (n if groups is None else groups.shape[0], triton.cdiv(H, BH), NS)
+    grp = None if groups is None else groups.contiguous()
     up = interpreted()
     prec = "ieee" if kv.dtype == torch.float32 or up else "tf32"
     CP, RP = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
-    warps = 8 if CP >= 512 else 4
+    warps = 8 if CP * G >= 512 else 4
+    meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=BS, SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
+                HAS_GRP=groups is not None, num_warps=warps)
     if NS == 1:
         if out is None:
             out = torch.empty(n, H, C, device=q_lat.device, dtype=q_lat.dtype)
-        mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, out, out, out, float(scale), H, kv.shape[1],
+        mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, grp, out, out, out, float(scale), H, kv.shape[1],
                                 kv.stride(0), kv.stride(1), pages.stride(0), *qs, out.stride(0), out.stride(1),
-                                C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS,
-                                SPLIT=SPLIT, NS=1, DOT_PREC=prec, UPCAST=up, num_warps=warps)
+                                NS=1, **meta)
         return out
     part = torch.empty(n, NS, H, C, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(n, NS, H, device=q_lat.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, part, m, l, float(scale), H, kv.shape[1], kv.stride(0),
-                            kv.stride(1), pages.stride(0), *qs, 0, 0, C=C, R=R, CP=CP, RP=RP, BH=BH, BS=BS,
-                            SPLIT=SPLIT, NS=NS, DOT_PREC=prec, UPCAST=up, num_warps=warps)
+    mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, grp, part, m, l, float(scale), H, kv.shape[1],
+                            kv.stride(0), kv.stride(1), pages.stride(0), *qs, 0, 0, NS=NS, **meta)
     res = combine(part, m, l, q_lat.dtype)
     if out is None:
         return res
