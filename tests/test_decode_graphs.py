@@ -3,6 +3,7 @@
 (`PackedBatch.for_decode`) against the host builder, a batch padded with scratch entries against the unpadded
 one, and (CUDA) graph replay against eager execution."""
 
+import functools
 import random
 
 import pytest
@@ -145,6 +146,29 @@ def _pool(model, pages, page):
                       kda, mla)
 
 
+def run_packed(lm, cache, batch, ids):
+    """The model's packed forward over a paged cache (as the engine's runner) → fp32 logits of batch.rows."""
+    cache.batch = batch
+    _, hn, _ = lm.model(lm.model.embed_tokens(torch.tensor(ids))[None], cache=cache, rows=batch.rows)
+    return lm.lm_head(hn)[0]
+
+
+def prefilled_pools(model, ps, rng, tables):
+    """Two pools (garbage everywhere) with the same three sequences of 13, 5 and 21 random tokens prefilled
+    (KDA slots 1-3, MLA pages `tables`) → (pool a, pool b, the sequences)."""
+    lm = model.language_model
+    a = _pool(model, 40, ps)
+    for s in (a.state, a.conv):
+        s[[1, 2, 3]] = 0  # the three sequences' fresh KDA slots
+    seqs = [[rng.randrange(4000) for _ in range(L)] for L in (13, 5, 21)]
+    run_packed(lm, a, PackedBatch.build([len(s) for s in seqs], [0] * 3, [1, 2, 3], tables, [True] * 3, ps, 3,
+                                        "cpu"), [t for s in seqs for t in s])
+    b = _pool(model, 40, ps)
+    for src, dst in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        dst.copy_(src)
+    return a, b, seqs
+
+
 @torch.no_grad()
 def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
     """Three sequences prefilled, then one decode step two ways: the host-built batch of exactly those three,
@@ -153,22 +177,10 @@ def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
     model = make_tiny(seed=4)
     lm, ps = model.language_model, 8
     rng = random.Random(4)
-    a = _pool(model, 40, ps)
-    for s in (a.state, a.conv):
-        s[[1, 2, 3]] = 0  # the three sequences' fresh KDA slots
-    seqs = [[rng.randrange(4000) for _ in range(L)] for L in (13, 5, 21)]
     tables = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    a, b, seqs = prefilled_pools(model, ps, rng, tables)
 
-    def run(cache, batch, ids):
-        cache.batch = batch
-        _, hn, _ = lm.model(lm.model.embed_tokens(torch.tensor(ids))[None], cache=cache, rows=batch.rows)
-        return lm.lm_head(hn)[0]
-
-    run(a, PackedBatch.build([len(s) for s in seqs], [0] * 3, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"),
-        [t for s in seqs for t in s])
-    b = _pool(model, 40, ps)
-    for src, dst in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
-        dst.copy_(src)
+    run = functools.partial(run_packed, lm)
     new = [rng.randrange(4000) for _ in seqs]
     starts = [len(s) for s in seqs]
     ref = run(a, PackedBatch.build([1] * 3, starts, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"), new)

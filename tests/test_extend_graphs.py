@@ -4,6 +4,7 @@ cu_seqlens) against the chunked oracles, the device-built `PackedBatch.for_exten
 host-built chunked batch, the engine with the graph paths on (run eagerly on the CPU) against the engine without,
 and (CUDA) replay against eager execution."""
 
+import functools
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from k3.model.paged_cache import PackedBatch
 from k3.ops.conv import short_conv, short_conv_step
 from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
 
-from test_decode_graphs import _gated_inputs, _pool
+from test_decode_graphs import _gated_inputs, prefilled_pools, run_packed
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 LENS = [3, 0, 6, 1]  # an empty sequence (the graphs' padding) among them; 2 more rows belong to none
@@ -120,23 +121,11 @@ def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
     and 5 sequences on a scratch slot and page holding garbage. Same logits, same pool afterwards (fp32)."""
     model = make_tiny(seed=14)
     lm, ps = model.language_model, 8
-    rng = random.Random(14)
-    a = _pool(model, 40, ps)
-    for s in (a.state, a.conv):
-        s[[1, 2, 3]] = 0
-    seqs = [[rng.randrange(4000) for _ in range(L)] for L in (13, 5, 21)]
     tables = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
+    rng = random.Random(14)
+    a, b, seqs = prefilled_pools(model, ps, rng, tables)
 
-    def run(cache, batch, ids):
-        cache.batch = batch
-        _, hn, _ = lm.model(lm.model.embed_tokens(torch.tensor(ids))[None], cache=cache, rows=batch.rows)
-        return lm.lm_head(hn)[0]
-
-    run(a, PackedBatch.build([len(s) for s in seqs], [0] * 3, [1, 2, 3], tables, [True] * 3, ps, 3, "cpu"),
-        [t for s in seqs for t in s])
-    b = _pool(model, 40, ps)
-    for src, dst in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
-        dst.copy_(src)
+    run = functools.partial(run_packed, lm)
     lens = [4, 1, 7]
     new = [[rng.randrange(4000) for _ in range(n)] for n in lens]
     starts = [len(s) for s in seqs]

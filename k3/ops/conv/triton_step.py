@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_jit import token_range
+
 
 @triton.jit
 def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot,
@@ -19,12 +21,7 @@ def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx
     j = tl.arange(0, WP)
     cm = c < C
     tap = cm[:, None] & (j[None, :] < W1)
-    if HAS_CU:
-        bos = tl.load(cu_ptr + n)
-        eos = tl.load(cu_ptr + n + 1)
-    else:
-        bos = n
-        eos = n + 1
+    bos, eos = token_range(cu_ptr, n, HAS_CU)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     base = win_ptr + slot * s_slot + c[:, None] * W1 + j[None, :]
     win = tl.load(base, mask=tap, other=0.0).to(tl.float32)

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_jit import token_range
+
 from .._common import check_token_shapes
 
 
@@ -22,12 +24,7 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
         slot = tl.load(idx_ptr + n).to(tl.int64)
     else:
         slot = n.to(tl.int64)
-    if HAS_CU:
-        bos = tl.load(cu_ptr + n)
-        eos = tl.load(cu_ptr + n + 1)
-    else:
-        bos = n
-        eos = n + 1
+    bos, eos = token_range(cu_ptr, n, HAS_CU)
     kc = tl.arange(0, BK)
     vc = iv * BV + tl.arange(0, BV)
     km = kc < K
