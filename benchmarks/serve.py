@@ -144,7 +144,8 @@ def run(a) -> dict:
     model = build(preset, device, dtype)
     V = model.config.text_config.vocab_size
     ecfg = EngineConfig(hash_block_size=blocks[0], block_size=blocks[1], max_num_batched_tokens=budget,
-                        max_num_seqs=max(batches), gpu_memory_fraction=0.5, enable_prefix_caching=True)
+                        max_num_seqs=max(batches), gpu_memory_fraction=0.5, enable_prefix_caching=True,
+                        gc_freeze=a.gc_freeze)
     eng = Engine(model, ecfg)
     res = dict(preset=preset, device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
                hash_block_size=blocks[0], block_size=blocks[1], pool_pages=eng.pool.num_pages,
@@ -294,6 +295,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on CPU, tiny sizes")
     ap.add_argument("--reps", type=int, default=2, help="repeats of the engine-vs-generate comparison")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave Python's GC as it is (k3 serve freezes it after loading, EngineConfig.gc_freeze)")
     ap.add_argument("--out", default="serve.json")
     a = ap.parse_args()
     if not a.smoke and not torch.cuda.is_available():

@@ -453,3 +453,20 @@ def test_output_kinds(model):
         assert len(final) == 1 and final[0].token_ids == full.token_ids and final[0].logprobs == full.logprobs
     with pytest.raises(ValueError, match="output_kind.*'partial'"):
         SamplingParams(output_kind="partial")
+
+
+def test_gc_freeze_moves_live_objects_out_of_the_collector(model):
+    """`gc_freeze` (what `k3 serve` sets): after construction the live objects sit in the permanent generation, so
+    a full collection during decoding does not rescan the model; off by default (process-wide)."""
+    import gc
+
+    gc.unfreeze()
+    Engine(model, EngineConfig(block_size=8, hash_block_size=4, num_pages=16))
+    assert gc.get_freeze_count() == 0
+    try:
+        eng = Engine(model, EngineConfig(block_size=8, hash_block_size=4, num_pages=16, gc_freeze=True))
+        assert gc.get_freeze_count() > 1000
+        out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3
+    finally:
+        gc.unfreeze()

@@ -37,7 +37,7 @@ def build_app(args):
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_cache,
                        host_cache_bytes=int(args.host_cache_gb * (1 << 30)),
-                       gpu_memory_fraction=args.gpu_memory_fraction)
+                       gpu_memory_fraction=args.gpu_memory_fraction, gc_freeze=True)
     engine = Engine.from_pretrained(ckpt, cfg, device=args.device, dtype=args.dtype)
     tok = load_tokenizer(ckpt, engine.text_config)
     vocab = engine.text_config.vocab_size
