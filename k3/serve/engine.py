@@ -21,6 +21,7 @@ lock) that the next step drains, so a server may submit from request handlers wh
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
@@ -152,6 +153,7 @@ class Engine:
         if cfg.gc_freeze:
             gc.collect()
             gc.freeze()
+            atexit.register(gc.unfreeze)  # at exit everything is collectable again (no "leaked" reports)
 
     def _num_pages(self, layout: PoolLayout) -> int:
         cfg = self.config
