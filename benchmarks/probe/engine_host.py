@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import random
 import statistics
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=4096, help="width of the stub's logits")
     ap.add_argument("--output-kind", default="cumulative", choices=("cumulative", "delta", "final_only"))
     ap.add_argument("--profile", action="store_true", help="cProfile of 20 more steps (top 20 by own time)")
+    ap.add_argument("--gc-freeze", action="store_true", help="EngineConfig.gc_freeze (as `k3 serve`)")
     a = ap.parse_args(argv)
     if a.batch < 1 or a.prompt < 1 or a.steps < 1:
         ap.error(f"--batch {a.batch}, --prompt {a.prompt} and --steps {a.steps} must be ≥ 1")
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
     B, P = a.batch, a.prompt
     pages = B * (-(-(P + a.generated + a.steps + 64) // 64) + 2) + 64  # MLA pages of 64 tokens + a KDA slot per request
     eng = Engine(make_tiny(seed=0).eval(), EngineConfig(block_size=64, hash_block_size=16, num_pages=pages,
-                                                        max_num_seqs=B, max_num_batched_tokens=max(B, 8192)))
+                                                        max_num_seqs=B, max_num_batched_tokens=max(B, 8192),
+                                                        gc_freeze=a.gc_freeze))
     fixed = torch.randn(B, a.vocab)
     eng.runner.forward = lambda seqs: fixed[:sum(s.want_logits for s in seqs)]
     rng = random.Random(0)
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"only {len(eng.scheduler.running)} of {B} requests run at once (pool too small)")
     for _ in range(a.generated):
         eng.step()
+    collections = []  # the generation of each garbage collection during the timed steps
+    gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -62,7 +67,8 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - t)
     print(f"batch {B}, prompt {P}, {len(next(iter(eng.requests.values())).output)} generated: host time per decode step (stub forward, {a.steps} steps): median "
           f"{1e3 * statistics.median(times):.2f} ms, mean {1e3 * statistics.mean(times):.2f} ms, max "
-          f"{1e3 * max(times):.2f} ms")
+          f"{1e3 * max(times):.2f} ms; p99 {1e3 * sorted(times)[int(0.99 * (len(times) - 1))]:.2f} ms; garbage "
+          f"collections by generation {({g: collections.count(g) for g in (0, 1, 2)})}")
     if a.profile:
         pr = cProfile.Profile()
         pr.enable()
