@@ -236,3 +236,45 @@ def test_cuda_extend_graph_replay_equals_eager():
     for r in rids:
         eng.abort(r)
     eng.check_pool()
+
+
+@torch.no_grad()
+def test_extend_graph_reads_device_fed_ids(one_thread):
+    """A decode beside a chunk whose token is still on the device (`SeqInput.src`, the asynchronous engine's
+    continuation rows) gets `last_tokens[src]` in the extend graph: the same logits as with the id given, and
+    the graph path equals the eager path (CPU: the graph's work run eagerly)."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve.runner import SeqInput
+
+    model = make_tiny(seed=17)
+    eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=64, async_scheduling=False))
+    assert eng.runner.enable_graphs()
+    rng = random.Random(17)
+    rids = [eng.submit([rng.randrange(4000) for _ in range(n)], SamplingParams(max_tokens=20, temperature=0,
+                                                                                ignore_eos=True)) for n in (9, 14)]
+    while any(not eng.requests[r].output for r in rids):
+        eng.step()
+    a, b = (eng.requests[r] for r in rids)
+    chunk = [rng.randrange(4000) for _ in range(6)]
+    tok = a.tokens[-1]
+    eng.runner.last_tokens[3] = tok
+
+    def inputs(src):
+        return [SeqInput(tokens=[0 if src else tok], start=a.num_tokens - 1, state_page=a.state_page,
+                         mla_pages=a.mla_pages, want_logits=True, src=3 if src else -1),
+                SeqInput(tokens=chunk, start=b.num_tokens - 1, state_page=b.state_page, mla_pages=b.mla_pages,
+                         want_logits=True)]
+
+    before = eng.pool.storage.clone()
+    outs = []
+    for src, graphs in ((True, True), (False, True), (False, False)):
+        eng.pool.storage.copy_(before)
+        eng.runner.use_graphs = graphs
+        assert (eng.runner.graph_for(inputs(src)) is not None) == graphs
+        outs.append(eng.runner.forward(inputs(src)).clone())
+    eng.runner.use_graphs = True
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[1] - outs[2]).abs().max() <= 1e-4  # fp32: recurrent vs chunked KDA
+    for r in rids:
+        eng.abort(r)
+    eng.check_pool()

@@ -38,7 +38,7 @@ ROOT = b"k3-prefix-root"
 
 
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """H_j = blake2b-128(H_{j-1} ‖ int32 token ids)."""
+    """H_j = blake2b-128(H_{j-1} ‖ int64 token ids)."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
