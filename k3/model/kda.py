@@ -162,8 +162,11 @@ class KimiDeltaAttention(nn.Module):
         b = cache.batch
         N, H, K = x.shape[1], self.num_heads, self.head_dim
         HK = H * K
-        w_conv = joined_weight(self, "conv", [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight],
-                               self.q_conv1d.weight.dtype)
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        # decode / extend: the taps in the step kernel's fp32 (or wider), cached: no cast kernel per step
+        wide = torch.promote_types(convs[0].dtype, torch.float32)
+        w_conv = (joined_weight(self, "conv_wide", convs, wide) if b.decode
+                  else joined_weight(self, "conv", convs, convs[0].dtype))
         # the six projections of x as one GEMM over their joined weights (cached for inference)
         w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                             self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype)
