@@ -240,7 +240,7 @@ def check_replay_equals_eager(model, in_chunk: bool):
         diff = [p for p in keep if not torch.equal(after_eager[p], eng.pool.storage[p])]
         assert not diff, (f"pages {diff[:8]} differ (scratch {eng.runner.reserved_pages}; sequences' state pages "
                           f"{[s.state_page for s in seqs]}, MLA pages {[s.mla_pages for s in seqs]})")
-        checked.add((g.batch, g.history))
+        checked.add((g.batch_size, g.history))
     assert len(checked) >= 3
     for r in rids:
         eng.abort(r)

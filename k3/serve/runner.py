@@ -54,10 +54,14 @@ def text_model(model):
 
 class _Graph:
     """A forward captured in a CUDA graph over inputs in one int64 device buffer (`buf`, filled from the pinned
-    `host` by `fill`); subclasses define `run` (the work, eagerly), `fill` and `select` (the rows returned)."""
+    `host` by `fill`); subclasses define `fields` (the buffer's parts), `batch` (the forward's `PackedBatch`,
+    built on the device from them), `fill` and `select` (the rows returned). `ALL_ROWS`: logits of every row
+    (decode) rather than of `batch.rows`."""
+    ALL_ROWS = False
 
     def _capture(self, runner: "ModelRunner", mempool) -> None:
         self.runner, self.graph = runner, None
+        self.fill([], runner.scratch)
         self.buf.copy_(self.host)
         if runner.device.type != "cuda":  # nothing to capture: `__call__` runs the same work eagerly (CPU tests)
             return
@@ -71,66 +75,73 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=mempool):
             self.out = self.run()
 
-    def _ids(self, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Each row's token: ids, or the previous step's sample `last_tokens[src]` where src >= 0."""
-        return torch.where(src >= 0, self.runner.last_tokens[src.clamp_min(0)], ids)
+    @torch.no_grad()
+    def run(self) -> torch.Tensor:
+        """The captured work, eagerly: the forward over the device buffer's inputs → fp32 logits. Always without
+        autograd: with grad on, the fused inference kernels (Triton KDA decode, router) fall back to their
+        differentiable paths, and an eager run would not be the work the graph captured. A row with src >= 0
+        takes its token from the runner's `last_tokens[src]` (the previous step's sample) instead of ids."""
+        r = self.runner
+        f = self.fields(self.buf)
+        r.cache.batch = b = self.batch(f)
+        ids = torch.where(f["src"] >= 0, r.last_tokens[f["src"].clamp_min(0)], f["ids"])
+        try:
+            return r.logits(ids, None if self.ALL_ROWS else b.rows)
+        finally:
+            r.cache.batch = None
 
     def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> torch.Tensor:
-        if self.graph is None:
-            self.fill(seqs, scratch)
-            self.buf.copy_(self.host)
-            self.out = self.run()
-            return self.select(seqs)
-        self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
+        if self.graph is not None:
+            self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
         self.fill(seqs, scratch)
-        self.buf.copy_(self.host, non_blocking=True)
-        self.copied.record()
-        self.graph.replay()
+        self.buf.copy_(self.host, non_blocking=self.graph is not None)
+        if self.graph is None:
+            self.out = self.run()
+        else:
+            self.copied.record()
+            self.graph.replay()
         return self.select(seqs)
+
+
+def _page_rows(seqs: list[SeqInput], width: int, pad: int) -> torch.Tensor:
+    """Each sequence's MLA page table padded (or cut) to `width` entries with page `pad`."""
+    return torch.tensor([(s.mla_pages + [pad] * width)[:width] for s in seqs])
 
 
 class DecodeGraph(_Graph):
     """One captured decode forward for `batch` sequences with MLA histories up to `history` tokens.
-    Inputs live in one int64 device buffer: ids [B] | src [B] | starts [B] | slots [B] | page table [B, pages];
-    a row with src >= 0 takes its token from the runner's `last_tokens[src]` (the previous step's sample,
-    never seen by the host) instead of ids."""
+    Inputs live in one int64 device buffer: ids [B] | src [B] | starts [B] | slots [B] | page table [B, pages]."""
+    ALL_ROWS = True
 
     def __init__(self, runner: "ModelRunner", batch: int, history: int, mempool):
         ps = runner.pool.layout.block_size
-        self.batch, self.history, self.pages = batch, history, -(-history // ps)
-        B, W = batch, self.pages
-        self.host = torch.empty(4 * B + B * W, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+        self.batch_size, self.history, self.pages = batch, history, -(-history // ps)
+        self.host = torch.empty(4 * batch + batch * self.pages, dtype=torch.long,
+                                pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
-        self.ids, self.src, self.starts, self.slots = self.buf[:4 * B].view(4, B)
-        self.table = self.buf[4 * B:].view(B, W)
-        self.fill([], runner.scratch)
         self._capture(runner, mempool)
 
-    @torch.no_grad()
-    def run(self) -> torch.Tensor:
-        """The captured work, eagerly: the decode forward over the device buffer's inputs → fp32 logits [B, V].
-        Always without autograd: with grad on, the fused inference kernels (Triton KDA decode, router) fall back
-        to their differentiable paths, and an eager run would not be the work the graph captured."""
-        r = self.runner
-        r.cache.batch = PackedBatch.for_decode(self.starts, self.slots, self.table, self.history,
-                                               r.pool.layout.block_size)
-        try:
-            return r.logits(self._ids(self.ids, self.src), None)
-        finally:
-            r.cache.batch = None
+    def fields(self, t: torch.Tensor) -> dict:
+        B = self.batch_size
+        ids, src, starts, slots = t[:4 * B].view(4, B)
+        return dict(ids=ids, src=src, starts=starts, slots=slots, table=t[4 * B:].view(B, self.pages))
+
+    def batch(self, f: dict) -> PackedBatch:
+        return PackedBatch.for_decode(f["starts"], f["slots"], f["table"], self.history,
+                                      self.runner.pool.layout.block_size)
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
         """Write the step's inputs into the pinned host buffer; entries past len(seqs) are padding that reads
         and writes only the scratch slot and page."""
-        B, W, n = self.batch, self.pages, len(seqs)
-        h = self.host[:4 * B].view(4, B)
+        n = len(seqs)
+        h = self.host[:4 * self.batch_size].view(4, self.batch_size)
         h[:, n:] = torch.tensor([[0], [-1], [0], [scratch[0]]])
-        table = self.host[4 * B:].view(B, W)
+        table = self.fields(self.host)["table"]
         table[n:] = scratch[1]
         if n:
             h[:, :n] = torch.tensor([[s.tokens[0] for s in seqs], [s.src for s in seqs], [s.start for s in seqs],
                                      [s.state_page for s in seqs]])
-            table[:n] = torch.tensor([(s.mla_pages + [scratch[1]] * W)[:W] for s in seqs])
+            table[:n] = _page_rows(seqs, self.pages, scratch[1])
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         return self.out[:len(seqs)]
@@ -140,49 +151,40 @@ class ExtendGraph(_Graph):
     """One captured forward of up to `tokens` new tokens from up to `seqs` sequences (a few tokens each: short
     prefill chunks, prefix-hit tails, decodes beside them) with MLA histories up to `history` tokens, in the
     decode form (`PackedBatch.for_extend`: KDA and the short conv step each sequence through its tokens in its
-    pool slot, MLA reads every token's history from the pages). Inputs: one int64 device buffer
-    ids [N] | src [N] | pos [N] | tdoc [N] | cu [n + 1] | slots [n] | page table [n + 1, pages]; padding tokens
-    belong to no sequence (row n of the table: the scratch page), padding sequences are empty (the scratch slot)."""
+    pool slot, MLA reads every token's history from the pages) → the logits of each sequence's last token.
+    Inputs: one int64 device buffer ids [N] | src [N] | pos [N] | tdoc [N] | cu [n + 1] | slots [n] |
+    page table [n + 1, pages]; padding tokens belong to no sequence (row n of the table: the scratch page),
+    padding sequences are empty (the scratch slot)."""
 
     def __init__(self, runner: "ModelRunner", tokens: int, seqs: int, history: int, mempool):
         ps = runner.pool.layout.block_size
         self.tokens, self.seqs, self.history, self.pages = tokens, seqs, history, -(-history // ps)
-        N, n, W = tokens, seqs, self.pages
-        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * W, dtype=torch.long,
+        N, n = tokens, seqs
+        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * self.pages, dtype=torch.long,
                                 pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
-        self.ids, self.src, self.pos, self.tdoc = self.buf[:4 * N].view(4, N)
-        self.cu = self.buf[4 * N:4 * N + n + 1]
-        self.slots = self.buf[4 * N + n + 1:4 * N + 2 * n + 1]
-        self.table = self.buf[4 * N + 2 * n + 1:].view(n + 1, W)
-        self.fill([], runner.scratch)
         self._capture(runner, mempool)
 
-    @torch.no_grad()
-    def run(self) -> torch.Tensor:
-        """The captured work, eagerly → fp32 logits [n, V] of each sequence's last token (no autograd, as
-        `DecodeGraph.run`)."""
-        r = self.runner
-        r.cache.batch = PackedBatch.for_extend(self.pos, self.tdoc, self.cu, self.slots, self.table, self.history,
-                                               r.pool.layout.block_size)
-        try:
-            return r.logits(self._ids(self.ids, self.src), r.cache.batch.rows)
-        finally:
-            r.cache.batch = None
+    def fields(self, t: torch.Tensor) -> dict:
+        N, n = self.tokens, self.seqs
+        ids, src, pos, tdoc = t[:4 * N].view(4, N)
+        return dict(ids=ids, src=src, pos=pos, tdoc=tdoc, cu=t[4 * N:4 * N + n + 1],
+                    slots=t[4 * N + n + 1:4 * N + 2 * n + 1], table=t[4 * N + 2 * n + 1:].view(n + 1, self.pages))
+
+    def batch(self, f: dict) -> PackedBatch:
+        return PackedBatch.for_extend(f["pos"], f["tdoc"], f["cu"], f["slots"], f["table"], self.history,
+                                      self.runner.pool.layout.block_size)
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
-        N, n, W = self.tokens, self.seqs, self.pages
-        h = self.host
+        f = self.fields(self.host)
+        ids, src, pos, tdoc, cu = f["ids"], f["src"], f["pos"], f["tdoc"], f["cu"]
         lens = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
         m, k = int(lens.sum()), len(seqs)
-        ids, src, pos, tdoc = h[:4 * N].view(4, N)
-        cu, slots = h[4 * N:4 * N + n + 1], h[4 * N + n + 1:4 * N + 2 * n + 1]
-        table = h[4 * N + 2 * n + 1:].view(n + 1, W)
         cu[0] = 0
         torch.cumsum(lens, 0, out=cu[1:k + 1])
         cu[k + 1:] = m
-        ids[m:], src[:], pos[m:], tdoc[m:] = 0, -1, 0, n
-        slots[k:], table[k:] = scratch[0], scratch[1]
+        ids[m:], src[:], pos[m:], tdoc[m:] = 0, -1, 0, self.seqs
+        f["slots"][k:], f["table"][k:] = scratch[0], scratch[1]
         if k:
             ids[:m] = torch.tensor([t for s in seqs for t in s.tokens])
             tdoc[:m] = torch.repeat_interleave(torch.arange(k), lens)
@@ -190,8 +192,8 @@ class ExtendGraph(_Graph):
             dev = [(int(cu[j]), s.src) for j, s in enumerate(seqs) if s.src >= 0]  # decodes fed from the device
             if dev:
                 src[[i for i, _ in dev]] = torch.tensor([j for _, j in dev])
-            slots[:k] = torch.tensor([s.state_page for s in seqs])
-            table[:k] = torch.tensor([(s.mla_pages + [scratch[1]] * W)[:W] for s in seqs])
+            f["slots"][:k] = torch.tensor([s.state_page for s in seqs])
+            f["table"][:k] = _page_rows(seqs, self.pages, scratch[1])
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         want = [j for j, s in enumerate(seqs) if s.want_logits]
