@@ -181,7 +181,7 @@ class PackedBatch:
         replays correctly after new values are copied into `starts`, `slots` and `table`. The conv-window
         ("extended") and prefill-history fields are unused by a decode forward and left empty."""
         ar = torch.arange(starts.shape[0] + 1, device=starts.device)
-        return cls._token_rows(starts, table, history, page_size, slots=slots, rows=ar[:-1], step_cu=None)
+        return cls._token_rows(starts, table, history, page_size, slots=slots, rows=ar[:-1])
 
     @classmethod
     def for_extend(cls, pos: torch.Tensor, tdoc: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor,
@@ -192,12 +192,11 @@ class PackedBatch:
         are padding: no KDA / conv state reads them, and their MLA rows read and write `table[tdoc]`'s pages
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
         `history` (static) bounds every pos + 1."""
-        b = cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu)
-        b.dec_groups = token_runs(cu, pos.shape[0], GROUP_ROWS)
-        return b
+        return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu,
+                               dec_groups=token_runs(cu, pos.shape[0], GROUP_ROWS))
 
     @classmethod
-    def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu) -> "PackedBatch":
+    def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None) -> "PackedBatch":
         """Every token a single-token row for MLA (its page table row `table` [N, pages], history [0, pos])."""
         n, dev = pos.shape[0], pos.device
         p = torch.arange(history, device=dev)
@@ -209,7 +208,8 @@ class PackedBatch:
                    slots=slots, rows=rows, tok_page=table.gather(1, (pos // page_size)[:, None])[:, 0],
                    tok_off=pos % page_size, ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none,
                    num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
-                   dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu)
+                   dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu,
+                   dec_groups=dec_groups)
 
 
 def token_runs(cu: torch.Tensor, N: int, G: int) -> torch.Tensor:

@@ -264,15 +264,11 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
             o, _ = _decode_step_torch(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, state_indices,
                                       inplace=True)
             return o
+        m = int(cu_seqlens[-1])  # rows past it belong to no sequence: o = 0
         o = torch.zeros_like(v)
-        cu = cu_seqlens.tolist()
-        for i, slot in enumerate(state_indices.tolist()):
-            a, b = cu[i], cu[i + 1]
-            if b > a:
-                oi, si = _fused_recurrent_torch(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], beta[None, a:b],
-                                                scale, state[slot][None], True,
-                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-                o[a:b], state[slot] = oi[0], si[0].to(state.dtype)
+        om, s = _fused_recurrent_torch(*(x[None, :m] for x in (q, k, v, g, beta)), scale, state[state_indices], True,
+                                       cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        o[:m], state[state_indices] = om[0], s.to(state.dtype)  # empty sequences: their state, unchanged
         return o
     from .triton import kda_decode_triton
     return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, cu_seqlens=cu_seqlens,

@@ -11,6 +11,19 @@ from .._common import check_token_shapes
 
 
 @triton.jit
+def _token_inputs(q_ptr, k_ptr, g_ptr, v_ptr, b_ptr, t, eos, sq, sk, sg, sv, sb, h, V, offk, km, kc, vc, vm):
+    """Token t's q, k, g [BK], v [BV] and beta (a [BK] vector, nonzero at 0 only: summed by the caller), as
+    stored; zeros when t >= eos. Masks as vectors: a scalar mask is not supported everywhere (the interpreter)."""
+    live = (t + 0 * kc) < eos
+    q = tl.load(q_ptr + t * sq + offk, mask=km & live, other=0.0)
+    k = tl.load(k_ptr + t * sk + offk, mask=km & live, other=0.0)
+    g = tl.load(g_ptr + t * sg + offk, mask=km & live, other=0.0)
+    v = tl.load(v_ptr + t * sv + h * V + vc, mask=vm & ((t + 0 * vc) < eos), other=0.0)
+    b = tl.load(b_ptr + t * sb + h + 0 * kc, mask=(kc == 0) & live, other=0.0)
+    return q, k, g, v, b
+
+
+@triton.jit
 def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, idx_ptr, cu_ptr,
                       H, K, V, slot_stride, sq, sk, sv, sg, sb, scale, lower_bound,
                       BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
@@ -41,23 +54,13 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     offk = h * K + kc
     # token t's inputs are loaded during token t-1's math (software prefetch: the loop is latency-bound when a
     # sequence has many tokens, as in the engine's extend steps)
-    live = (bos + 0 * kc) < eos  # as vectors: scalar masks are not supported everywhere (Triton's interpreter)
-    nq = tl.load(q_ptr + bos * sq + offk, mask=km & live, other=0.0)
-    nk = tl.load(k_ptr + bos * sk + offk, mask=km & live, other=0.0)
-    ng = tl.load(g_ptr + bos * sg + offk, mask=km & live, other=0.0)
-    nv = tl.load(v_ptr + bos * sv + h * V + vc, mask=vm & ((bos + 0 * vc) < eos), other=0.0)
-    first = kc == 0  # beta as a masked vector load, summed below
-    nb = tl.load(b_ptr + bos * sb + h + 0 * kc, mask=first & live, other=0.0)
+    nq, nk, ng, nv, nb = _token_inputs(q_ptr, k_ptr, g_ptr, v_ptr, b_ptr, bos, eos, sq, sk, sg, sv, sb, h, V, offk,
+                                       km, kc, vc, vm)
     for t in range(bos, eos):
         q, k, g, v = nq.to(tl.float32), nk.to(tl.float32), ng.to(tl.float32), nv.to(tl.float32)
         b = tl.sum(nb.to(tl.float32), 0)
-        u = t + 1
-        more = (u + 0 * kc) < eos
-        nq = tl.load(q_ptr + u * sq + offk, mask=km & more, other=0.0)
-        nk = tl.load(k_ptr + u * sk + offk, mask=km & more, other=0.0)
-        ng = tl.load(g_ptr + u * sg + offk, mask=km & more, other=0.0)
-        nv = tl.load(v_ptr + u * sv + h * V + vc, mask=vm & ((u + 0 * vc) < eos), other=0.0)
-        nb = tl.load(b_ptr + u * sb + h + 0 * kc, mask=first & more, other=0.0)
+        nq, nk, ng, nv, nb = _token_inputs(q_ptr, k_ptr, g_ptr, v_ptr, b_ptr, t + 1, eos, sq, sk, sg, sv, sb, h, V,
+                                           offk, km, kc, vc, vm)
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
