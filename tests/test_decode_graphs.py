@@ -195,6 +195,26 @@ def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
         assert (x[real] - y[real]).abs().max() <= 1e-5
 
 
+def eager_then_replay(eng, g, inputs):
+    """Run graph g's work eagerly on `inputs`, restore the pool, then replay it: (eager logits of every row,
+    replayed logits as the runner returns them, the pool after the eager run, the pool before)."""
+    before = eng.pool.storage.clone()
+    g.fill(inputs, eng.runner.scratch)
+    g.buf.copy_(g.host)
+    eager = g.run().clone()
+    after_eager = eng.pool.storage.clone()
+    eng.pool.storage.copy_(before)
+    replayed = g(inputs, eng.runner.scratch).clone()
+    torch.cuda.synchronize()
+    return eager, replayed, after_eager, before
+
+
+def pages_differing(eng, other):
+    """Pool pages that differ from `other`, the runner's scratch pages left out (padding writes them at once)."""
+    keep = [p for p in range(eng.pool.num_pages) if p not in eng.runner.reserved_pages]
+    return [p for p in keep if not torch.equal(other[p], eng.pool.storage[p])]
+
+
 @cuda
 @pytest.mark.cuda
 def test_cuda_graph_replay_equals_eager():
@@ -226,18 +246,9 @@ def check_replay_equals_eager(model, in_chunk: bool):
         inputs = [SeqInput(tokens=[s.tokens[-1]], start=s.num_tokens - 1, state_page=s.state_page,
                            mla_pages=s.mla_pages, want_logits=True) for s in seqs]
         g = eng.runner.graph_for(inputs)
-        before = eng.pool.storage.clone()
-        g.fill(inputs, eng.runner.scratch)
-        g.buf.copy_(g.host)
-        eager = g.run()[:n].clone()
-        after_eager = eng.pool.storage.clone()
-        eng.pool.storage.copy_(before)
-        replayed = g(inputs, eng.runner.scratch).clone()
-        torch.cuda.synchronize()
-        assert torch.equal(eager, replayed) and torch.isfinite(replayed).all()
-        # every page but the runner's scratch pages, which the padded entries all write at once (garbage)
-        keep = [p for p in range(eng.pool.num_pages) if p not in eng.runner.reserved_pages]
-        diff = [p for p in keep if not torch.equal(after_eager[p], eng.pool.storage[p])]
+        eager, replayed, after_eager, _ = eager_then_replay(eng, g, inputs)
+        assert torch.equal(eager[:n], replayed) and torch.isfinite(replayed).all()
+        diff = pages_differing(eng, after_eager)
         assert not diff, (f"pages {diff[:8]} differ (scratch {eng.runner.reserved_pages}; sequences' state pages "
                           f"{[s.state_page for s in seqs]}, MLA pages {[s.mla_pages for s in seqs]})")
         checked.add((g.batch_size, g.history))

@@ -15,7 +15,7 @@ from k3.model.paged_cache import PackedBatch
 from k3.ops.conv import short_conv, short_conv_step
 from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
 
-from test_decode_graphs import _gated_inputs, prefilled_pools, run_packed
+from test_decode_graphs import _gated_inputs, eager_then_replay, pages_differing, prefilled_pools, run_packed
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 LENS = [3, 0, 6, 1]  # an empty sequence (the graphs' padding) among them; 2 more rows belong to none
@@ -214,18 +214,10 @@ def test_cuda_extend_graph_replay_equals_eager():
                        want_logits=j != 3) for j, (s, c) in enumerate(zip(seqs, chunks))]
     g = eng.runner.graph_for(inputs)
     assert g is not None and g.tokens == 64
-    before = eng.pool.storage.clone()
-    g.fill(inputs, eng.runner.scratch)
-    g.buf.copy_(g.host)
-    eager = g.run().clone()
-    after_eager = eng.pool.storage.clone()
-    eng.pool.storage.copy_(before)
-    replayed = g(inputs, eng.runner.scratch).clone()
-    torch.cuda.synchronize()
+    eager, replayed, after_eager, before = eager_then_replay(eng, g, inputs)
     want = [j for j, i in enumerate(inputs) if i.want_logits]
     assert torch.equal(eager[want], replayed) and torch.isfinite(replayed).all()
-    keep = [p for p in range(eng.pool.num_pages) if p not in eng.runner.reserved_pages]
-    assert all(torch.equal(after_eager[p], eng.pool.storage[p]) for p in keep)
+    assert not pages_differing(eng, after_eager)
     eng.pool.storage.copy_(before)
     eng.runner.use_graphs = False
     chunked = eng.runner.forward(inputs)
