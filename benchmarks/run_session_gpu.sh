@@ -10,9 +10,13 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-[ "${TESTS:-1}" = 1 ] && timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_kda_triton.py tests/test_paged_cache.py \
-  tests/test_serve_engine.py tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py tests/test_mla_decode.py tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
-tail -3 "$OUT/tests.log"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_kda_triton.py tests/test_paged_cache.py \
+    tests/test_serve_engine.py tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py \
+    tests/test_mla_decode.py tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py \
+    > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
+  tail -3 "$OUT/tests.log"
+fi
 if [ "${PREFILL:-1}" = 1 ]; then
   timeout ${PROF_S:-80} python3 benchmarks/probe/prefill_profile.py --out "$OUT/prefill_profile.json" > "$OUT/prefill.log" 2>&1 \
     || echo "prefill profile exit $?" >> "$OUT/prefill.log"
@@ -38,7 +42,10 @@ fi
 if [ "${TRAIN:-1}" = 1 ]; then
   TT="python3 benchmarks/train_throughput.py --warmup 3 --steps 8 --batch 8"
   timeout 150 $TT ${TRAIN_ARGS:-} --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
-  [ "${COMPILE:-1}" = 1 ] && timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
-    || echo "exit $?" >> "$OUT/train_compile.log"
-  tail -n 30 "$OUT/train_plain.log"; [ "${COMPILE:-1}" = 1 ] && tail -n 4 "$OUT/train_compile.log"
+  tail -n 30 "$OUT/train_plain.log"
+  if [ "${COMPILE:-1}" = 1 ]; then
+    timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
+      || echo "exit $?" >> "$OUT/train_compile.log"
+    tail -n 4 "$OUT/train_compile.log"
+  fi
 fi

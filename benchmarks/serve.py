@@ -106,6 +106,16 @@ def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab - 16, (n, length), generator=g).tolist()
 
 
+@contextlib.contextmanager
+def no_extend_graphs(engine: Engine):
+    """Short chunks run eagerly inside the block (the "before" of the extend graphs, in the same process)."""
+    engine.runner.use_extend_graphs = False
+    try:
+        yield
+    finally:
+        engine.runner.use_extend_graphs = True
+
+
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
     """Prefill everything, run 3 decode steps (a graph captured on first use is captured there), then time
     `steps` pure decode steps as one loop (one synchronisation before and after: an asynchronous step returns
@@ -212,10 +222,8 @@ def run(a) -> dict:
         ttft[name] = dict(seconds=c.s, cached_tokens=out.num_cached_tokens, prompt_tokens=shared + 64)
     ttft["speedup"] = ttft["cold"]["seconds"] / ttft["prefix_hit"]["seconds"]
     if eng.runner.use_graphs:  # the same hit with the tail run eagerly (no extend graph), before / after in one run
-        eng.runner.use_extend_graphs = False
-        with Clock(cuda) as c:
+        with no_extend_graphs(eng), Clock(cuda) as c:
             out = eng.generate([prefix + rand_prompts(1, 64, V, 73)[0]], one)[0]
-        eng.runner.use_extend_graphs = True
         ttft["prefix_hit_eager_tail"] = dict(seconds=c.s, cached_tokens=out.num_cached_tokens)
     res["ttft_shared_prefix"] = ttft
 
@@ -235,11 +243,9 @@ def run(a) -> dict:
             outs = eng.generate(prompts, sp)
         t_eng.append(c.s)
         if eng.runner.use_graphs:  # the prompts' forward eagerly (no extend graph), before / after in one run
-            eng.runner.use_extend_graphs = False
             eng.reset_prefix_cache()
-            with Clock(cuda) as c:
+            with no_extend_graphs(eng), Clock(cuda) as c:
                 eng.generate(prompts, sp)
-            eng.runner.use_extend_graphs = True
             t_eager.append(c.s)
     ref = ref[:, prompt_len:].tolist()
     agree = sum(x == y for o, r in zip(outs, ref) for x, y in zip(o.token_ids, r)) / (gen_batch * gen_tokens)
