@@ -22,6 +22,7 @@ lock) that the next step drains, so a server may submit from request handlers wh
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import threading
@@ -117,6 +118,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
 
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Once per process: at exit everything is collectable again (no "leaked" reports from extensions)."""
+    atexit.register(gc.unfreeze)
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
@@ -153,7 +160,7 @@ class Engine:
         if cfg.gc_freeze:
             gc.collect()
             gc.freeze()
-            atexit.register(gc.unfreeze)  # at exit everything is collectable again (no "leaked" reports)
+            _unfreeze_at_exit()
 
     def _num_pages(self, layout: PoolLayout) -> int:
         cfg = self.config
