@@ -190,12 +190,13 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = list(map(int, prompt_token_ids))  # C-speed passes: a 16K-token prompt costs ~0.3 ms, not ~1.5
+        prompt = [int(t) for t in prompt_token_ids]
         V = self.text_config.vocab_size
         if not prompt:
             raise ValueError("prompt_token_ids is empty; need at least one token")
-        if min(prompt) < 0 or max(prompt) >= V:
-            raise ValueError(f"prompt token ids must be in [0, {V}), got {[t for t in prompt if not 0 <= t < V][:5]}")
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {V}), got {bad[:5]}")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; the limit is max_model_len - 1 = "
                              f"{self.max_model_len - 1}")
