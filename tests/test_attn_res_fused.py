@@ -241,6 +241,20 @@ def test_triton_forward_keeps_alpha_rstd_and_scores(one_thread):
         assert rel_rmse(ref, got.cpu()) < 1e-5, (name, rel_rmse(ref, got.cpu()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_forward_folds_the_query_in_kernel(dtype, one_thread):
+    """`query=` (the kernel folds norm_weight ⊙ query in fp32) gives bitwise the outputs of the kernel fed the
+    folded vector from `fold_query`: the same fp32 products, so the fold moved into the kernel changes nothing."""
+    from k3.ops.attn_res.fused import fold_query
+    src, query, norm_w, _, _ = make(4, (13, 40), seed=52)
+    flat = [t.to(DEV, dtype) for t in src]
+    q, n = query.to(DEV, dtype), norm_w.to(DEV, dtype)
+    folded = AT.attn_res_fwd_triton(flat, fold_query(q, n, torch.float32), EPS, block_r=8, block_d=16)
+    inkernel = AT.attn_res_fwd_triton(flat, n, EPS, query=q, block_r=8, block_d=16)
+    for a, b in zip(folded, inkernel):
+        assert torch.equal(a, b)
+
+
 def test_triton_zero_rows():
     """An empty batch: empty output, empty source gradients, zero parameter gradients; no launch."""
     x = make(3, (0, 16), seed=51)

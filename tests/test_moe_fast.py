@@ -416,6 +416,23 @@ def test_router_logits_is_fp32_under_autocast():
     assert rel_rmse(ref, z) <= max(4e-6, 4 * rel_rmse(ref, plain)), (rel_rmse(ref, z), rel_rmse(ref, plain))
 
 
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_inference_router_logits_bf16_gemm_is_fp32_exact(rows):
+    """Inference with bf16 x and a bf16 router weight: one bf16 GEMM with an fp32 output, which must equal the
+    fp32 GEMM of the upcast operands to fp32 rounding (products of bf16 values are exact in fp32)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 1536, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(32, 1536, device="cuda", generator=gen) * 1536 ** -0.5).bfloat16()
+    with torch.no_grad():
+        z = moe_ops.router_logits(x, w)
+        plain = torch.nn.functional.linear(x.float(), w.float())
+    ref = x.double() @ w.double().T
+    assert z.dtype == torch.float32 and z.shape == (rows, 32)
+    assert rel_rmse(ref, z) <= max(4e-6, 4 * rel_rmse(ref, plain)), (rel_rmse(ref, z), rel_rmse(ref, plain))
+
+
 @pytest.mark.parametrize("E,k,renorm,bias", [(32, 4, True, True), (8, 2, False, False), (896, 16, True, True)])
 def test_route_kernel_equals_the_reference_route(E, k, renorm, bias):
     """The inference router kernel (Triton; the interpreter on CPU) against `route`'s PyTorch ops: the same

@@ -1,5 +1,5 @@
-"""Every PyTorch op of one eager engine forward, by the line of k3 that issued it, and the host cost of a graph
-launch: k3-small bf16, a batch-1 decode step and a 64-token prefix-hit tail (16K cached). The ops come from a
+"""Every PyTorch op of one eager engine forward, by the line of k3 that issued it, the host cost of a graph
+launch and the GPU time of its kernels: k3-small bf16, a batch-1 decode step and a 64-token prefix-hit tail (16K cached). The ops come from a
 TorchDispatchMode (each aten call with the innermost k3 frame above it), so the table is exact; the Triton
 kernels are not aten ops and are counted by the launches in the profiler instead.
 
@@ -63,6 +63,28 @@ def launch_ms(g, n: int = 20) -> tuple[float, float]:
     return statistics.median(host), statistics.median(gpu)
 
 
+def kernel_times(g, top: int = 25) -> list[tuple[str, int, float]]:
+    """(kernel, calls, GPU ms) of one replay of graph g as the profiler sees its kernels (CUPTI traces the kernels
+    inside a graph), by total time; an eager run of the same forward when the replay shows none."""
+    for fn in (g.graph.replay, g.run):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        rows = [(e.key[:90], e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+                if e.device_type.name == "CUDA"]
+        if rows:
+            return sorted(rows, key=lambda r: -r[2])[:top]
+    return []
+
+
+def print_times(rows) -> None:
+    total = sum(r[2] for r in rows)
+    print(f"   top kernels by GPU time (sum of these {total:.3f} ms):")
+    for k, c, ms in rows:
+        print(f"   t {ms:7.3f} ms {c:4d}  {k}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_ops.json")
@@ -108,6 +130,8 @@ def main():
             print(f"   {c:4d}  {n:28s} {w}")
         for k, c in kern.most_common(60):
             print(f"   k {c:4d}  {k}")
+        res[name]["kernel_times"] = kernel_times(g)
+        print_times(res[name]["kernel_times"])
     # the prefix-hit tail's extend graph: launch cost only
     eng.generate([prefix + rand_prompts(1, 64, V, 3)[0]], one)
     hits = [g for k, g in r.graphs.items() if k[0] == "extend" and k[1] == 64]
@@ -115,6 +139,8 @@ def main():
         res["hit_extend"] = dict(zip(("launch_host_ms", "replay_gpu_ms"), launch_ms(hits[0])))
         print(f"== hit extend graph: launch {res['hit_extend']['launch_host_ms']:.3f} ms host, replay "
               f"{res['hit_extend']['replay_gpu_ms']:.3f} ms GPU")
+        res["hit_extend"]["kernel_times"] = kernel_times(hits[0])
+        print_times(res["hit_extend"]["kernel_times"])
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

@@ -92,10 +92,14 @@ class RouterLogitsBf16(torch.autograd.Function):
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """x [N, D] · gate_weight [E, D]ᵀ in fp32 (autocast does not lower it): bf16 CUDA activations in training
-    through `RouterLogitsBf16` (no fp32 copy of x kept for the backward), anything else (inference: one GEMM
-    instead of the split's ten kernels) as F.linear on fp32 copies."""
+    through `RouterLogitsBf16` (no fp32 copy of x kept for the backward); inference on CUDA with bf16 x and
+    weight as one bf16 GEMM with an fp32 output (the products of two bf16 values are exact in fp32 and the GEMM
+    accumulates in fp32, so this is the fp32 product up to summation order, without casting x and the weight
+    in two kernels every step); anything else as F.linear on fp32 copies."""
     if x.is_cuda and x.dtype == torch.bfloat16 and torch.is_grad_enabled():
         return RouterLogitsBf16.apply(x, gate_weight)
+    if x.is_cuda and x.dtype == gate_weight.dtype == torch.bfloat16 and x.dim() == 2:
+        return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
     with _no_autocast(x):
         return F.linear(x.float(), gate_weight.float())
 

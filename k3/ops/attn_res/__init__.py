@@ -18,7 +18,7 @@ import torch
 from .._compile import eager_op
 from .._triton import importable, interpreted
 from ..norm import rms_norm
-from .fused import AttnResFunction, acc_dtype, fold_query
+from .fused import AttnResFunction
 from .reference import attn_res_reference
 
 __all__ = ["attn_res", "attn_res_norm", "attn_res_reference", "triton_available", "BACKENDS"]
@@ -112,6 +112,6 @@ def attn_res_norm(sources: list[torch.Tensor], query: torch.Tensor, norm_weight:
         return rms_norm(attn_res(sources, query, norm_weight, eps, backend=backend), out_weight, out_eps)
     from .triton import attn_res_fwd_triton
     D = sources[0].shape[-1]
-    w = fold_query(query, norm_weight, acc_dtype(sources[0].dtype))
-    h, *_ = attn_res_fwd_triton([t.reshape(-1, D) for t in sources], w, eps, norm=(out_weight, out_eps))
+    h, *_ = attn_res_fwd_triton([t.reshape(-1, D) for t in sources], norm_weight, eps, norm=(out_weight, out_eps),
+                                query=query)  # the kernel folds query ⊙ norm_weight (no launches before it)
     return h.reshape(sources[0].shape)

@@ -106,11 +106,11 @@ class AttnResFunction(torch.autograd.Function):
             out_dtype = torch.promote_types(out_dtype, t.dtype)
         flat = [t.reshape(-1, D) for t in sources]
         with torch.autocast(sources[0].device.type, enabled=False):
-            w = fold_query(query, norm_weight, acc_dtype(out_dtype))
             if impl == "triton":  # also keeps the scores s [N, rows] fp32: its backward needs no v·w pass
-                from .triton import attn_res_fwd_triton
-                h, *stats = attn_res_fwd_triton(flat, w, eps, **opts.get("fwd", {}))
+                from .triton import attn_res_fwd_triton  # the kernel folds query ⊙ norm_weight itself
+                h, *stats = attn_res_fwd_triton(flat, norm_weight, eps, query=query, **opts.get("fwd", {}))
             else:
+                w = fold_query(query, norm_weight, acc_dtype(out_dtype))
                 h, *stats = forward_torch(flat, w, eps, out_dtype, opts.get("chunk_rows"))
         ctx.save_for_backward(query, norm_weight, *stats, *sources)  # stats: alpha, rstd (, s)
         ctx.impl, ctx.opts, ctx.D, ctx.n_stats = impl, opts, D, len(stats)

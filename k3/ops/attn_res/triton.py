@@ -64,10 +64,12 @@ def _source(tab, i, like):
 
 
 @triton.jit
-def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, nw_ptr, R, D, N, eps, out_eps,
+def attn_res_fwd_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, nw_ptr, R, D, N, eps, out_eps,
                         BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
-                        UNROLL: tl.constexpr, NORM: tl.constexpr = False):
+                        UNROLL: tl.constexpr, NORM: tl.constexpr = False, FOLD: tl.constexpr = False):
     """Rows [pid*BR, pid*BR + BR): h [R, D] (sources' dtype); alpha, rstd, s [N, R] fp32. src_tab: int64 [N].
+    FOLD: the query is w_ptr [D] ⊙ q_ptr [D], folded here in fp32 (as `fold_query`) rather than by two casts and
+    a multiply before the launch (three kernels fewer per site, which matters in a decode step's graph).
     NORM (inference): h is then replaced by RMSNorm(h) with weight nw_ptr [D] and out_eps, computed from h as
     rounded to its dtype (pass 3: the rows just written, re-read from L1 / L2): the sublayer's input in one kernel."""
     pid = tl.program_id(0)
@@ -83,7 +85,9 @@ def attn_res_fwd_kernel(src_tab, w_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, nw_pt
         for d0 in tl.range(0, D, BD, num_stages=STAGES, loop_unroll_factor=UNROLL):
             dc = d0 + tl.arange(0, BD)
             dmask = dc < D
-            w = tl.load(w_ptr + dc[None, :], mask=dmask[None, :], other=0.0)
+            w = tl.load(w_ptr + dc[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+            if FOLD:
+                w = w * tl.load(q_ptr + dc[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
             v = tl.load(src + roff[:, None] + dc[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0,
                         eviction_policy="evict_last").to(tl.float32)
             ss += tl.sum(v * v, 1)
@@ -255,10 +259,11 @@ def _consts(cfg: dict, N: int) -> dict:
 
 
 def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, norm: tuple | None = None,
-                        **launch):
-    """flat: N contiguous [R, D] sources of one dtype; w: [D] (used in fp32). Returns h [R, D] in the sources'
-    dtype, alpha, rstd and s (the scores) [N, R] fp32. norm = (weight [D], eps): h is RMSNorm(h) instead
-    (inference; `attn_res_norm`). launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
+                        query: torch.Tensor | None = None, **launch):
+    """flat: N contiguous [R, D] sources of one dtype; w: [D] (used in fp32), or with `query` [D] given, the
+    norm weight that the kernel folds with it (w ⊙ query in fp32, equal to `fold_query`). Returns h [R, D] in
+    the sources' dtype, alpha, rstd and s (the scores) [N, R] fp32. norm = (weight [D], eps): h is RMSNorm(h)
+    instead (inference; `attn_res_norm`). launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
     cfg = launch_config("fwd", D, **({**LAUNCH_SMALL_FWD, **launch} if R <= SMALL_ROWS else launch))
@@ -268,10 +273,11 @@ def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, n
         return h, alpha, rstd, s
     tab = _table([t.data_ptr() for t in flat], dev)
     nw, out_eps = norm if norm is not None else (None, 0.0)
-    attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](tab, w.float().contiguous(), h, alpha, rstd, s,
+    q = None if query is None else query.reshape(-1).contiguous()
+    attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](tab, w.reshape(-1).contiguous(), q, h, alpha, rstd, s,
                                                            None if nw is None else nw.contiguous(), R, D, N,
                                                            float(eps), float(out_eps), NORM=norm is not None,
-                                                           **_consts(cfg, N))
+                                                           FOLD=query is not None, **_consts(cfg, N))
     return h, alpha, rstd, s
 
 
