@@ -454,3 +454,50 @@ def test_route_kernel_equals_the_reference_route(E, k, renorm, bias):
     logits[3] = float("nan")
     idx, _, _ = route_topk_triton(logits, b, k, renorm, 2.5)
     assert int(idx.min()) >= 0 and int(idx.max()) < E
+
+
+# ---- experts' gate / up weights laid out as one tensor (inference: one grouped GEMM, no copy) ----------------
+def test_fuse_gate_up_keeps_parameters_values_and_names():
+    """`fuse_gate_up` re-lays w1, w3 as halves of one storage: same Parameter objects, values and state-dict
+    tensors; `gate_up_view` then gives w1 ‖ w3 without a copy (and None for separate tensors); an in-place load
+    keeps the layout; the model's output does not change."""
+    from k3.ops.situ import gate_up_view
+    model = make_tiny(seed=3).eval()
+    ids = torch.randint(0, 4000, (1, 24), generator=rng(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    exp = next(m for m in model.modules() if isinstance(m, model_moe.StackedExperts))
+    w1, w3 = exp.w1, exp.w3
+    assert gate_up_view(w1, w3) is None
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    assert model_moe.fuse_gate_up(model) == sum(isinstance(m, model_moe.StackedExperts) for m in model.modules())
+    assert exp.w1 is w1 and exp.w3 is w3 and w1.untyped_storage().data_ptr() == w3.untyped_storage().data_ptr()
+    v = gate_up_view(w1, w3)
+    assert v is not None and v.data_ptr() == w1.data_ptr() and torch.equal(v, gate_up_weight(w1, w3))
+    assert all(torch.equal(sd[k], t) for k, t in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+        model.load_state_dict({k: t + 1 if k.endswith("w3") else t for k, t in sd.items()})
+    assert gate_up_view(w1, w3) is not None and torch.equal(w3, sd[[k for k in sd if k.endswith("w3")][0]] + 1)
+    assert gate_up_view(w1.clone(), w3) is None and gate_up_view(w3, w1) is None  # not adjacent / swapped
+
+
+@pytest.mark.parametrize("grouped_mm", [False, True] if CUDA else [False])
+def test_grouped_ffn_on_fused_weights_equals_separate(grouped_mm):
+    """Without autograd, the experts on fused w1 ‖ w3 (one GEMM) equal the experts on separate w1, w3: fp64
+    on the loop path (1e-12), bf16 grouped GEMMs on CUDA (within one bf16 rounding, 1e-2)."""
+    E, I, L, N = 5, 24, 16, 40
+    dt = torch.bfloat16 if grouped_mm else torch.float64
+    g = rng(11)
+    w13 = torch.randn(E, 2 * I, L, generator=g, dtype=torch.float64).to(DEV, dt) * L ** -0.5
+    w1f, w3f = w13[:, :I], w13[:, I:]
+    w1s, w3s = w1f.clone(), w3f.clone()
+    from k3.ops.situ import gate_up_view
+    assert gate_up_view(w1f, w3f) is not None and gate_up_view(w1s, w3s) is None  # the two paths differ
+    w2 = (torch.randn(E, L, I, generator=g, dtype=torch.float64) * I ** -0.5).to(DEV, dt)
+    x = torch.randn(N, L, generator=g, dtype=torch.float64).to(DEV, dt)
+    ends = torch.tensor([7, 7, 20, 31, N], device=DEV)  # one empty group
+    with torch.no_grad():
+        fused = moe_ops.grouped_situ_ffn(x, ends, w1f, w2, w3f, use_grouped_mm=grouped_mm)
+        sep = moe_ops.grouped_situ_ffn(x, ends, w1s, w2, w3s, use_grouped_mm=grouped_mm)
+    assert rel_rmse(sep.double(), fused.double()) <= (1e-2 if grouped_mm else 1e-12)

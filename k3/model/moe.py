@@ -44,6 +44,25 @@ class StackedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
 
 
+@torch.no_grad()
+def fuse_gate_up(model: nn.Module) -> int:
+    """Lay every `StackedExperts`' w1 and w3 out as the two halves of one [E, 2I, L] tensor (same parameters,
+    same values, no extra memory once the old storages are freed), so that inference runs each expert's gate
+    and up projections as ONE grouped GEMM on the weights in place (`k3.ops.situ.gate_up_view`). In-place
+    weight loads (`load_state_dict`, `Engine.update_weights`) keep the layout; `.to()` / `set_expert_parallel`
+    build new tensors and merely fall back to two GEMMs. Returns the number of layers laid out."""
+    from ..ops.situ import gate_up_view
+    n = 0
+    for m in model.modules():
+        if isinstance(m, StackedExperts) and m.w1.shape == m.w3.shape and m.w1.dtype == m.w3.dtype:
+            if gate_up_view(m.w1, m.w3) is None:
+                I = m.w1.shape[1]
+                w13 = torch.cat([m.w1, m.w3], 1)
+                m.w1.data, m.w3.data = w13[:, :I], w13[:, I:]
+            n += 1
+    return n
+
+
 class LatentMoE(nn.Module):
     def __init__(self, cfg: K3TextConfig):
         super().__init__()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ._compile import eager_op
 from ._triton import importable
 from .moe_recompute import experts_loop
-from .situ import gate_up_weight, situ_glu, situ_glu_fused
+from .situ import gate_up_view, gate_up_weight, situ_glu, situ_glu_fused
 
 PERMUTE_BACKENDS = ("auto", "torch", "triton")
 
@@ -311,16 +311,20 @@ def grouped_situ_ffn(x: torch.Tensor, cu_seqlens: torch.Tensor, w1: torch.Tensor
             offs = cu_seqlens.to(torch.int32).clone()
             offs[-1:].fill_(x.shape[0])  # a fill kernel (item assignment would copy a pageable host scalar: a sync)
         w2 = w2.to(x.dtype)
-        if not torch.is_grad_enabled() and w1.dtype == x.dtype and w3.dtype == x.dtype:
-            # inference (decode): two GEMMs on the weights as they are; concatenating w1 ‖ w3 would copy every
-            # expert's weights on each call, more bytes than a small batch's GEMMs read
+        w13 = gate_up_view(w1, w3) if not torch.is_grad_enabled() and w1.dtype == x.dtype else None
+        if w13 is not None:  # inference on weights laid out w1 ‖ w3 (`k3.model.moe.fuse_gate_up`): one GEMM
+            h = situ_glu_fused(torch._grouped_mm(x, w13.transpose(1, 2), offs=offs), beta, linear_beta)
+        elif not torch.is_grad_enabled() and w1.dtype == x.dtype and w3.dtype == x.dtype:
+            # inference (decode) on separate w1, w3: two GEMMs on the weights as they are; concatenating w1 ‖ w3
+            # would copy every expert's weights on each call, more bytes than a small batch's GEMMs read
             h = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
                          torch._grouped_mm(x, w3.transpose(1, 2), offs=offs), beta, linear_beta)
         else:
             gu = torch._grouped_mm(x, gate_up_weight(w1, w3, x.dtype).transpose(1, 2), offs=offs)
             h = situ_glu_fused(gu, beta, linear_beta)
         return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-    w13 = gate_up_weight(w1, w3, x.dtype)
+    w13 = gate_up_view(w1, w3) if not torch.is_grad_enabled() and w1.dtype == x.dtype else None
+    w13 = gate_up_weight(w1, w3, x.dtype) if w13 is None else w13
     w2 = w2.to(x.dtype)
     ends = cu_seqlens.tolist()
     parts, start = [], 0

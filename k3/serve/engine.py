@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..model.layers import refresh_joined_weights
+from ..model.moe import fuse_gate_up
 from ..ops.kda import BACKENDS as KDA_BACKENDS
 from .pool import PagePool, PoolLayout
 from .prefix_cache import PrefixCache
@@ -132,6 +133,7 @@ class Engine:
         if lm.training:
             raise ValueError("Engine needs a model in eval mode (call model.eval())")
         self.text_config = tc = lm.config
+        fuse_gate_up(model)  # each expert's gate / up projections as one grouped GEMM (no copy, no extra memory)
         w = lm.lm_head.weight
         self.device, self.dtype = w.device, lm.model.embed_tokens.weight.dtype
         self.max_model_len = cfg.max_model_len or tc.max_position_embeddings

@@ -22,7 +22,7 @@ from .._triton import importable
 from .recompute import SituGLU, SituGLUFused, situ_glu_grads
 from .reference import situ_glu_reference
 
-__all__ = ["situ_glu", "situ_glu_fused", "gate_up_weight", "situ_glu_reference", "situ_glu_grads",
+__all__ = ["situ_glu", "situ_glu_fused", "gate_up_weight", "gate_up_view", "situ_glu_reference", "situ_glu_grads",
            "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton", "reference")
@@ -98,3 +98,23 @@ def gate_up_weight(w_gate: torch.Tensor, w_up: torch.Tensor, dtype: torch.dtype 
     out.narrow(-2, 0, I).copy_(w_gate)
     out.narrow(-2, I, I).copy_(w_up)
     return out
+
+
+def gate_up_view(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
+    """w_gate ‖ w_up along dim −2 WITHOUT a copy, when the two are the halves of one tensor laid out that way
+    (`k3.model.moe.fuse_gate_up`): a [..., 2I, D] view of their storage, else None. For inference only: the view
+    spans both parameters, so autograd would credit w_gate alone."""
+    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype or w_gate.device != w_up.device \
+            or w_gate.dim() < 2:
+        return None
+    I, D = w_gate.shape[-2:]
+    lead = w_gate.shape[:-2]
+    stride, step = [D, 1], 2 * I * D
+    for n in reversed(lead):
+        stride.insert(0, step)
+        step *= n
+    stride = tuple(stride)
+    if w_gate.stride() != stride or w_up.stride() != stride or w_up.data_ptr() != w_gate.data_ptr() \
+            + I * D * w_gate.element_size() or w_gate.untyped_storage().data_ptr() != w_up.untyped_storage().data_ptr():
+        return None
+    return w_gate.as_strided((*lead, 2 * I, D), stride)
