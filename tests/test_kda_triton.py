@@ -305,6 +305,30 @@ def test_states_at_offsets():
             chunk_kda_gated(*_gated_args(x), cu_seqlens=cu_t, backend=backend, states_at=torch.tensor([16, 16]))
 
 
+def test_host_cu_seqlens_equals_device_cu_seqlens():
+    """cu_seqlens on the host (as the serving engine passes it) gives bitwise the outputs, final states and
+    `states_at` states of the same cu_seqlens on the inputs' device, for each backend (the non-Triton ones get a
+    device copy); on CUDA, a forward whose layout is cached makes no host sync (sync debug mode "error")."""
+    cu = [0, 40, 40, 75]
+    x, _ = make(1, 75, 2, 32, 16, seed=16, N=3)
+    host, dev = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32, device=DEV)
+    for backend in ("triton", "torch", "reference"):
+        outs = [chunk_kda_gated(*_gated_args(x), initial_state=x["h0"].to(DEV), output_final_state=True,
+                                cu_seqlens=c, backend=backend, states_at=torch.tensor([16, 75])) for c in (dev, host)]
+        for a, b in zip(*outs):
+            assert a.device == b.device and torch.equal(a, b), backend
+    if CUDA:
+        args, h0 = _gated_args(x), x["h0"].to(DEV)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                chunk_kda_gated(*args, initial_state=h0, output_final_state=True, cu_seqlens=host,
+                                backend="triton", lower_bound=-5.0, states_at=torch.tensor([16, 75]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 # ---------------------------------------------------------------- decode entry points
 def test_decode_entry_points():
     """fused_recurrent_kda / kda_decode_step with backend='triton' equal the PyTorch versions."""

@@ -17,6 +17,8 @@ model never imports the engine and the engine never re-implements a layer.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +80,10 @@ class PackedBatch:
 
     @property
     def chunk_cu_seqlens(self) -> torch.Tensor:
-        """int32 [n - nd + 1]: bounds of the documents after the decodes (whose tokens start at packed
-        position num_decode), relative to their first token."""
-        return self.cu_seqlens[self.num_decode:] - self.num_decode
+        """int32 [n - nd + 1] ON THE HOST: bounds of the documents after the decodes (whose tokens start at
+        packed position num_decode), relative to their first token. On the host because the chunked KDA kernels
+        build their tables from it there: a device copy would be read back once per layer (a host sync)."""
+        return torch.tensor([0, *itertools.accumulate(self.lens[self.num_decode:])], dtype=torch.int32)
 
     @property
     def decode(self) -> bool:

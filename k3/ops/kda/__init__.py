@@ -100,6 +100,14 @@ def _g_min(g, bound) -> float:
     return float(g.detach().min()) if g.numel() else 0.0
 
 
+def _cu_on(cu_seqlens, q, backend):
+    """cu_seqlens may live on the host (no device read: the Triton path builds its chunk tables from it); every
+    other backend gets it on q's device."""
+    if cu_seqlens is None or backend == "triton" or cu_seqlens.device == q.device:
+        return cu_seqlens
+    return cu_seqlens.to(q.device)
+
+
 @eager_op
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", states_at=None, g_lower_bound=None):
@@ -117,6 +125,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
         backend = _auto_backend(q, v, lambda: _g_min(g, g_lower_bound) >= TRITON_G_MIN)
+    cu_seqlens = _cu_on(cu_seqlens, q, backend)
     args = (q, k, v, g, beta)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -153,6 +162,7 @@ def chunk_kda_gated(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=None, ini
                  strict_state_dtype=backend != "reference")
     if backend == "auto":
         backend = _auto_backend(q, v, lambda: TRITON_G_MIN <= lower_bound < 0)
+    cu_seqlens = _cu_on(cu_seqlens, q, backend)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if backend == "triton":

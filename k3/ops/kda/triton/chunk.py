@@ -75,7 +75,8 @@ def cfg_override(**settings):
 def _layout(cu_seqlens, B, T, device, bt=C):
     """Sequence and chunk tables of bt-token chunks: cu int32 [N+1], chunk_off int32 [N] (first chunk of each sequence),
     chunks int32 [NC, 2] (first token, valid tokens), the host copy of cu, chunk offsets and NC.
-    Cached per layout (a fixed-length batch needs no device read at all; varlen reads cu_seqlens once)."""
+    Cached per layout (a fixed-length batch needs no device read at all; varlen reads cu_seqlens once, or never
+    when the caller passes it on the host, as the serving engine does)."""
     if cu_seqlens is None:
         cu_host = tuple(b * T for b in range(B + 1))
     else:
@@ -97,8 +98,16 @@ def _layout_tables(cu_host, device, bt):
     start = cu[:-1][seq] + local * bt
     valid = torch.minimum(cu[1:][seq] - start, torch.full_like(start, bt))
     chunks = torch.stack([start, valid], 1).to(torch.int32)
-    to = dict(device=device, dtype=torch.int32)
-    return cu.to(**to), coff[:-1].to(**to), chunks.to(device), list(cu_host), coff.tolist(), NC
+    return (_to_device(cu.to(torch.int32), device), _to_device(coff[:-1].to(torch.int32), device),
+            _to_device(chunks, device), list(cu_host), coff.tolist(), NC)
+
+
+def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: staged through pinned memory and copied asynchronously
+    (a copy from pageable memory waits for the stream, which stalls an eager forward once per layer)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _slots(states_at, cu_host, coff_host, NC, device):
@@ -117,7 +126,7 @@ def _slots(states_at, cu_host, coff_host, NC, device):
         if slot[ends[p]] >= 0:
             raise ValueError(f"states_at: position {p} requested twice")
         slot[ends[p]] = m
-    return slot.to(device), len(pos)
+    return _to_device(slot, str(device)), len(pos)
 
 
 def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=False):
