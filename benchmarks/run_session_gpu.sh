@@ -32,7 +32,7 @@ fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
     || echo "decode ops exit $?" >> "$OUT/decode_ops.log"
-  grep -E "==| t " "$OUT/decode_ops.log"
+  grep -E "==| t | mla " "$OUT/decode_ops.log"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
   timeout ${SERVE_S:-200} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \

@@ -58,17 +58,20 @@ def test_short_conv_step_over_several_tokens_equals_short_conv_with_state():
     assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
 
 
+@pytest.mark.parametrize("lens", [LENS, [70, 2, 0, 33]], ids=["short", "several-tiles"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
-def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol):
+def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens):
+    """The extend kernel (token tiles in parallel) against the PyTorch ops: outputs, and windows advanced in
+    place; sequences of 1 and 2 tokens (shorter than the window), empty ones, and ones longer than a 32-token tile."""
     dev = _triton_or_skip()
     g = torch.Generator().manual_seed(11)
     P, C, W = 8, 200, 4
-    N = sum(LENS) + 2
+    N = sum(lens) + 2
     pool = torch.randn(P, 2, C, W - 1, generator=g).to(dev, dtype)
     ref_pool = pool.clone()
     w = torch.randn(C, 1, W, generator=g).to(dev)
     x = torch.randn(N, 3 * C, generator=g).to(dev, dtype)[:, C:2 * C]
-    slots, cu = torch.tensor([5, 1, 2, 7], device=dev), _cu(LENS, dev)
+    slots, cu = torch.tensor([5, 1, 2, 7], device=dev), _cu(lens, dev)
     y = short_conv_step(x, w, pool[:, 1], slots, backend="triton", cu_seqlens=cu)
     ref = short_conv_step(x, w, ref_pool[:, 1], slots, backend="reference", cu_seqlens=cu)
     assert rel_rmse(ref, y) <= tol and not y[int(cu[-1]):].any()

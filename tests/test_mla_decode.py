@@ -8,7 +8,9 @@ import torch
 
 from conftest import make_tiny
 from k3.ops.mla_decode import paged_mla_decode
-from k3.ops.mla_decode.triton import SPLIT
+from k3.ops.mla_decode.triton import LAUNCH, SWEEP_GROUPS
+
+SPLIT = max(c["split"] for c in LAUNCH.values())  # history positions per program: the tests span several splits
 from k3.serve import Engine, EngineConfig, SamplingParams
 
 
@@ -63,8 +65,10 @@ def test_rows_past_each_length_do_not_count():
     assert rel(paged_mla_decode(q_lat.to(f), q_pe.to(f), kv2.to(f), pages2, lens, 0.1, backend="triton"), a) < 1e-5
 
 
-@pytest.mark.parametrize("S,page_size", [(90, 16), (SPLIT + 300, 6144)])
-def test_token_runs_equal_one_row_each(S, page_size):
+@pytest.mark.parametrize("S,page_size,launch", [(90, 16, None), (SPLIT + 300, 6144, None),
+                                                (90, 16, dict(g=8, bh=4, bs=64, split=32, warps=4, stages=None))],
+                         ids=["short", "two-splits", "8-rows-4-heads-blocks-wider-than-the-split"])
+def test_token_runs_equal_one_row_each(S, page_size, launch):
     """An extend step's rows (three sequences' tokens, positions ascending, and padding rows of history 1) read
     in runs of up to GROUP_ROWS rows per program (`groups`, as `PackedBatch.for_extend` builds them) equal the
     oracle; rows past each length point at a poisoned page (1e6) so a row reading past its own end would show.
@@ -99,8 +103,24 @@ def test_token_runs_equal_one_row_each(S, page_size):
         if n:
             assert all(torch.equal(pages[r, :lens[r]], pages[a + n - 1, :lens[r]]) for r in range(a, a + n))
     f = torch.float32
-    out = paged_mla_decode(q_lat.to(f), q_pe.to(f), kv.to(f), pages, lens, 0.1, backend="triton", groups=runs)
+    if launch is None:
+        out = paged_mla_decode(q_lat.to(f), q_pe.to(f), kv.to(f), pages, lens, 0.1, backend="triton", groups=runs)
+    else:  # a sweep setting: runs of its own row count, its launch through the kernel's entry point
+        from k3.ops.mla_decode.triton import paged_mla_decode_triton
+        g = launch["g"]
+        out = paged_mla_decode_triton(q_lat.to(f), q_pe.to(f), kv.to(f), pages, lens, 0.1,
+                                      groups=token_runs(cu, N, g), group_rows=g,
+                                      launch={k: v for k, v in launch.items() if k != "g"})
     assert torch.isfinite(out).all() and rel(out, ref) <= 1e-5, rel(out, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch", SWEEP_GROUPS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_cuda_token_runs_every_sweep_setting(launch):
+    """Every launch setting the token-run sweep may pick gives the oracle's result (fp32, 1e-5), over several
+    splits of its own size."""
+    test_token_runs_equal_one_row_each(2 * launch["split"] + 300, 6144, launch)
 
 
 def test_bad_inputs_are_named():

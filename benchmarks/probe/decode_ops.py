@@ -85,6 +85,63 @@ def print_times(rows) -> None:
         print(f"   t {ms:7.3f} ms {c:4d}  {k}")
 
 
+def mla_sweep(model, rows: int = 64, history: int = 16384, reps: int = 20) -> list[dict]:
+    """The paged MLA kernel on a prefix hit's shape (`rows` new tokens of one sequence after `history` cached,
+    k3-small's heads and latent widths, bf16 pool of 6,144-token pages) for every token-run launch setting of
+    `SWEEP_GROUPS` and for one row per program: GPU ms (CUDA events, median of `reps`), fastest first."""
+    from k3.model.paged_cache import token_runs
+    from k3.ops.mla_decode.triton import LAUNCH, SWEEP_GROUPS, paged_mla_decode_triton
+    tc = model.config.text_config
+    H, C, R = tc.num_attention_heads, tc.kv_lora_rank, tc.qk_rope_head_dim
+    S, ps = history + rows, 6144
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n_pages = -(-S // ps) + 1
+    kv = torch.randn(n_pages, ps, C + R, device="cuda", generator=g).bfloat16()
+    pages = (torch.arange(S, device="cuda") // ps)[None].expand(rows, S).contiguous()
+    lens = history + 1 + torch.arange(rows, device="cuda")
+    q_lat = torch.randn(rows, H, C, device="cuda", generator=g).bfloat16()
+    q_pe = torch.randn(rows, H, R, device="cuda", generator=g).bfloat16()
+    cu = torch.tensor([0, rows], device="cuda")
+    ref = paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, 0.1)  # one row per program
+
+    def time_it(fn):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+
+    from k3.ops.mla_decode import GROUP_ROWS
+    cur = token_runs(cu, rows, GROUP_ROWS)
+    out = [dict(setting="one row per program", ms=time_it(lambda: paged_mla_decode_triton(
+        q_lat, q_pe, kv, pages, lens, 0.1))),
+           dict(setting=dict(g=GROUP_ROWS, **LAUNCH["groups"]), current=True, ms=time_it(
+               lambda: paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, 0.1, groups=cur)))]
+    for cfg in SWEEP_GROUPS:
+        runs = token_runs(cu, rows, cfg["g"])
+        launch = {k: v for k, v in cfg.items() if k != "g"}
+
+        def fn(runs=runs, launch=launch, g=cfg["g"]):
+            return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, 0.1, groups=runs, group_rows=g,
+                                           launch=launch)
+        err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
+        out.append(dict(setting=cfg, ms=time_it(fn), rel_err=err))
+    out.sort(key=lambda r: r["ms"])
+    flops = 2 * rows * H * history * (2 * C + R)
+    print(f"== MLA token runs, {rows} rows after {history} cached, H {H}, C {C}, R {R}: "
+          f"{flops / 1e9:.1f} GFLOP per call")
+    for r in out[:12] + [r for r in out[12:] if r.get("current")]:
+        print(f"   mla {r['ms']:.4f} ms  {flops / r['ms'] / 1e9:6.1f} TFLOP/s  {r['setting']}"
+              f"{'  (current)' if r.get('current') else ''}  err {r.get('rel_err', 0):.1e}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_ops.json")
@@ -141,6 +198,7 @@ def main():
               f"{res['hit_extend']['replay_gpu_ms']:.3f} ms GPU")
         res["hit_extend"]["kernel_times"] = kernel_times(hits[0])
         print_times(res["hit_extend"]["kernel_times"])
+    res["mla_sweep"] = mla_sweep(model)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

@@ -1,42 +1,72 @@
 """The serving engine's decode short conv as one Triton kernel: the new tokens of each sequence (one in a decode
 step, a few in a captured extend step) against its conv window in a pool slot, window advanced in place (the
-PyTorch form in `short_conv_step` takes ~10 kernels)."""
+PyTorch form in `short_conv_step` takes ~10 kernels). Decode steps take `short_conv_step_kernel` (one token per
+sequence); extend steps `short_conv_extend_kernel` (tiles of tokens in parallel)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .._triton_jit import token_range
 
 
 @triton.jit
-def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot,
-                           W1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, HAS_CU: tl.constexpr):
-    """Program (n, channel block): for each new token x of sequence n (tokens cu[n]..cu[n+1], or token n alone
-    without cu), y = silu(Σ_j w[:, j]·win[:, j] + w[:, W1]·x) in fp32, then win ← (win[:, 1:], x); the window
-    stays in registers between tokens and goes back to slot[n] once."""
+def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot,
+                           W1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+    """Program (n, channel block): the one new token x of sequence n, y = silu(Σ_j w[:, j]·win[:, j] + w[:, W1]·x)
+    in fp32, then win ← (win[:, 1:], x) written back to slot[n]."""
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     j = tl.arange(0, WP)
     cm = c < C
     tap = cm[:, None] & (j[None, :] < W1)
-    bos, eos = token_range(cu_ptr, n, HAS_CU)
-    slot = tl.load(slot_ptr + n).to(tl.int64)
-    base = win_ptr + slot * s_slot + c[:, None] * W1 + j[None, :]
+    base = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c[:, None] * W1 + j[None, :]
     win = tl.load(base, mask=tap, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c[:, None] * (W1 + 1) + j[None, :], mask=tap, other=0.0).to(tl.float32)
     wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + n * sx + c, mask=cm, other=0.0).to(tl.float32)
+    a = tl.sum(win * w, axis=1) + xv * wl
+    tl.store(y_ptr + n * C + c, (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=cm)
     # shift[i, j] = (i == j + 1): win @ shift moves every column one step left (register-only)
     shift = (j[:, None] == j[None, :] + 1).to(tl.float32)
-    for t in range(bos, eos):
-        xv = tl.load(x_ptr + t * sx + c, mask=cm, other=0.0).to(tl.float32)
-        a = tl.sum(win * w, axis=1) + xv * wl
-        tl.store(y_ptr + t * C + c, (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=cm)
-        nxt = tl.sum(win[:, :, None] * shift[None, :, :], axis=1)
-        win = tl.where(j[None, :] == W1 - 1, xv[:, None], nxt)
+    win = tl.where(j[None, :] == W1 - 1, xv[:, None], tl.sum(win[:, :, None] * shift[None, :, :], axis=1))
     tl.debug_barrier()  # every thread has read the window before the slot is rewritten
     tl.store(base, win.to(win_ptr.dtype.element_ty), mask=tap)
+
+
+@triton.jit
+def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot,
+                             W1: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Program (n, channel block), several tokens per sequence (an extend step): BT tokens at a time, all in
+    parallel — token t's tap at distance d reads x[t - d] inside the sequence, else window column W1 - (bos - (t - d))
+    — then the window becomes the last W1 inputs of (window ‖ tokens). No loop-carried chain through the tokens
+    (the decode kernel above steps one token at a time): a 64-token tail is one tile, not 64 dependent steps."""
+    n = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1  # [BC]: this slot's window rows
+    wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
+    for t0 in range(bos, eos, BT):
+        t = t0 + tl.arange(0, BT)
+        tm = (t < eos)[:, None] & cm[None, :]
+        a = tl.load(x_ptr + t[:, None] * sx + c[None, :], mask=tm, other=0.0).to(tl.float32) * wl[None, :]
+        for d in tl.static_range(1, W1 + 1):
+            s = t - d
+            inx = (s >= bos)[:, None]
+            v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm & inx, other=0.0).to(tl.float32) \
+                + tl.load(wbase[None, :] + (W1 + s - bos)[:, None], mask=tm & (s < bos)[:, None], other=0.0).to(tl.float32)
+            a += v * tl.load(w_ptr + c * (W1 + 1) + (W1 - d), mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + t[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=tm)
+    i = tl.arange(0, WP)
+    p = eos - W1 + i  # the new window's column i holds position p
+    im = cm[:, None] & (i < W1)[None, :]
+    nx = (p >= bos)[None, :]
+    new = tl.load(x_ptr + p[None, :] * sx + c[:, None], mask=im & nx, other=0.0).to(win_ptr.dtype.element_ty) \
+        + tl.load(wbase[:, None] + (W1 + p - bos)[None, :], mask=im & (p < bos)[None, :], other=0.0)
+    tl.debug_barrier()  # every read of the old window (token taps and the new window) before it is rewritten
+    tl.store(wbase[:, None] + i[None, :], new, mask=im)
 
 
 def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor,
@@ -52,9 +82,18 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
         raise ValueError(f"short_conv_step: each window slot must be contiguous [C, W-1], strides {windows.stride()}")
     n = N if cu_seqlens is None else cu_seqlens.numel() - 1
     y = (torch.empty if cu_seqlens is None else torch.zeros)(N, C, dtype=x.dtype, device=x.device)
-    BC = 128
-    short_conv_step_kernel[(n, triton.cdiv(C, BC))](
-        x, weight.reshape(C, W1 + 1).float().contiguous(), windows, slots.contiguous(),
-        None if cu_seqlens is None else cu_seqlens.contiguous(), y, C, x.stride(0), windows.stride(0), W1=W1,
-        WP=max(2, triton.next_power_of_2(W1)), BC=BC, HAS_CU=cu_seqlens is not None, num_warps=4)
+    w = weight.reshape(C, W1 + 1).float().contiguous()
+    WP = max(2, triton.next_power_of_2(W1))
+    if cu_seqlens is None:  # decode: one token per sequence
+        BC = 128
+        short_conv_step_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots.contiguous(), y, C, x.stride(0),
+                                                        windows.stride(0), W1=W1, WP=WP, BC=BC, num_warps=4)
+        return y
+    BC = 64  # more programs: an extend step often holds one or two sequences
+    short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots.contiguous(), cu_seqlens.contiguous(), y,
+                                                      C, x.stride(0), windows.stride(0), W1=W1, WP=WP, BT=EXTEND_BT,
+                                                      BC=BC, num_warps=4)
     return y
+
+
+EXTEND_BT = 32  # tokens per tile of the extend kernel

@@ -17,9 +17,16 @@ import triton.language as tl
 from .._triton import interpreted as _interpreted
 from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the dots' M is GROUP_ROWS x BH
 
-BH = 16      # heads per program (the dot's M)
-BS = 32      # history positions per block
-SPLIT = 1024  # history positions per program (flash-decoding split)
+# Launch settings: bh heads per program (with the rows of a token run, the dots' M = rows x bh), bs history
+# positions per block, split positions per program (flash-decoding split), warps (None: 8 when the accumulator
+# is wide, else 4) and software-pipelining stages (None: Triton's default); "decode" for one row per program,
+# "groups" for token runs (an extend step). `benchmarks/probe/decode_ops.py` times SWEEP_GROUPS on the H200.
+LAUNCH = {"decode": dict(bh=16, bs=32, split=1024, warps=None, stages=None),
+          "groups": dict(bh=16, bs=32, split=1024, warps=None, stages=None)}
+# candidates for token runs, with g rows per run (GROUP_ROWS is the g in use); the CUDA tests check each
+SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=None)
+                for g, bh in ((4, 16), (8, 8), (16, 4), (8, 16), (16, 8), (32, 4)) for bs in (32, 64)
+                for split in (1024, 2048) for w in (4, 8)]
 
 
 def interpreted() -> bool:
@@ -76,7 +83,7 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
         c = tl.load(KV + row[:, None] + cc[None, :], mask=pm[:, None] & cm[None, :], other=0.0).to(dot_t)  # [BS, CP]
         kp = tl.load(KV + row[:, None] + C + rr[None, :], mask=pm[:, None] & rm[None, :], other=0.0).to(dot_t)
         s = tl.dot(ql, tl.trans(c), input_precision=DOT_PREC) + tl.dot(qp, tl.trans(kp), input_precision=DOT_PREC)
-        s = tl.where(pos[None, :] < lens[:, None], s * scale, float("-inf"))
+        s = tl.where((pos[None, :] < lens[:, None]) & pm[None, :], s * scale, float("-inf"))  # pm: this split only
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no NaN from -inf - -inf
         alpha = tl.exp(m_i - m_safe)
@@ -105,27 +112,33 @@ def combine(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.d
 
 def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
                             lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                            groups: torch.Tensor | None = None) -> torch.Tensor:
+                            groups: torch.Tensor | None = None, group_rows: int = GROUP_ROWS,
+                            launch: dict | None = None) -> torch.Tensor:
     """See `k3.ops.mla_decode.paged_mla_decode` (inputs already checked). q_lat, q_pe and `out` may be strided
     views (e.g. head-major [H, n, C] transposed) as long as their last dimension is contiguous. groups: int
     [NG, 2] (first row, count ≤ GROUP_ROWS) of rows that share their last row's page table (one program reads
-    each block of latents once for all of them), covering every row once."""
+    each block of latents once for all of them), covering every row once. group_rows: the most rows in a run
+    (sweeps); launch: settings replacing LAUNCH's (sweeps, tests)."""
     n, H, C = q_lat.shape
     R = q_pe.shape[-1]
     S = pages.shape[1]
     q_lat, q_pe = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_lat, q_pe))
     pages, lens = pages.contiguous(), lens.contiguous()
     qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
+    cfg = {**LAUNCH["decode" if groups is None else "groups"], **(launch or {})}
+    SPLIT, BH = cfg["split"], cfg["bh"]
     NS = triton.cdiv(S, SPLIT)
-    G = 1 if groups is None else GROUP_ROWS
+    G = 1 if groups is None else group_rows
     grid = (n if groups is None else groups.shape[0], triton.cdiv(H, BH), NS)
     grp = None if groups is None else groups.contiguous()
     up = interpreted()
     prec = "ieee" if kv.dtype == torch.float32 or up else "tf32"
     CP, RP = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
-    warps = 8 if CP * G >= 512 else 4
-    meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=BS, SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
+    warps = cfg["warps"] or (8 if CP * G >= 512 else 4)
+    meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=cfg["bs"], SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
                 HAS_GRP=groups is not None, num_warps=warps)
+    if cfg["stages"]:
+        meta["num_stages"] = cfg["stages"]
     if NS == 1:
         if out is None:
             out = torch.empty(n, H, C, device=q_lat.device, dtype=q_lat.dtype)
