@@ -102,15 +102,16 @@ def test_token_runs_equal_one_row_each(S, page_size, launch):
     for a, n in runs.tolist():
         if n:
             assert all(torch.equal(pages[r, :lens[r]], pages[a + n - 1, :lens[r]]) for r in range(a, a + n))
-    f = torch.float32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: on the GPU, else Triton's interpreter
+    args = [t.to(dev, torch.float32) for t in (q_lat, q_pe, kv)] + [pages.to(dev), lens.to(dev)]
     if launch is None:
-        out = paged_mla_decode(q_lat.to(f), q_pe.to(f), kv.to(f), pages, lens, 0.1, backend="triton", groups=runs)
+        out = paged_mla_decode(*args, 0.1, backend="triton", groups=runs.to(dev))
     else:  # a sweep setting: runs of its own row count, its launch through the kernel's entry point
         from k3.ops.mla_decode.triton import paged_mla_decode_triton
         g = launch["g"]
-        out = paged_mla_decode_triton(q_lat.to(f), q_pe.to(f), kv.to(f), pages, lens, 0.1,
-                                      groups=token_runs(cu, N, g), group_rows=g,
+        out = paged_mla_decode_triton(*args, 0.1, groups=token_runs(cu, N, g).to(dev), group_rows=g,
                                       launch={k: v for k, v in launch.items() if k != "g"})
+    out = out.cpu()
     assert torch.isfinite(out).all() and rel(out, ref) <= 1e-5, rel(out, ref)
 
 

@@ -192,8 +192,15 @@ def test_bad_requests_are_rejected(model):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="empty"):
         eng.submit([], GREEDY)
-    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
-        eng.submit([1, 4096], GREEDY)
+    with pytest.raises(ValueError, match=r"\[0, 4096\), got \[4096, -1\]"):
+        eng.submit([1, 4096, 5, -1], GREEDY)
+    for not_ints in ([1, 2.5], [1, "7"], [1, None], [2 ** 70]):  # never truncated, parsed or wrapped
+        with pytest.raises(ValueError, match="integers"):
+            eng.submit(not_ints, GREEDY)
+    import numpy as np
+    rid = eng.submit(np.array([3, 4, 5]), GREEDY)  # numpy / tensor ids are fine: stored as Python ints
+    assert eng.requests[rid].prompt == [3, 4, 5] and all(type(t) is int for t in eng.requests[rid].prompt)
+    eng.abort(rid)
     with pytest.raises(ValueError, match="max_model_len"):
         tiny_engine(model, max_model_len=8).submit(list(range(8)), GREEDY)
     with pytest.raises(ValueError, match="pages"):

@@ -27,9 +27,11 @@ import gc
 import logging
 import threading
 import uuid
+from array import array
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..model.layers import refresh_joined_weights
@@ -192,13 +194,17 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_token_ids]
+        try:  # integers only (a float or a string is an error, not truncated or parsed), checked in C
+            ids = array("q", prompt_token_ids)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"prompt token ids must be integers: {e}") from None
         V = self.text_config.vocab_size
-        if not prompt:
+        if not ids:
             raise ValueError("prompt_token_ids is empty; need at least one token")
-        bad = [t for t in prompt if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {V}), got {bad[:5]}")
+        a = np.frombuffer(ids, dtype=np.int64)
+        if a.min() < 0 or a.max() >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}), got {a[(a < 0) | (a >= V)][:5].tolist()}")
+        prompt = ids.tolist()
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; the limit is max_model_len - 1 = "
                              f"{self.max_model_len - 1}")

@@ -15,7 +15,7 @@ import torch
 from .._compile import eager_op
 from .._triton import device_reason
 
-GROUP_ROWS = 4  # rows per run of `groups` (one Triton program each)
+GROUP_ROWS = 8  # rows per run of `groups` (one Triton program each; `triton.LAUNCH['groups']`)
 
 BACKENDS = ("auto", "triton", "reference")
 
