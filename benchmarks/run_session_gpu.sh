@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_kda_triton.py tests/test_paged_cache.py \
+  timeout ${TEST_S:-150} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m cuda -k "${TEST_K:-not nothing}" tests/test_kda_triton.py tests/test_paged_cache.py \
     tests/test_serve_engine.py tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py \
     tests/test_mla_decode.py tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py \
     > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"

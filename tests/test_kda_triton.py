@@ -308,7 +308,7 @@ def test_states_at_offsets():
 def test_host_cu_seqlens_equals_device_cu_seqlens():
     """cu_seqlens on the host (as the serving engine passes it) gives bitwise the outputs, final states and
     `states_at` states of the same cu_seqlens on the inputs' device, for each backend (the non-Triton ones get a
-    device copy); on CUDA, a forward whose layout is cached makes no host sync (sync debug mode "error")."""
+    device copy)."""
     cu = [0, 40, 40, 75]
     x, _ = make(1, 75, 2, 32, 16, seed=16, N=3)
     host, dev = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32, device=DEV)
@@ -317,16 +317,26 @@ def test_host_cu_seqlens_equals_device_cu_seqlens():
                                 cu_seqlens=c, backend=backend, states_at=torch.tensor([16, 75])) for c in (dev, host)]
         for a, b in zip(*outs):
             assert a.device == b.device and torch.equal(a, b), backend
-    if CUDA:
-        args, h0 = _gated_args(x), x["h0"].to(DEV)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_host_cu_seqlens_forward_makes_no_host_sync():
+    """With cu_seqlens and states_at on the host, an inference forward (layout seen before) never waits for the
+    device: sync debug mode "error" raises on any synchronising call."""
+    x, _ = make(1, 75, 2, 32, 16, seed=16, N=3)
+    host = torch.tensor([0, 40, 40, 75], dtype=torch.int32)
+    args, h0 = _gated_args(x), x["h0"].to(DEV)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=host, backend="triton", lower_bound=-5.0)
+    with torch.no_grad():
+        ref = chunk_kda_gated(*args, states_at=torch.tensor([16, 75]), **kw)  # first call: tables built
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with torch.no_grad():
-                chunk_kda_gated(*args, initial_state=h0, output_final_state=True, cu_seqlens=host,
-                                backend="triton", lower_bound=-5.0, states_at=torch.tensor([16, 75]))
+            out = chunk_kda_gated(*args, states_at=torch.tensor([16, 75]), **kw)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
 
 
 # ---------------------------------------------------------------- decode entry points
