@@ -30,7 +30,7 @@ if [ "${DECODE:-0}" = 1 ]; then
   cat "$OUT/kda_decode_cfg.log" | tail -34
 fi
 if [ "${OPS:-0}" = 1 ]; then
-  timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
+  timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
     || echo "decode ops exit $?" >> "$OUT/decode_ops.log"
   grep -E "==| t | mla " "$OUT/decode_ops.log"
 fi

@@ -255,6 +255,23 @@ def test_triton_forward_folds_the_query_in_kernel(dtype, one_thread):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("N,D", [(1, 40), (5, 48), (8, 1100)])
+def test_rows_kernel_equals_the_block_kernel(N, D, one_thread):
+    """The one-program-per-row inference kernel against the block kernel (fp32: same math, sums in another
+    order, 1e-6) and the fp64 oracle (1e-5), with and without the norm epilogue, N = 1 (NP padded to 2) to 8."""
+    src, query, norm_w, _, _ = make(N, (7, D), seed=53 + N)
+    flat = [t.to(DEV, torch.float32) for t in src]
+    q, n = query.to(DEV, torch.float32), norm_w.to(DEV, torch.float32)
+    nw = (1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(N), dtype=torch.float64)).float().to(DEV)
+    ref = attn_res_reference(src, query, norm_w, EPS)
+    for norm in (None, (nw, 1e-6)):
+        block = AT.attn_res_fwd_triton(flat, n, EPS, norm=norm, query=q)[0]
+        rows = AT.attn_res_rows_triton(flat, n, EPS, norm=norm, query=q)
+        assert rel_rmse(block.double(), rows) <= 1e-6, rel_rmse(block.double(), rows)
+        if norm is None:
+            assert rel_rmse(ref, rows.cpu()) <= 1e-5
+
+
 def test_triton_zero_rows():
     """An empty batch: empty output, empty source gradients, zero parameter gradients; no launch."""
     x = make(3, (0, 16), seed=51)
@@ -415,14 +432,18 @@ def test_cuda_autocast_dispatches_to_triton_and_matches_torch(monkeypatch):
 
 
 # ---------------------------------------------------------------- inference: AttnRes with its output RMSNorm fused
+@pytest.mark.parametrize("rows_kernel", [True, False], ids=["rows-kernel", "block-kernel"])
 @pytest.mark.parametrize("D", [48, 1100])
-def test_attn_res_norm_fused_equals_the_two_ops(D, one_thread):
+def test_attn_res_norm_fused_equals_the_two_ops(D, rows_kernel, one_thread, monkeypatch):
     """rms_norm(attn_res(...)) as one kernel without autograd: against the fp64 two-op oracle (fp32, 1e-5; D =
     1100 spans two 1024-wide tiles of the small-rows launch, so the norm's third pass revisits written tiles),
     against the two Triton ops in bf16 (the norm reads the rounded mix, as they do: within bf16 rounding), and
     with autograd on it is the two ops (gradients flow)."""
     from k3.ops.attn_res import attn_res_norm
     from k3.ops.norm.reference import rms_norm_reference
+    if not rows_kernel:  # the block kernel's NORM epilogue (what more than ROWS_KERNEL_MAX_ROWS rows take)
+        monkeypatch.setattr(AT, "ROWS_KERNEL_MAX_ROWS", 0)
+    assert AT.rows_kernel_fits(9, 3, D) == rows_kernel
     src, query, norm_w, _, _ = make(3, (9, D), seed=60)
     out_w = 1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(61), dtype=torch.float64)
     ref = rms_norm_reference(attn_res_reference(src, query, norm_w, EPS), out_w, 1e-6)

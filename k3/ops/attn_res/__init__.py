@@ -110,8 +110,12 @@ def attn_res_norm(sources: list[torch.Tensor], query: torch.Tensor, norm_weight:
             and all(t.device == sources[0].device for t in (query, norm_weight, out_weight))
     if not fused:
         return rms_norm(attn_res(sources, query, norm_weight, eps, backend=backend), out_weight, out_eps)
-    from .triton import attn_res_fwd_triton
+    from .triton import attn_res_fwd_triton, attn_res_rows_triton, rows_kernel_fits
     D = sources[0].shape[-1]
-    h, *_ = attn_res_fwd_triton([t.reshape(-1, D) for t in sources], norm_weight, eps, norm=(out_weight, out_eps),
-                                query=query)  # the kernel folds query ⊙ norm_weight (no launches before it)
+    flat = [t.reshape(-1, D) for t in sources]
+    # the kernels fold query ⊙ norm_weight themselves (no launches before them); few rows: one program per row
+    if rows_kernel_fits(flat[0].shape[0], len(flat), D):
+        h = attn_res_rows_triton(flat, norm_weight, eps, norm=(out_weight, out_eps), query=query)
+    else:
+        h, *_ = attn_res_fwd_triton(flat, norm_weight, eps, norm=(out_weight, out_eps), query=query)
     return h.reshape(sources[0].shape)

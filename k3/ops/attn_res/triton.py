@@ -135,6 +135,65 @@ def attn_res_fwd_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr
 
 
 @triton.jit
+def attn_res_rows_kernel(src_tab, w_ptr, q_ptr, h_ptr, nw_ptr, D, N, eps, out_eps,
+                         NP: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, FOLD: tl.constexpr):
+    """Inference, few rows (a decode or extend step): program r holds row r of ALL N sources as one [NP, BD]
+    register tile, read once; statistics, softmax, the mix and (NORM) its RMSNorm come from registers. The
+    block kernel above instead walks sources and D tiles with dependent loads in three passes, which at one
+    row is a chain of ~15 memory latencies. Same math and precision (fp32; the norm reads the mix as rounded
+    to its dtype); α, rstd and s are not kept (no backward)."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    d = tl.arange(0, BD)
+    im = i < N
+    dm = d < D
+    src = tl.load(src_tab + i, mask=im, other=0).to(tl.pointer_type(h_ptr.dtype.element_ty))
+    m2 = im[:, None] & dm[None, :]
+    v = tl.load(tl.multiple_of(src, 16)[:, None] + r * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    if FOLD:
+        w = w * tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, 1) / D + eps)
+    s = tl.where(im, tl.sum(v * w[None, :], 1) * rstd, float("-inf"))
+    p = tl.exp(s - tl.max(s, 0))
+    a = p / tl.sum(p, 0)
+    h = tl.sum(a[:, None] * v, 0).to(h_ptr.dtype.element_ty)
+    if NORM:
+        hf = h.to(tl.float32)
+        r2 = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + out_eps)
+        h = (hf * r2 * tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + r * D + d, h, mask=dm)
+
+
+ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MAX_TILE = 512, 16384  # rows, NP x BD elements held by one program
+
+
+def rows_kernel_fits(R: int, N: int, D: int) -> bool:
+    """Whether `attn_res_rows_triton` takes R rows of N sources of width D (few rows, a tile that fits)."""
+    return R <= ROWS_KERNEL_MAX_ROWS and max(2, triton.next_power_of_2(N)) * triton.next_power_of_2(D) \
+        <= ROWS_KERNEL_MAX_TILE
+
+
+def attn_res_rows_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, norm: tuple | None = None,
+                         query: torch.Tensor | None = None) -> torch.Tensor:
+    """h [R, D] of `attn_res_fwd_triton` (same arguments) through `attn_res_rows_kernel`: one program per row,
+    for inference on few rows (`rows_kernel_fits`); no statistics returned."""
+    R, D = flat[0].shape
+    N, dev = len(flat), flat[0].device
+    h = torch.empty(R, D, dtype=flat[0].dtype, device=dev)
+    if R == 0:
+        return h
+    NP, BD = max(2, triton.next_power_of_2(N)), triton.next_power_of_2(D)
+    nw, out_eps = norm if norm is not None else (None, 0.0)
+    q = None if query is None else query.reshape(-1).contiguous()
+    attn_res_rows_kernel[(R,)](_table([t.data_ptr() for t in flat], dev), w.reshape(-1).contiguous(), q, h,
+                               None if nw is None else nw.contiguous(), D, N, float(eps), float(out_eps), NP=NP,
+                               BD=BD, NORM=norm is not None, FOLD=query is not None,
+                               num_warps=8 if NP * BD >= 8192 else 4)
+    return h
+
+
+@triton.jit
 def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_ptr, c_ptr, e_ptr, dwp_ptr, R, D, N,
                         BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
                         UNROLL: tl.constexpr, HAS_DW: tl.constexpr):
