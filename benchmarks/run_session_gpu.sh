@@ -4,6 +4,7 @@
 #   2. benchmarks/probe/prefill_profile.py (forwards, GPU time, syncs and host hot spots of a prefill; PREFILL=0
 #      skips it) and benchmarks/probe/decode_profile.py (GPU time and kernels of a decode step; DECODE=1);
 #   2b. benchmarks/probe/decode_ops.py (every op of a decode forward by source line, graph launch cost; OPS=1);
+#       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 set -u
@@ -28,6 +29,11 @@ if [ "${DECODE:-0}" = 1 ]; then
   grep -E "batch|copy_" "$OUT/decode.log"
   timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
   cat "$OUT/kda_decode_cfg.log" | tail -34
+fi
+if [ "${KEXT:-0}" = 1 ]; then  # the KDA extend step token by token vs in 16-token tiles
+  timeout ${KEXT_S:-90} python3 benchmarks/probe/kda_extend.py --out "$OUT/kda_extend.json" > "$OUT/kda_extend.log" 2>&1 \
+    || echo "kda extend exit $?" >> "$OUT/kda_extend.log"
+  grep -E "^n |exit|Error" "$OUT/kda_extend.log"
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \

@@ -413,6 +413,34 @@ def test_cuda_fp32_fp16_sources(dtype):
 
 @pytest.mark.cuda
 @cuda
+@torch.no_grad()
+def test_cuda_graph_with_static_tables_replays_on_new_values():
+    """AttnRes + norm captured in a CUDA graph inside `static_tables`: the pointer tables are written after the
+    capture (no copy node); replays after new values are copied into the same sources equal the eager op, and
+    the tables are handed over to be kept with the graph (one per launch)."""
+    from k3.ops.attn_res import attn_res_norm, static_tables
+    g = torch.Generator(device="cuda").manual_seed(61)
+    src = [torch.randn(3, 1536, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(5)]
+    query = torch.randn(1, 1536, device="cuda", generator=g)
+    nw, w = (1 + 0.3 * torch.randn(1536, device="cuda", generator=g) for _ in range(2))
+
+    def fn():
+        return attn_res_norm(src, query, nw, EPS, w, 1e-6)
+
+    fn()
+    graph, keep = torch.cuda.CUDAGraph(), []
+    with static_tables(keep), torch.cuda.graph(graph):
+        out = fn()
+    assert keep and all(t.is_cuda for t in keep)
+    for _ in range(2):
+        for t in src:
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        graph.replay()
+        assert torch.equal(out, fn())
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_autocast_dispatches_to_triton_and_matches_torch(monkeypatch):
     """Under bf16 autocast with bf16 sources and fp32 parameters: auto picks the kernels; output bf16,
     parameter gradients fp32, and the torch backend agrees."""

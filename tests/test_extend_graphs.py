@@ -117,6 +117,61 @@ def test_kda_decode_step_gated_over_several_tokens_triton_equals_torch():
     assert rel_rmse(ro, o) <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5 and not o[int(cu[-1]):].any()
 
 
+@pytest.mark.parametrize("lens", [[64], [37, 0, 16, 1, 30], [5, 128]], ids=["hit-tail", "mixed", "short-long"])
+def test_kda_extend_in_chunks_equals_the_token_steps(lens):
+    """The chunked extend step (16-token tiles from device-built tables, `kda_extend_triton`) against the PyTorch
+    token steps from the same pool slots: outputs, states, untouched slots; rows of no sequence get o = 0. Through
+    `kda_decode_step_gated`, which must pick the chunked kernels at these lengths."""
+    from unittest import mock
+
+    import k3.ops.kda.triton as kt
+    from k3.model.paged_cache import token_runs
+    dev = _triton_or_skip()
+    g = torch.Generator().manual_seed(15)
+    P, H, K = 9, 2, 32
+    N = sum(lens) + 3  # 3 padding rows
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, dev)
+    pool = torch.randn(P, 2, H, K, K, generator=g).to(dev) * 0.3
+    ref_pool = pool.clone()
+    slots = torch.tensor([4, 0, 6, 8, 2][:len(lens)], device=dev)
+    cu = _cu(lens, dev)
+    chunks = token_runs(cu, N, 16, first=True)
+    real = [int(x) for x in chunks[1]]
+    assert real == [sum(-(-m // 16) for m in lens[:i]) for i in range(len(lens))]
+    with mock.patch.object(kt, "kda_extend_triton", wraps=kt.kda_extend_triton) as spy:
+        o = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, pool[:, 1], slots, -5.0, backend="auto"
+                                  if dev == "cuda" else "triton", cu_seqlens=cu, chunks=chunks)
+    assert spy.call_count == 1
+    ro = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, ref_pool[:, 1], slots, -5.0, backend="torch",
+                               cu_seqlens=cu)
+    m = int(cu[-1])
+    assert rel_rmse(ro[:m], o[:m]) <= 1e-5 and not o[m:].any()
+    assert (pool - ref_pool).abs().max() <= 1e-5
+    untouched = [p for p in range(P) if p not in slots.tolist()]
+    assert torch.equal(pool[untouched], ref_pool[untouched])
+
+
+def test_kda_extend_keeps_the_token_steps_for_short_runs():
+    """Below `EXTEND_CHUNKED_MIN_TOKENS` tokens per sequence on average the decode kernel keeps the step."""
+    from unittest import mock
+
+    import k3.ops.kda.triton as kt
+    from k3.model.paged_cache import token_runs
+    from k3.ops.kda import EXTEND_CHUNKED_MIN_TOKENS
+    dev = _triton_or_skip()
+    g = torch.Generator().manual_seed(16)
+    lens = [EXTEND_CHUNKED_MIN_TOKENS - 1] * 3
+    N = sum(lens)
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, 2, 16, torch.float32, g, dev)
+    pool = torch.randn(4, 2, 16, 16, generator=g).to(dev)
+    cu = _cu(lens, dev)
+    with mock.patch.object(kt, "kda_extend_triton", wraps=kt.kda_extend_triton) as spy:
+        kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, pool, torch.tensor([0, 1, 2], device=dev), -5.0,
+                              backend="auto" if dev == "cuda" else "triton", cu_seqlens=cu,
+                              chunks=token_runs(cu, N, 16, first=True))
+    assert spy.call_count == 0
+
+
 @torch.no_grad()
 def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
     """Three sequences prefilled; then a second chunk of 4, 1 and 7 tokens two ways: the host-built chunked batch

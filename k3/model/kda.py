@@ -178,7 +178,7 @@ class KimiDeltaAttention(nn.Module):
             o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
                                       backend="torch" if backend in ("torch", "reference") else "auto",
-                                      cu_seqlens=b.step_cu)
+                                      cu_seqlens=b.step_cu, chunks=b.step_chunks)
             return self._output(o, gate)
         win = cache.conv_windows()  # [n, 3HK, W-1]
         ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.kda import EXTEND_CHUNKED_MIN_TOKENS, STATES_AT_MULTIPLE
 from ..ops.mla_decode import GROUP_ROWS
 
 
@@ -43,7 +44,8 @@ class PackedBatch:
     Extend batches (`for_extend`, a captured CUDA graph over a few new tokens per sequence) are decode-shaped
     for MLA (every token is a single-token row of the absorbed form, `num_decode` = N) while KDA steps each
     sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots;
-    `dec_groups` [NG, 2] runs of up to `GROUP_ROWS` tokens of one sequence for the MLA kernel (first, count).
+    `dec_groups` [NG, 2] runs of up to `GROUP_ROWS` tokens of one sequence for the MLA kernel (first, count);
+    `step_chunks` (tiles [NC, 2], first tile [n]): the sequences' 16-token tiles for the chunked KDA kernels.
     """
     lens: list[int]
     starts: list[int]
@@ -69,6 +71,7 @@ class PackedBatch:
     ckpt_win_rows: torch.Tensor | None = None
     step_cu: torch.Tensor | None = None
     dec_groups: torch.Tensor | None = None
+    step_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_docs(self) -> int:
@@ -150,7 +153,7 @@ class PackedBatch:
         ckpt_pos = ckpt_pages = ckpt_win = None
         ck = [(j, o, sl) for j, c in enumerate(checkpoints or []) for o, sl in c]
         if ck:
-            from ..ops.kda import STATES_AT_MULTIPLE as M
+            M = STATES_AT_MULTIPLE
             bad = [(j, o) for j, o, _ in ck if not (j < n and 0 < o < lens[j] and o % M == 0)]
             if bad:
                 raise ValueError(f"PackedBatch.build: checkpoint (document, offset) {bad[:4]} must lie inside its "
@@ -195,11 +198,14 @@ class PackedBatch:
         are padding: no KDA / conv state reads them, and their MLA rows read and write `table[tdoc]`'s pages
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
         `history` (static) bounds every pos + 1."""
+        N, n = pos.shape[0], cu.shape[0] - 1
+        chunks = token_runs(cu, N, STATES_AT_MULTIPLE, first=True) if N >= EXTEND_CHUNKED_MIN_TOKENS * n else None
         return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu,
-                               dec_groups=token_runs(cu, pos.shape[0], GROUP_ROWS))
+                               dec_groups=token_runs(cu, N, GROUP_ROWS), step_chunks=chunks)
 
     @classmethod
-    def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None) -> "PackedBatch":
+    def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None,
+                    step_chunks=None) -> "PackedBatch":
         """Every token a single-token row for MLA (its page table row `table` [N, pages], history [0, pos])."""
         n, dev = pos.shape[0], pos.device
         p = torch.arange(history, device=dev)
@@ -212,13 +218,14 @@ class PackedBatch:
                    tok_off=pos % page_size, ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none,
                    num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
                    dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu,
-                   dec_groups=dec_groups)
+                   dec_groups=dec_groups, step_chunks=step_chunks)
 
 
-def token_runs(cu: torch.Tensor, N: int, G: int) -> torch.Tensor:
+def token_runs(cu: torch.Tensor, N: int, G: int, first: bool = False):
     """Runs of up to G consecutive rows of one sequence, ON THE DEVICE with a static count: sequences cu[i] ..
     cu[i+1] (long [n + 1]) and the rows cu[n] .. N after them as one more, each cut into ceil(len / G) runs.
-    Returns long [N // G + n + 1, 2] of (first row, count); unused entries are (0, 0)."""
+    Returns long [N // G + n + 1, 2] of (first row, count); unused entries are (0, 0). With `first`, also the
+    index of each sequence's first run, long [n] (the chunked KDA kernels' tile table and offsets)."""
     n = cu.shape[0] - 1
     bounds = torch.cat([cu, cu.new_full((1,), N)])  # [n + 2]
     per = (bounds[1:] - bounds[:-1] + G - 1) // G  # runs of each sequence [n + 1]
@@ -227,9 +234,10 @@ def token_runs(cu: torch.Tensor, N: int, G: int) -> torch.Tensor:
     seq = torch.searchsorted(ends, j, right=True)  # the sequence of run j (n + 1: unused)
     used = seq <= n
     s = seq.clamp_max(n)
-    first = bounds[s] + (j - (ends[s] - per[s])) * G
-    count = (bounds[s + 1] - first).clamp(0, G)
-    return torch.stack([torch.where(used, first, 0), torch.where(used, count, 0)], 1)
+    start = bounds[s] + (j - (ends[s] - per[s])) * G
+    count = (bounds[s + 1] - start).clamp(0, G)
+    runs = torch.stack([torch.where(used, start, 0), torch.where(used, count, 0)], 1)
+    return (runs, (ends - per)[:n]) if first else runs
 
 
 class PagedCache:

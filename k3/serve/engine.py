@@ -220,7 +220,7 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(request_id=rid, prompt=prompt, params=params, eos=() if params.ignore_eos else self.eos,
-                       generator=gen, group=group)
+                       generator=gen, group=group, prompt_ids=ids)
         with self._inbox_lock:  # not the step lock: submitting never waits for a forward
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in flight")

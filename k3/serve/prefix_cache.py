@@ -37,15 +37,21 @@ from .pool import PagePool
 ROOT = b"k3-prefix-root"
 
 
-def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """H_j = blake2b-128(H_{j-1} ‖ int64 token ids)."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+def chain_hash(parent: bytes, tokens) -> bytes:
+    """H_j = blake2b-128(H_{j-1} ‖ int64 token ids); `tokens`: a list of ids or their int64 bytes (any buffer)."""
+    data = tokens if isinstance(tokens, (bytes, memoryview, array)) else array("q", tokens)
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
-def extend_hashes(hashes: list[bytes], tokens: list[int], block: int) -> None:
-    """Append the keys of every full fine block of `tokens` not yet in `hashes` (in place)."""
-    for j in range(len(hashes), len(tokens) // block):
-        hashes.append(chain_hash(hashes[-1] if hashes else ROOT, tokens[j * block:(j + 1) * block]))
+def extend_hashes(hashes: list[bytes], tokens, block: int) -> None:
+    """Append the keys of every full fine block of `tokens` not yet in `hashes` (in place). `tokens`: a list of
+    ids, or a `Sequence`, whose `token_bytes` serves its prompt from the int64 buffer `Engine.submit` checked
+    (converting 16K Python ints per lookup cost more than the hashing)."""
+    get = getattr(tokens, "token_bytes", None)
+    n = tokens.num_tokens if get is not None else len(tokens)
+    for j in range(len(hashes), n // block):
+        a, b = j * block, (j + 1) * block
+        hashes.append(chain_hash(hashes[-1] if hashes else ROOT, get(a, b) if get is not None else tokens[a:b]))
 
 
 @dataclass

@@ -3,6 +3,8 @@ the engine's internal per-request state `Sequence`."""
 
 from __future__ import annotations
 
+from array import array
+
 import itertools
 import math
 import time
@@ -119,6 +121,7 @@ class Sequence:
     cacheable: bool = True      # False for a restored sequence: its state may come from older weights
     failures: int = 0           # failed forwards it was part of (Engine._forward_failed)
     prompt_copy: list[int] | None = field(default=None, repr=False)  # the outputs' shared prompt_token_ids
+    prompt_ids: array | None = field(default=None, repr=False)  # the prompt as int64 (`Engine.submit`'s check)
 
     @property
     def tokens(self) -> list[int]:
@@ -132,6 +135,12 @@ class Sequence:
         if start + n <= P:
             return self.prompt[start:start + n]
         return self.prompt[start:] + self.output[:start + n - P]
+
+    def token_bytes(self, start: int, end: int):
+        """tokens[start:end] as int64 bytes (a view of `prompt_ids` inside the prompt: no conversion)."""
+        if self.prompt_ids is not None and end <= len(self.prompt_ids):
+            return memoryview(self.prompt_ids)[start:end]
+        return array("q", self.token_slice(start, end - start))
 
     @property
     def num_tokens(self) -> int:

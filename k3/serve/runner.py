@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache
+from ..ops.attn_res import static_tables
 from ..ops.linear_ce.chunked import mm_out_dtype_available
 from ..ops.moe import grouped_mm_available
 from .pool import PagePool, PoolExhausted
@@ -71,8 +72,8 @@ class _Graph:
         with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
             self.run()
         torch.cuda.current_stream(runner.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
+        self.graph, self.tables = torch.cuda.CUDAGraph(), []
+        with static_tables(self.tables), torch.cuda.graph(self.graph, pool=mempool):
             self.out = self.run()
 
     @torch.no_grad()

@@ -95,7 +95,7 @@ class Scheduler:
     def _lookup(self, seq: Sequence) -> Hit:
         if self.cache is None:
             return Hit()
-        extend_hashes(seq.hashes, seq.tokens, self.h)
+        extend_hashes(seq.hashes, seq, self.h)
         return self.cache.lookup(seq.hashes, seq.num_tokens)
 
     def _restore(self, seq: Sequence) -> bool:
@@ -186,7 +186,7 @@ class Scheduler:
         several times, or an RL group) instead of recomputing the same prefix in parallel."""
         if not pending or seq.preempted:
             return False
-        extend_hashes(seq.hashes, seq.tokens, self.h)
+        extend_hashes(seq.hashes, seq, self.h)
         for j in range(min(len(seq.hashes), (seq.num_tokens - 1) // self.h), 0, -1):
             if seq.hashes[j - 1] in pending:
                 return j * self.h > self._lookup(seq).num_tokens
@@ -431,7 +431,7 @@ class Scheduler:
     def on_token(self, seq: Sequence) -> None:
         """A token was appended to seq: hash the fine block it completed, if any."""
         if self.cache is not None and seq.num_tokens % self.h == 0:
-            extend_hashes(seq.hashes, seq.tokens, self.h)
+            extend_hashes(seq.hashes, seq, self.h)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted), releasing its pages."""

@@ -13,6 +13,8 @@ accumulation in fp32 (fp64 for fp64 inputs), also under autocast.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .._compile import eager_op
@@ -21,7 +23,7 @@ from ..norm import rms_norm
 from .fused import AttnResFunction
 from .reference import attn_res_reference
 
-__all__ = ["attn_res", "attn_res_norm", "attn_res_reference", "triton_available", "BACKENDS"]
+__all__ = ["attn_res", "attn_res_norm", "attn_res_reference", "static_tables", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
@@ -29,6 +31,16 @@ BACKENDS = ("auto", "torch", "triton", "reference")
 def triton_available() -> bool:
     """True when the Triton AttnRes kernels import (tried once, on first use, not at k3 import time)."""
     return importable(__name__ + ".triton")
+
+
+def static_tables(keep: list):
+    """Context around a CUDA graph capture that writes the captured kernels' pointer tables once, after the capture,
+    instead of replaying a copy into them (`triton.static_tables`); `keep` receives them (hold it as long as the
+    graph). A no-op without Triton."""
+    if not triton_available():
+        return contextlib.nullcontext(keep)
+    from .triton import static_tables as tables
+    return tables(keep)
 
 
 def _interpreted() -> bool:

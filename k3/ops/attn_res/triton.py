@@ -24,6 +24,8 @@ reads + N writes, plus the misses of pass 2 (few when BLOCK_R x D x N x resident
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -252,19 +254,43 @@ def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_p
 
 
 _CAPTURED_TABLES: list[torch.Tensor] = []  # pinned sources of copies recorded in CUDA graphs (kept forever)
+_STATIC: list[list] = []  # the innermost `static_tables` context's pending (device table, host table) pairs
+
+
+@contextlib.contextmanager
+def static_tables(keep: list):
+    """Around a CUDA graph capture (outside `torch.cuda.graph`): the pointer tables of the kernels captured inside
+    are allocated on the device and written once when the context exits, after the capture, instead of by a
+    host-to-device copy node replayed with the graph (their contents, the graph's static addresses, never
+    change). `keep` receives the tables: hold it as long as the graph."""
+    pending: list = []
+    _STATIC.append(pending)
+    try:
+        yield keep
+    finally:
+        _STATIC.remove(pending)
+        for dev, host in pending:
+            dev.copy_(host)
+        keep.extend(dev for dev, _ in pending)
 
 
 def _table(ptrs: list[int], device: torch.device) -> torch.Tensor:
     """int64 [N] pointer table on `device`: staged through pinned memory and copied without a host sync.
 
-    Under CUDA graph capture the copy is recorded with the pinned buffer's address and repeated on every
-    replay, so that buffer is kept alive (the host allocator would otherwise hand it to a later pin, and a
-    replay would read someone else's pointers). The pointers themselves are the graph's static addresses."""
+    Under CUDA graph capture inside `static_tables`, an empty device table written after the capture. Under
+    another capture, the copy is recorded with the pinned buffer's address and repeated on every replay, so that
+    buffer is kept alive (the host allocator would otherwise hand it to a later pin, and a replay would read
+    someone else's pointers). The pointers themselves are the graph's static addresses."""
     t = torch.tensor(ptrs, dtype=torch.int64)
     if device.type != "cuda":
         return t
+    capturing = torch.cuda.is_current_stream_capturing()
+    if capturing and _STATIC:
+        dev = torch.empty(len(ptrs), dtype=torch.int64, device=device)
+        _STATIC[-1].append((dev, t))
+        return dev
     t = t.pin_memory()
-    if torch.cuda.is_current_stream_capturing():
+    if capturing:
         _CAPTURED_TABLES.append(t)
     return t.to(device, non_blocking=True)
 

@@ -30,9 +30,12 @@ from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
            "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS",
-           "STATES_AT_MULTIPLE"]
+           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
+# extend steps (a few new tokens per sequence, `kda_decode_step_gated` with cu_seqlens) take the chunked kernels
+# from this many tokens per sequence on average (padding included), else the token-recurrent decode kernel
+EXTEND_CHUNKED_MIN_TOKENS = 16
 TRITON_G_MIN = -5.0  # the Triton tiles need every per-token log decay >= this (K3's lower bound)
 
 
@@ -254,7 +257,7 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
 
 @eager_op
 def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, lower_bound,
-                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto", cu_seqlens=None):
+                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto", cu_seqlens=None, chunks=None):
     """New tokens of n sequences from the raw gate pre-activation: the engine's decode and extend steps.
 
     q, k, f [N, H, K]; v [N, H, V]; beta_logit [N, H]; A_log [H]; dt_bias [H·K]; state: fp32 pool [P, H, K, V]
@@ -265,6 +268,9 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
     `chunk_kda_gated`. backend "auto": the Triton decode kernel with the gate and beta fused (CUDA, no
     autograd), else (and for "torch" / "reference") `kda_gate` + the PyTorch step (a host loop over the
     sequences with cu_seqlens). Returns o [N, H, V].
+    chunks: optional (tiles [NC, 2], first tile [n]) of the sequences' 16-token tiles, built on the device
+    (`paged_cache.token_runs(..., first=True)`): on the Triton path, sequences of `EXTEND_CHUNKED_MIN_TOKENS`
+    tokens or more on average then go through the chunked kernels (`kda_extend_triton`) rather than token by token.
     """
     if not _use_triton_decode("torch" if backend in ("torch", "reference") else backend, q, state,
                               q, k, v, f, beta_logit):
@@ -280,6 +286,11 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         o[:m], state[state_indices] = om[0], s.to(state.dtype)  # empty sequences: their state, unchanged
         return o
+    n = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    if chunks is not None and n is not None and q.shape[0] >= EXTEND_CHUNKED_MIN_TOKENS * n:
+        from .triton import kda_extend_triton
+        return kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, *chunks,
+                                 scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     from .triton import kda_decode_triton
     return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                              scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,

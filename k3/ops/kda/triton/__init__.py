@@ -2,10 +2,10 @@
 
 Importing this package imports triton; `k3.ops.kda.triton_available()` checks that lazily.
 """
-from .chunk import chunk_kda_gated_triton, chunk_kda_triton
+from .chunk import chunk_kda_gated_triton, chunk_kda_triton, kda_extend_triton
 from .decode import kda_decode_triton
 
-__all__ = ["chunk_kda_triton", "chunk_kda_gated_triton", "kda_decode_triton", "interpreted"]
+__all__ = ["chunk_kda_triton", "chunk_kda_gated_triton", "kda_decode_triton", "kda_extend_triton", "interpreted"]
 
 
 def interpreted() -> bool:

@@ -159,16 +159,18 @@ def _prec(dtype):
 
 
 def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0, out=True,
-               cs=1, summary=False):
+               cs=1, summary=False, o=None):
     """One launch of `kda_recur_fwd_kernel` over N sequences (cs = 1: cu_seqlens; cs = 2: (start, end) pairs).
     Returns (o or None, final states ht [N, H, K, V], hall, vnew, hsel); with `summary`, only ht, which is then
-    the segment summaries [N, H, K, V + K] (own contribution | K x K transition)."""
+    the segment summaries [N, H, K, V + K] (own contribution | K x K transition). `o`: the output buffer
+    [T, H, V] (default: a new one; rows of no sequence are left as they are)."""
     ke, v, qe, kg, aqk, gc, tb = parts
     T = ke.shape[0]
     NC = gc.shape[0]
     VS = V + K if summary else V
     out = out and not summary
-    o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype) if out else None
+    if out and o is None:
+        o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype)
     ht = torch.empty(N, H, K, VS, device=ke.device, dtype=torch.float32)
     hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
     vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
@@ -424,3 +426,35 @@ def _finish(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state, cu_seqlens
                                   states_at)
     ht = ht if output_final_state else None
     return (o, ht) if states_at is None else (o, ht, hsel)
+
+
+def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, chunks, chunk_off,
+                      scale=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True):
+    """The engine's extend step in chunks: sequences of several new tokens each advanced from their pool slots
+    by the chunked kernels (16-token tiles in parallel, one recurrence step per tile) instead of one token at a
+    time, with every table on the device (a CUDA graph captures it).
+
+    q, k, f [T, H, K], v [T, H, V], beta_logit [T, H] (raw gate and beta logits, as `chunk_kda_gated_triton`);
+    state: fp32 pool [P, H, K, V] updated IN PLACE at `state_indices` [n]; cu_seqlens [n + 1]: sequence i owns
+    tokens cu[i]..cu[i+1] (empty allowed; rows past cu[n] belong to none and get o = 0); chunks [NC, 2]: (first
+    token, valid tokens) of every 16-token tile of the sequences, unused entries (any, 0); chunk_off [n]: the index
+    of each sequence's first tile (`paged_cache.token_runs(cu, T, 16, first=True)` builds both). Returns o [T, H, V].
+    """
+    T, H, K = q.shape
+    V = v.shape[-1]
+    n = cu_seqlens.numel() - 1
+    if chunks.dim() != 2 or chunks.shape[1] != 2 or chunk_off.numel() != n or state_indices.numel() != n:
+        raise ValueError(f"kda_extend_triton: need chunks [NC, 2] and chunk_off / state_indices of {n} entries, got "
+                         f"{tuple(chunks.shape)}, {tuple(chunk_off.shape)}, {tuple(state_indices.shape)}")
+    if K > 128 or V > 128:
+        raise ValueError(f"kda_extend_triton: the Triton kernels support head dims up to 128, got K={K}, V={V}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    flags = dict(GATE=True, BETA_SIG=True, L2=use_qk_l2norm_in_kernel)
+    qp, kp, vp, fp = (x.contiguous() for x in (q, k, v, f))
+    parts = _intra_fwd(qp, kp, vp, fp, beta_logit.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
+                       chunks.contiguous(), chunks.shape[0], scale, float(lower_bound), flags, pre=True)
+    o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
+    _, ht, _, _, _ = _recur_fwd(parts, state[state_indices], cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K,
+                                V, v.dtype, o=o)
+    state[state_indices] = ht
+    return o
