@@ -28,6 +28,12 @@ from .paged_cache import PagedLayerCache
 A_LOG_PAD = 128  # the release stores A_log padded to a multiple of 128 entries (only the first H are used)
 
 
+def _step_backend(backend: str) -> str:
+    """The decode step's backend for a layer backend: the PyTorch step for "torch" / "reference", the Triton kernel
+    for "triton" (also on the CPU under Triton's interpreter), else "auto"."""
+    return {"torch": "torch", "reference": "torch", "triton": "triton"}.get(backend, "auto")
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: K3TextConfig, layer_idx: int):
         super().__init__()
@@ -177,7 +183,7 @@ class KimiDeltaAttention(nn.Module):
             q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu).split(HK, dim=-1)
             o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
-                                      backend="torch" if backend in ("torch", "reference") else "auto",
+                                      backend=_step_backend(backend),
                                       cu_seqlens=b.step_cu, chunks=b.step_chunks)
             return self._output(o, gate)
         win = cache.conv_windows()  # [n, 3HK, W-1]
@@ -193,7 +199,7 @@ class KimiDeltaAttention(nn.Module):
             g = kda_gate(f[None, :nd], self.A_log[:H], self.dt_bias, self.lower_bound)[0]
             od, sd = kda_decode_step(q[:nd], k[:nd], v[:nd], g, torch.sigmoid(beta_logit[:nd].float()), s0[:nd],
                                      use_qk_l2norm_in_kernel=True,
-                                     backend="torch" if backend in ("torch", "reference") else "auto")
+                                     backend=_step_backend(backend))
             o.append(od)
             s.append(sd)
         if nd < b.num_docs:  # the others: chunked, from their states (and the states at checkpoints inside)
