@@ -415,9 +415,11 @@ def test_cuda_fp32_fp16_sources(dtype):
 @cuda
 @torch.no_grad()
 def test_cuda_graph_with_static_tables_replays_on_new_values():
-    """AttnRes + norm captured in a CUDA graph inside `static_tables`: the pointer tables are written after the
-    capture (no copy node); replays after new values are copied into the same sources equal the eager op, and
-    the tables are handed over to be kept with the graph (one per launch)."""
+    """AttnRes + norm captured in CUDA graphs inside `static_tables`: the pointer tables are written after the
+    capture (no copy node) into an arena outside the graphs' shared pool. Graph A's scratch (small temporaries
+    freed during its capture) is reused by graph B's capture from the same pool, so a table allocated there would
+    be overwritten by A's replays; replays of A then B after new values are copied into the sources must equal
+    the eager op."""
     from k3.ops.attn_res import attn_res_norm, static_tables
     g = torch.Generator(device="cuda").manual_seed(61)
     src = [torch.randn(3, 1536, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(5)]
@@ -427,16 +429,23 @@ def test_cuda_graph_with_static_tables_replays_on_new_values():
     def fn():
         return attn_res_norm(src, query, nw, EPS, w, 1e-6)
 
+    def scratch():  # small temporaries, freed inside the capture: their blocks go back to the pool
+        return sum((src[0][:1, :8] * float(i)).float().sum() for i in range(8))
+
     fn()
-    graph, keep = torch.cuda.CUDAGraph(), []
-    with static_tables(keep), torch.cuda.graph(graph):
-        out = fn()
-    assert keep and all(t.is_cuda for t in keep)
-    for _ in range(2):
+    scratch()
+    a, b, keep = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), []
+    with static_tables(keep, "cuda"), torch.cuda.graph(a):
+        out_a = scratch()
+    with static_tables(keep, "cuda"), torch.cuda.graph(b, pool=a.pool()):
+        out_b = fn()
+    assert len(keep) == 2 and all(t.is_cuda for t in keep)
+    for _ in range(3):
         for t in src:
             t.copy_(torch.randn(t.shape, device="cuda", generator=g))
-        graph.replay()
-        assert torch.equal(out, fn())
+        a.replay()
+        b.replay()
+        assert torch.equal(out_b, fn()) and torch.equal(out_a, scratch())
 
 
 @pytest.mark.cuda

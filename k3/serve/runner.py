@@ -73,7 +73,7 @@ class _Graph:
             self.run()
         torch.cuda.current_stream(runner.device).wait_stream(side)
         self.graph, self.tables = torch.cuda.CUDAGraph(), []
-        with static_tables(self.tables), torch.cuda.graph(self.graph, pool=mempool):
+        with static_tables(self.tables, runner.device), torch.cuda.graph(self.graph, pool=mempool):
             self.out = self.run()
 
     @torch.no_grad()

@@ -33,14 +33,14 @@ def triton_available() -> bool:
     return importable(__name__ + ".triton")
 
 
-def static_tables(keep: list):
-    """Context around a CUDA graph capture that writes the captured kernels' pointer tables once, after the capture,
-    instead of replaying a copy into them (`triton.static_tables`); `keep` receives them (hold it as long as the
-    graph). A no-op without Triton."""
+def static_tables(keep: list, device):
+    """Context around a CUDA graph capture on `device` that writes the captured kernels' pointer tables once,
+    after the capture, into an arena allocated outside the graph's pool, instead of replaying a copy into them
+    (`triton.static_tables`); `keep` receives the arena (hold it as long as the graph). A no-op without Triton."""
     if not triton_available():
         return contextlib.nullcontext(keep)
     from .triton import static_tables as tables
-    return tables(keep)
+    return tables(keep, device)
 
 
 def _interpreted() -> bool:

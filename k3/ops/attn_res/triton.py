@@ -254,42 +254,46 @@ def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_p
 
 
 _CAPTURED_TABLES: list[torch.Tensor] = []  # pinned sources of copies recorded in CUDA graphs (kept forever)
-_STATIC: list[list] = []  # the innermost `static_tables` context's pending (device table, host table) pairs
+_STATIC: list[dict] = []  # the open `static_tables` contexts (innermost last): arena, entries used, host values
 
 
 @contextlib.contextmanager
-def static_tables(keep: list):
+def static_tables(keep: list, device, capacity: int = 4096):
     """Around a CUDA graph capture (outside `torch.cuda.graph`): the pointer tables of the kernels captured inside
-    are allocated on the device and written once when the context exits, after the capture, instead of by a
-    host-to-device copy node replayed with the graph (their contents, the graph's static addresses, never
-    change). `keep` receives the tables: hold it as long as the graph."""
-    pending: list = []
-    _STATIC.append(pending)
+    are slices of one device arena allocated here, before the capture (so outside the graph's memory pool, whose
+    blocks other graphs sharing it reuse as scratch), and written once when the context exits, after the capture,
+    instead of by a host-to-device copy node replayed with the graph (their contents, the graph's static
+    addresses, never change). `keep` receives the arena: hold it as long as the graph. Tables past `capacity`
+    entries fall back to the copy."""
+    st = {"arena": torch.empty(capacity, dtype=torch.int64, device=device), "used": 0, "host": []}
+    _STATIC.append(st)
     try:
         yield keep
     finally:
-        _STATIC.remove(pending)
-        for dev, host in pending:
-            dev.copy_(host)
-        keep.extend(dev for dev, _ in pending)
+        _STATIC.remove(st)
+        if st["used"]:
+            st["arena"][:st["used"]].copy_(torch.tensor(st["host"], dtype=torch.int64))
+        keep.append(st["arena"])
 
 
 def _table(ptrs: list[int], device: torch.device) -> torch.Tensor:
     """int64 [N] pointer table on `device`: staged through pinned memory and copied without a host sync.
 
-    Under CUDA graph capture inside `static_tables`, an empty device table written after the capture. Under
+    Under CUDA graph capture inside `static_tables`, a slice of its arena, written after the capture. Under
     another capture, the copy is recorded with the pinned buffer's address and repeated on every replay, so that
     buffer is kept alive (the host allocator would otherwise hand it to a later pin, and a replay would read
     someone else's pointers). The pointers themselves are the graph's static addresses."""
-    t = torch.tensor(ptrs, dtype=torch.int64)
     if device.type != "cuda":
-        return t
+        return torch.tensor(ptrs, dtype=torch.int64)
     capturing = torch.cuda.is_current_stream_capturing()
     if capturing and _STATIC:
-        dev = torch.empty(len(ptrs), dtype=torch.int64, device=device)
-        _STATIC[-1].append((dev, t))
-        return dev
-    t = t.pin_memory()
+        st, n = _STATIC[-1], len(ptrs)
+        off = st["used"]
+        if off + n <= st["arena"].numel() and st["arena"].device == device:
+            st["host"] += ptrs + [0] * (n % 2)  # the next slice starts 16-byte aligned
+            st["used"] += n + n % 2
+            return st["arena"][off:off + n]
+    t = torch.tensor(ptrs, dtype=torch.int64).pin_memory()
     if capturing:
         _CAPTURED_TABLES.append(t)
     return t.to(device, non_blocking=True)
