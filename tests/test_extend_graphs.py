@@ -119,8 +119,9 @@ def test_kda_decode_step_gated_over_several_tokens_triton_equals_torch():
 
 @pytest.mark.parametrize("lens", [[64], [37, 0, 16, 1, 30], [5, 128]], ids=["hit-tail", "mixed", "short-long"])
 def test_kda_extend_in_chunks_equals_the_token_steps(lens):
-    """The chunked extend step (16-token tiles from device-built tables, `kda_extend_triton`) against the PyTorch
-    token steps from the same pool slots: outputs, states, untouched slots; rows of no sequence get o = 0. Through
+    """The chunked extend step (16-token tiles from device-built tables, `kda_extend_triton`; q, k, v, beta read in
+    place as row slices, states read and written in the strided pool's slots) against the PyTorch token steps from
+    the same pool slots: outputs, states, untouched slots; rows of no sequence get o = 0. Through
     `kda_decode_step_gated`, which must pick the chunked kernels at these lengths."""
     from unittest import mock
 
@@ -131,6 +132,10 @@ def test_kda_extend_in_chunks_equals_the_token_steps(lens):
     P, H, K = 9, 2, 32
     N = sum(lens) + 3  # 3 padding rows
     q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, dev)
+    # as the model passes them: q, k, v row slices of the conv's output, beta of the joined projection's
+    y = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], 1)
+    q, k, v = (t.reshape(N, H, K) for t in y.split(H * K, dim=1))
+    bl = torch.cat([bl, torch.randn(N, 5, generator=g).to(dev)], 1)[:, :H]
     pool = torch.randn(P, 2, H, K, K, generator=g).to(dev) * 0.3
     ref_pool = pool.clone()
     slots = torch.tensor([4, 0, 6, 8, 2][:len(lens)], device=dev)

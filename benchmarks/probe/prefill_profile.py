@@ -1,5 +1,6 @@
 """Where a prefill's time goes: k3-small bf16 engine, one cold 8,192-token prefill and one prefix-hit tail
-(16K cached + 64 new tokens). For each: wall time, summed GPU kernel time, the host→device synchronisations
+(16K cached + 64 new tokens). For each: wall time, summed GPU kernel time and the top kernels, the host→device
+synchronisations
 with the Python line that caused each (`torch.cuda.set_sync_debug_mode`), and the host's Python hot spots
 (cProfile, top by own time).
 
@@ -63,12 +64,15 @@ def sync_sites(fn) -> dict:
     return dict(sites.most_common())
 
 
-def gpu_time_ms(fn) -> tuple[float, int]:
+def gpu_time_ms(fn, top: int = 25) -> tuple[float, int, list]:
+    """Summed GPU kernel time (ms), kernel count and the `top` kernels by time: (name, ms, calls)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    return sum(e.self_device_time_total for e in evs) / 1e3, sum(e.count for e in evs)
+    evs = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                 key=lambda e: -e.self_device_time_total)
+    kernels = [(e.key[:90], e.self_device_time_total / 1e3, e.count) for e in evs[:top]]
+    return sum(e.self_device_time_total for e in evs) / 1e3, sum(e.count for e in evs), kernels
 
 
 def hot_spots(fn, n: int = 35) -> str:
@@ -111,7 +115,7 @@ def main():
     for name, fn in (("cold_8192", cold), ("hit_16384_plus_64", hit)):
         r = res[name] = {}
         r["wall_ms"] = sorted(timed(fn) for _ in range(3))[1]
-        r["gpu_ms"], r["kernels"] = gpu_time_ms(fn)
+        r["gpu_ms"], r["kernels"], r["top_kernels"] = gpu_time_ms(fn)
         r["syncs"] = sync_sites(fn)
         r["n_syncs"] = sum(r["syncs"].values())
         r["cprofile"] = hot_spots(fn)
@@ -119,6 +123,8 @@ def main():
               f"{r['n_syncs']} syncs")
         for k, v in list(r["syncs"].items())[:25]:
             print(f"   {v:5d}  {k}")
+        for name, ms, calls in r["top_kernels"]:
+            print(f"   k {ms:8.3f} ms {calls:5d}  {name}")
         print(r["cprofile"])
     Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -131,8 +131,11 @@ def _slots(states_at, cu_host, coff_host, NC, device):
 
 def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=False):
     """The recurrence's per-chunk inputs (ke, v, qe, kg, Aqk, G_C, Tb) -- see `intra.py`; v is passed through.
-    pre (forwards without autograd): Tb folded into Aqk and kg, and Tb None."""
+    pre (forwards without autograd): Tb folded into Aqk and kg, and Tb None. q, k, g [T, H, K] and beta [T, H] may
+    be row slices of wider tensors (each row's [H, K] / [H] contiguous; q and k with one row stride)."""
     T, H, K = q.shape
+    if k.stride(0) != q.stride(0):
+        raise ValueError(f"kda intra: q and k need one row stride, got {q.stride(0)} and {k.stride(0)}")
     idt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     ke = torch.empty(T, H, K, device=q.device, dtype=idt)
     qe, kg = torch.empty_like(ke), torch.empty_like(ke)
@@ -141,7 +144,7 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, p
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK = _blk(K)
     kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
-                                  H, K, scale, lb, BK=BK, KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
+                                  H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK, KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
                                   PRE=pre, num_warps=CFG["intra_warps"], **flags)
     return ke, v, qe, kg, aqk, gc, tb
 
@@ -159,11 +162,13 @@ def _prec(dtype):
 
 
 def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0, out=True,
-               cs=1, summary=False, o=None):
+               cs=1, summary=False, o=None, idx=None):
     """One launch of `kda_recur_fwd_kernel` over N sequences (cs = 1: cu_seqlens; cs = 2: (start, end) pairs).
     Returns (o or None, final states ht [N, H, K, V], hall, vnew, hsel); with `summary`, only ht, which is then
     the segment summaries [N, H, K, V + K] (own contribution | K x K transition). `o`: the output buffer
-    [T, H, V] (default: a new one; rows of no sequence are left as they are)."""
+    [T, H, V] (default: a new one; rows of no sequence are left as they are). `idx` [N]: h0 is a pool of fp32
+    states [P, H, K, V] (slots contiguous, strided apart) and sequence n starts from and ends in slot idx[n], in
+    place (ht is then the pool). v may be a row slice of a wider tensor (rows of [H, V] contiguous)."""
     ke, v, qe, kg, aqk, gc, tb = parts
     T = ke.shape[0]
     NC = gc.shape[0]
@@ -171,16 +176,17 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     out = out and not summary
     if out and o is None:
         o = torch.empty(T, H, V, device=ke.device, dtype=out_dtype)
-    ht = torch.empty(N, H, K, VS, device=ke.device, dtype=torch.float32)
+    ht = h0 if idx is not None else torch.empty(N, H, K, VS, device=ke.device, dtype=torch.float32)
     hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
     vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
     hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
     BV = min(CFG["fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(VS, BV))](
-        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, H, K, V, cs,
+        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, idx, H, K, V, cs,
+        v.stride(0), 0 if idx is None else h0.stride(0),
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
-        PREFETCH=CFG["prefetch"], SUMMARY=summary, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out,
+        PREFETCH=CFG["prefetch"], SUMMARY=summary, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out, HAS_IDX=idx is not None,
         num_warps=CFG["store_warps" if store_h else "fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
@@ -450,11 +456,16 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
         raise ValueError(f"kda_extend_triton: the Triton kernels support head dims up to 128, got K={K}, V={V}")
     scale = K ** -0.5 if scale is None else float(scale)
     flags = dict(GATE=True, BETA_SIG=True, L2=use_qk_l2norm_in_kernel)
-    qp, kp, vp, fp = (x.contiguous() for x in (q, k, v, f))
-    parts = _intra_fwd(qp, kp, vp, fp, beta_logit.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
+    # row slices of the conv's / projection's outputs are read in place (rows strided, each row contiguous)
+    qp, kp, vp, fp, bp = (x if x[0].is_contiguous() else x.contiguous() for x in (q, k, v, f, beta_logit))
+    if kp.stride(0) != qp.stride(0):
+        qp, kp = qp.contiguous(), kp.contiguous()
+    if state.dtype != torch.float32 or state[0].stride() != (K * V, V, 1) or state.stride(0) < H * K * V:
+        raise ValueError(f"kda_extend_triton: state must be an fp32 pool [P, {H}, {K}, {V}] of contiguous, "
+                         f"non-overlapping slots, got {state.dtype} {tuple(state.shape)} strides {state.stride()}")
+    parts = _intra_fwd(qp, kp, vp, fp, bp, A_log.contiguous(), dt_bias.contiguous(),
                        chunks.contiguous(), chunks.shape[0], scale, float(lower_bound), flags, pre=True)
     o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
-    _, ht, _, _, _ = _recur_fwd(parts, state[state_indices], cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K,
-                                V, v.dtype, o=o)
-    state[state_indices] = ht
+    _recur_fwd(parts, state, cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K, V, v.dtype, o=o,
+               idx=state_indices.contiguous())
     return o

@@ -35,11 +35,12 @@ def _gate(graw, alog_ptr, dtb_ptr, h, K, cols, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
-def _beta(b_ptr, t0, nvalid, h, H, BETA_SIG: tl.constexpr):
-    """beta [16] of one chunk of one head (sigmoid of the logits with BETA_SIG), 0 on invalid rows."""
+def _beta(b_ptr, t0, nvalid, h, sb, BETA_SIG: tl.constexpr):
+    """beta [16] of one chunk of one head (sigmoid of the logits with BETA_SIG), 0 on invalid rows; sb: the
+    row stride of beta [T, H] (H when contiguous)."""
     rows = tl.arange(0, 16)
     rm = rows < nvalid
-    braw = tl.load(b_ptr + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
+    braw = tl.load(b_ptr + (t0 + rows) * sb + h, mask=rm, other=0.0).to(tl.float32)
     beta = tl.sigmoid(braw) if BETA_SIG else braw
     return tl.where(rm, beta, 0.0)
 
@@ -116,28 +117,29 @@ def _factors(qs, kn, g, beta, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _cols(x_ptr, t0, nvalid, h, H, K, kb, KB: tl.constexpr):
-    """Rows [t0, t0 + nvalid) x columns [kb, kb + KB) of one head of x [T, H, K], as fp32 (0 outside)."""
+def _cols(x_ptr, t0, nvalid, h, sx, K, kb, KB: tl.constexpr):
+    """Rows [t0, t0 + nvalid) x columns [kb, kb + KB) of one head of x [T, H, K] (row stride sx; each row's
+    [H, K] contiguous), as fp32 (0 outside)."""
     rows = tl.arange(0, 16)
     cols = kb + tl.arange(0, KB)
     m2 = (rows < nvalid)[:, None] & (cols < K)[None, :]
-    off = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
+    off = (t0 + rows)[:, None] * sx + h * K + cols[None, :]
     return tl.load(x_ptr + off, mask=m2, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB: tl.constexpr, GATE: tl.constexpr):
+def _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, sg, K, kb, lower_bound, KB: tl.constexpr, GATE: tl.constexpr):
     """In-chunk cumulative log decay G [16, KB] of columns [kb, kb + KB) (0 on invalid rows/columns), and the
     gate's pre-activation z (f + dt_bias with GATE, else g itself) for the backward."""
     rows = tl.arange(0, 16)
     cols = kb + tl.arange(0, KB)
-    g, z = _gate(_cols(g_ptr, t0, nvalid, h, H, K, kb, KB), alog_ptr, dtb_ptr, h, K, cols, lower_bound, GATE)
+    g, z = _gate(_cols(g_ptr, t0, nvalid, h, sg, K, kb, KB), alog_ptr, dtb_ptr, h, K, cols, lower_bound, GATE)
     g = tl.where((rows < nvalid)[:, None] & (cols < K)[None, :], g, 0.0)
     return tl.cumsum(g, 0), z
 
 
 @triton.jit
-def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: tl.constexpr,
+def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, sx, sb, K, BK: tl.constexpr, KB: tl.constexpr,
                 BETA_SIG: tl.constexpr, L2: tl.constexpr):
     """1/||q||, 1/||k|| per row (1 without L2) and beta (0 on invalid rows), reading q, k in column blocks."""
     rq = tl.full([16], 1.0, tl.float32)
@@ -146,22 +148,23 @@ def _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK: tl.constexpr, KB: 
         sq = tl.zeros([16], tl.float32)
         sk = tl.zeros([16], tl.float32)
         for kb in range(0, BK, KB):
-            qb = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB)
-            kb_ = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB)
+            qb = _cols(q_ptr, t0, nvalid, h, sx, K, kb, KB)
+            kb_ = _cols(k_ptr, t0, nvalid, h, sx, K, kb, KB)
             sq += tl.sum(qb * qb, 1)
             sk += tl.sum(kb_ * kb_, 1)
         rq = 1.0 / tl.sqrt(sq + 1e-6)
         rk = 1.0 / tl.sqrt(sk + 1e-6)
-    return rq, rk, _beta(b_ptr, t0, nvalid, h, H, BETA_SIG)
+    return rq, rk, _beta(b_ptr, t0, nvalid, h, sb, BETA_SIG)
 
 
 @triton.jit
 def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
                          ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
-                         H, K, scale, lower_bound,
+                         H, K, sx, sg, sb, scale, lower_bound,
                          BK: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr,
                          BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, PRE: tl.constexpr):
-    """Per (chunk, head): ke, qe, kg [T, H, K], Aqk and Tb = T diag(beta) [T, H, 16], G_C [NC, H, K].
+    """Per (chunk, head): ke, qe, kg [T, H, K], Aqk and Tb = T diag(beta) [T, H, 16], G_C [NC, H, K]. The inputs'
+    row strides: sx (q and k), sg (g), sb (beta) -- row slices of wider tensors need no copy; outputs contiguous.
 
     One pass in column blocks of KB (every factor is per column except the l2norms and the two score
     matrices, which are sums over columns), so only [16, KB] tiles are live: low register use, many
@@ -177,7 +180,7 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_p
     nvalid = tl.load(chunks_ptr + 2 * ic + 1)
     rows = tl.arange(0, 16)
     rm = rows < nvalid
-    rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, H, K, BK, KB, BETA_SIG, L2)
+    rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, sx, sb, K, BK, KB, BETA_SIG, L2)
     odt = ke_ptr.dtype.element_ty
     M = tl.zeros([16, 16], tl.float32)
     Aqk = tl.zeros([16, 16], tl.float32)
@@ -185,14 +188,14 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_p
         cols = kb + tl.arange(0, KB)
         mk = rm[:, None] & (cols < K)[None, :]
         offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
-        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K, kb, lower_bound, KB, GATE)
+        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, sg, K, kb, lower_bound, KB, GATE)
         gC = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), 0)
-        kn = _cols(k_ptr, t0, nvalid, h, H, K, kb, KB) * rk[:, None]
+        kn = _cols(k_ptr, t0, nvalid, h, sx, K, kb, KB) * rk[:, None]
         eG = tl.exp(G)
         ki = kn * tl.exp(-G)
         ke = kn * eG
         M += tl.dot(ke, tl.trans(ki), input_precision=DOT_PREC)
-        qe = _cols(q_ptr, t0, nvalid, h, H, K, kb, KB) * (rq * scale)[:, None] * eG
+        qe = _cols(q_ptr, t0, nvalid, h, sx, K, kb, KB) * (rq * scale)[:, None] * eG
         Aqk += tl.dot(qe, tl.trans(ki), input_precision=DOT_PREC)
         tl.store(ke_ptr + offk, ke.to(odt), mask=mk)
         tl.store(qe_ptr + offk, qe.to(odt), mask=mk)

@@ -29,7 +29,7 @@ from .intra import _mm
 
 
 @triton.jit
-def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, t0, eos, ci, h, H, K, V, kc, vc,
+def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, sx, t0, eos, ci, h, H, K, V, kc, vc,
                BT: tl.constexpr, TRANS_X: tl.constexpr, TB: tl.constexpr):
     """One chunk's tiles (storage dtype) for a recurrence step: ke, qe, kg [BT, BK]; x [BT, BV] (v forward,
     do backward), or x^T [BV, BT] with TRANS_X; Aqk, Tb [BT, BT] (Tb only with TB, else 0); G_C [BK].
@@ -43,10 +43,10 @@ def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, t0, eos, 
     qe = tl.load(qe_ptr + offk, mask=mk, other=0.0)
     kg = tl.load(kg_ptr + offk, mask=mk, other=0.0)
     if TRANS_X:
-        x = tl.load(x_ptr + t[None, :] * (H * V) + h * V + vc[:, None], mask=(vc < V)[:, None] & rm[None, :],
+        x = tl.load(x_ptr + t[None, :] * sx + h * V + vc[:, None], mask=(vc < V)[:, None] & rm[None, :],
                     other=0.0)
     else:
-        x = tl.load(x_ptr + t[:, None] * (H * V) + h * V + vc[None, :], mask=rm[:, None] & (vc < V)[None, :],
+        x = tl.load(x_ptr + t[:, None] * sx + h * V + vc[None, :], mask=rm[:, None] & (vc < V)[None, :],
                     other=0.0)
     offa = t[:, None] * (H * BT) + h * BT + rows[None, :]
     A = tl.load(aqk_ptr + offa, mask=rm[:, None], other=0.0)
@@ -60,12 +60,12 @@ def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, t0, eos, 
 
 @triton.jit
 def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, h0_ptr, o_ptr, ht_ptr,
-                         hall_ptr, vnew_ptr, slot_ptr, hsel_ptr, cu_ptr, coff_ptr,
-                         H, K, V, CS,
+                         hall_ptr, vnew_ptr, slot_ptr, hsel_ptr, cu_ptr, coff_ptr, idx_ptr,
+                         H, K, V, CS, sv, slot_stride,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          STORE_H: tl.constexpr, STORE_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
                          BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr, BT: tl.constexpr,
-                         PRE: tl.constexpr, STORE_O: tl.constexpr):
+                         PRE: tl.constexpr, STORE_O: tl.constexpr, HAS_IDX: tl.constexpr):
     """v_new = Tb (v - ke S), o = qe S + Aqk v_new, S <- e^{G_C} S + kg^T v_new, chunk by chunk (computed
     transposed: v_new^T = (v^T - S^T ke^T) Tb^T, o^T = S^T qe^T + v_new^T Aqk^T, S^T <- S^T e^{G_C} + v_new^T kg).
     PRE: Tb is already folded into Aqk and kg (`kda_intra_fwd_kernel`'s PRE), so X = v - ke S takes v_new's
@@ -78,6 +78,8 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
     SUMMARY (segment summary for splitting long sequences): no output; the state has V + K columns, the
     first V start at 0 (the segment's own contribution, v as given) and the last K at the identity with
     v = 0 (the segment's K x K transition), and ht [N, H, K, V + K] receives both.
+    sv: v's row stride (H * V when contiguous). HAS_IDX (the engine's extend steps): sequence n's initial and
+    final state are slot idx[n] of a pool (h0_ptr = ht_ptr, slots `slot_stride` elements apart), updated in place.
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -93,8 +95,12 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
     vm = vc < V
     sm = (vc < VS)[:, None] & km[None, :]
     soff = kc[None, :] * VS + vc[:, None]           # [K, VS] memory layout of S^T's elements
+    if HAS_IDX:
+        sbase = tl.load(idx_ptr + n).to(tl.int64) * slot_stride + h * K * VS
+    else:
+        sbase = (n * H + h) * K * VS
     if HAS_H0:
-        S = tl.load(h0_ptr + (n * H + h) * K * VS + soff, mask=sm, other=0.0).to(tl.float32)
+        S = tl.load(h0_ptr + sbase + soff, mask=sm, other=0.0).to(tl.float32)
     elif SUMMARY:
         S = (kc[None, :] == vc[:, None] - V).to(tl.float32)
     else:
@@ -102,15 +108,15 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
     nch = tl.cdiv(eos - bos, BT)
     if PREFETCH:
         ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr,
-                                                            bos, eos, c0, h, H, K, V, kc, vc, BT, True, not PRE)
+                                                            sv, bos, eos, c0, h, H, K, V, kc, vc, BT, True, not PRE)
     for i in range(0, nch):
         if PREFETCH:
             ke, qe, kg, vT, A, Tb, gC = ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n
             ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n = _load_step(
-                ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr, bos + (i + 1) * BT, eos,
+                ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr, sv, bos + (i + 1) * BT, eos,
                 c0 + tl.minimum(i + 1, nch - 1), h, H, K, V, kc, vc, BT, True, not PRE)
         else:
-            ke, qe, kg, vT, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr,
+            ke, qe, kg, vT, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr, sv,
                                                    bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, True, not PRE)
         t = bos + i * BT + rows
         mv = vm[:, None] & (t < eos)[None, :]
@@ -134,7 +140,7 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
             if slot >= 0:
                 tl.store(hsel_ptr + (slot * H + h).to(tl.int64) * K * V + soff, S, mask=sm)
     if STORE_HT:
-        tl.store(ht_ptr + (n * H + h) * K * VS + soff, S, mask=sm)
+        tl.store(ht_ptr + sbase + soff, S, mask=sm)
 
 
 @triton.jit
@@ -172,7 +178,7 @@ def kda_recur_bwd_kernel(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr
     if PREFETCH:
         i0 = tl.maximum(nch - 1, 0)
         ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr,
-                                                             bos + i0 * BT, eos, c0 + i0, h, H, K, V, kc, vc, BT,
+                                                             H * V, bos + i0 * BT, eos, c0 + i0, h, H, K, V, kc, vc, BT,
                                                              False, True)
     for j in range(0, nch):
         i = nch - 1 - j
@@ -180,10 +186,10 @@ def kda_recur_bwd_kernel(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr
             ke, qe, kg, do, A, Tb, gC = ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n
             ip = tl.maximum(i - 1, 0)
             ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
-                                                                 do_ptr, bos + ip * BT, eos, c0 + ip, h, H, K, V, kc,
+                                                                 do_ptr, H * V, bos + ip * BT, eos, c0 + ip, h, H, K, V, kc,
                                                                  vc, BT, False, True)
         else:
-            ke, qe, kg, do, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr,
+            ke, qe, kg, do, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr, H * V,
                                                    bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, False, True)
         w = tl.dot(Tb, ke.to(tl.float32), input_precision=DOT_PREC)
         t = bos + i * BT + rows
