@@ -81,21 +81,22 @@ def test_kda_decode_step_gated_updates_a_strided_pool_in_place():
 
 @pytest.mark.parametrize("dt_bias_on", [True, False])
 def test_triton_decode_reads_strided_gate_and_beta_rows(dt_bias_on):
-    """The Triton step (CPU interpreter) takes f and beta as row slices of one wider projection output, as the
-    engine's joined projection hands them over (no copies), and equals the PyTorch step on contiguous copies."""
+    """The Triton step (CPU interpreter, or CUDA) takes f and beta as row slices of one wider projection output, as
+    the engine's joined projection hands them over (no copies), and equals the PyTorch step on contiguous copies."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
     P, H, K, N = 6, 2, 16, 3
-    q, k, v, _, _, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g)
-    wide = torch.randn(N, H * K + 5 + H, generator=g)
+    q, k, v, _, _, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, dev)
+    wide = torch.randn(N, H * K + 5 + H, generator=g).to(dev)
     f, bl = wide[:, :H * K].view(N, H, K), wide[:, H * K + 5:]
     assert not f.is_contiguous() and bl.stride(0) != H
     dtb = dt_bias if dt_bias_on else None
-    pool = torch.randn(P, 2, H, K, K, generator=g)
+    pool = torch.randn(P, 2, H, K, K, generator=g).to(dev)
     ref_pool = pool.clone()
-    slots = torch.tensor([5, 1, 2])
+    slots = torch.tensor([5, 1, 2], device=dev)
     o = kda_decode_step_gated(q, k, v, f, bl, A_log, dtb, pool[:, 1], slots, -5.0, backend="triton")
     ro = kda_decode_step_gated(q, k, v, f.contiguous(), bl.contiguous(),
-                               A_log, dtb if dt_bias_on else torch.zeros(H * K), ref_pool[:, 1], slots, -5.0,
+                               A_log, dtb if dt_bias_on else torch.zeros(H * K, device=dev), ref_pool[:, 1], slots, -5.0,
                                backend="torch")
     assert (o - ro).abs().max() <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5
 
@@ -294,6 +295,14 @@ def test_joined_weight_cache_follows_in_place_updates():
         b.mul_(2.0)
     refresh_joined_weights(m)  # what Engine.update_weights calls before graphs replay
     assert torch.equal(m._joined_weights["ab"][1], torch.cat([a, b]).detach())
+    with torch.no_grad():  # padded to a multiple of 8 rows: zeros after the parts, kept by a refresh
+        p = joined_weight(m, "ab8", [a, b], torch.float32, multiple=8)
+        assert p.shape == (8, 4) and torch.equal(p[:5], torch.cat([a, b])) and not p[5:].any()
+        a.sub_(1.0)
+        refresh_joined_weights(m)
+        assert m._joined_weights["ab8"][1] is p and torch.equal(p[:5], torch.cat([a, b])) and not p[5:].any()
+    pg = joined_weight(m, "ab8", [a, b], torch.float32, multiple=8)  # with autograd: built per call, padded too
+    assert pg.shape == (8, 4) and pg.requires_grad and not pg[5:].any()
     a.data, b.data = a.data.double(), b.data.double()  # moved / converted (as .cuda() does): a new tensor
     with torch.no_grad():
         w3 = joined_weight(m, "ab", [a, b], torch.float64)

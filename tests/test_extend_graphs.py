@@ -58,11 +58,14 @@ def test_short_conv_step_over_several_tokens_equals_short_conv_with_state():
     assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["per-sequence", "per-tile"])
 @pytest.mark.parametrize("lens", [LENS, [70, 2, 0, 33]], ids=["short", "several-tiles"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
-def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens):
+def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens, tiles):
     """The extend kernel (token tiles in parallel) against the PyTorch ops: outputs, and windows advanced in
-    place; sequences of 1 and 2 tokens (shorter than the window), empty ones, and ones longer than a 32-token tile."""
+    place; sequences of 1 and 2 tokens (shorter than the window), empty ones, and ones longer than a 32-token tile.
+    per-tile: the prefill form, one program per tile (`conv_tiles`), then the window update."""
+    from k3.ops.conv import conv_tiles
     dev = _triton_or_skip()
     g = torch.Generator().manual_seed(11)
     P, C, W = 8, 200, 4
@@ -72,7 +75,8 @@ def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, 
     w = torch.randn(C, 1, W, generator=g).to(dev)
     x = torch.randn(N, 3 * C, generator=g).to(dev, dtype)[:, C:2 * C]
     slots, cu = torch.tensor([5, 1, 2, 7], device=dev), _cu(lens, dev)
-    y = short_conv_step(x, w, pool[:, 1], slots, backend="triton", cu_seqlens=cu)
+    y = short_conv_step(x, w, pool[:, 1], slots, backend="triton", cu_seqlens=cu,
+                        tiles=conv_tiles(lens, dev) if tiles else None)
     ref = short_conv_step(x, w, ref_pool[:, 1], slots, backend="reference", cu_seqlens=cu)
     assert rel_rmse(ref, y) <= tol and not y[int(cu[-1]):].any()
     assert torch.equal(pool, ref_pool)  # windows hold copied inputs: exact

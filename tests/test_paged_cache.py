@@ -9,6 +9,7 @@ import torch
 
 from conftest import make_tiny
 from k3.model.paged_cache import PackedBatch, PagedCache
+from k3.ops.conv import CONV_TILE
 
 TOL = 1e-4  # max |Δlogit| (fp32)
 PAGE = 8  # tokens per MLA page: histories span several pages
@@ -29,22 +30,18 @@ def test_packed_batch_indices_equal_a_token_loop():
     assert b.num_decode == 3 and not b.decode and b.num_tokens == sum(lens)
     assert b.cu_seqlens.tolist() == [0, 1, 2, 3, 8, 21, 22, 24] and b.slots.tolist() == list(range(40, 47))
     assert b.rows.tolist() == [0, 2, 7, 21, 23]
-    pages, offs, ext_tok, ext_win, ext_last, hist = [], [], [], [], [], []
+    pages, offs, tiles, hist = [], [], [], []
     r = 0
     for j in range(n):
-        ext_win += range(r, r + W1)
-        ext_tok += range(r + W1, r + W1 + lens[j])
-        ext_last.append(list(range(r + lens[j], r + lens[j] + W1)))
-        r += W1 + lens[j]
+        tiles += [[j, t] for t in range(r, r + lens[j], CONV_TILE)]
+        r += lens[j]
         for p in range(starts[j], starts[j] + lens[j]):
             pages.append(tables[j][p // PAGE])
             offs.append(p % PAGE)
         if j >= 3:
             hist += [(tables[j][p // PAGE], p % PAGE) for p in range(starts[j] + lens[j])]
     assert b.tok_page.tolist() == pages and b.tok_off.tolist() == offs
-    assert b.ext_tok_rows.tolist() == ext_tok and b.ext_win_rows.tolist() == ext_win
-    assert b.ext_last_rows.tolist() == ext_last and b.ext_cu.tolist() == [0] + [
-        sum(lens[:j + 1]) + (j + 1) * W1 for j in range(n)]
+    assert b.conv_tiles.tolist() == tiles
     assert list(zip(b.hist_page.tolist(), b.hist_off.tolist())) == hist
     assert b.hist_cu == [0, 5, 35, 40, 50]
     for j in range(3):  # decode rows: history [0, start] of each single-token document, padded

@@ -156,11 +156,11 @@ class KimiDeltaAttention(nn.Module):
     def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
         """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`), the fused path's ops.
 
-        Short conv: each document's W-1 cached inputs are put in front of its tokens (the batch's "extended"
-        layout, one more document boundary each) and `short_conv_split` runs over that with `cu_seqlens`, so
-        the window needs no stateful conv kernel; the last W-1 rows of each extended document are its new
-        window. KDA: `kda_decode_step` on the gathered states for the leading single-token documents,
-        `chunk_kda_gated` (the training kernel) over the others with their states as initial states.
+        Short conv: `short_conv_step` reads each document's W-1 cached inputs from its pool slot, convolves its
+        tokens (one program per `CONV_TILE`-token tile) and advances the window in place; checkpoint windows are
+        the token rows before each checkpoint. KDA: `kda_decode_step` on the gathered states for the leading
+        single-token documents, `chunk_kda_gated` (the training kernel) over the others with their states as
+        initial states.
         A pure decode batch (every document one token) or an extend batch (`PackedBatch.for_extend`: a few tokens
         per sequence, stepped through recurrently) instead updates each slot's conv window and state in place
         (`short_conv_step`, `kda_decode_step_gated`): no gather / scatter of the states, no data-dependent shape
@@ -169,14 +169,14 @@ class KimiDeltaAttention(nn.Module):
         N, H, K = x.shape[1], self.num_heads, self.head_dim
         HK = H * K
         convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        # decode / extend: the taps in the step kernel's fp32 (or wider), cached: no cast kernel per step
-        wide = torch.promote_types(convs[0].dtype, torch.float32)
-        w_conv = (joined_weight(self, "conv_wide", convs, wide) if b.decode
-                  else joined_weight(self, "conv", convs, convs[0].dtype))
-        # the six projections of x as one GEMM over their joined weights (cached for inference)
+        # the taps in the step kernels' fp32 (or wider), cached: no cast kernel per step
+        w_conv = joined_weight(self, "conv_wide", convs, torch.promote_types(convs[0].dtype, torch.float32))
+        # the six projections of x as one GEMM over their joined weights (cached for inference), padded to an
+        # aligned width (4·H·K + K + H = 6,284 in k3-small: cuBLAS took an unaligned sm80 kernel, 0.63 ms per 8K tokens)
         w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                                            self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype)
-        y, fa, beta_logit, gate = F.linear(x[0], w).split([3 * HK, K, H, HK], dim=-1)
+                                            self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype,
+                          multiple=64)
+        y, fa, beta_logit, gate, _ = F.linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
         f = self.f_b_proj(fa).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
         if b.decode:  # decode / extend: each slot's conv window and state advanced in place in the pool
@@ -186,13 +186,9 @@ class KimiDeltaAttention(nn.Module):
                                       backend=_step_backend(backend),
                                       cu_seqlens=b.step_cu, chunks=b.step_chunks)
             return self._output(o, gate)
-        win = cache.conv_windows()  # [n, 3HK, W-1]
-        ext = y.new_empty(int(b.ext_tok_rows.numel() + b.ext_win_rows.numel()), 3 * HK)
-        ext[b.ext_win_rows] = win.transpose(1, 2).reshape(-1, 3 * HK).to(y.dtype)
-        ext[b.ext_tok_rows] = y
-        cache.set_conv_windows(ext[b.ext_last_rows].transpose(1, 2))
-        q, k, v = (t[0].index_select(0, b.ext_tok_rows).view(N, H, K) for t in short_conv_split(
-            ext[None], w_conv, (HK, HK, HK), cu_seqlens=b.ext_cu, backend=self.elementwise_backend))
+        # each document's tokens against its window in the pool (advanced in place), one program per token tile
+        q, k, v = (t.reshape(N, H, K) for t in short_conv_step(
+            y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.cu_seqlens, tiles=b.conv_tiles).split(HK, dim=-1))
         nd, s0 = b.num_decode, cache.states()
         o, s = [], []
         if nd:  # the leading single-token documents: one recurrent step each
@@ -208,7 +204,7 @@ class KimiDeltaAttention(nn.Module):
                                   cu_seqlens=b.chunk_cu_seqlens, use_qk_l2norm_in_kernel=True,
                                   lower_bound=self.lower_bound, backend=backend, states_at=b.ckpt_pos)
             if b.ckpt_pos is not None:
-                cache.write_checkpoints(ext[b.ckpt_win_rows].transpose(1, 2), out[2])
+                cache.write_checkpoints(y[b.ckpt_win_rows].transpose(1, 2), out[2])
             o.append(out[0][0])
             s.append(out[1])
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))

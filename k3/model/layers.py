@@ -31,27 +31,32 @@ def no_init_weights():
             setattr(nn.init, n, f)
 
 
-def joined_weight(owner: nn.Module, name: str, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """torch.cat(parts) (rows of linear weights) in `dtype`, so several projections of one input run as one GEMM.
+def joined_weight(owner: nn.Module, name: str, parts: list[torch.Tensor], dtype: torch.dtype,
+                  multiple: int = 1) -> torch.Tensor:
+    """torch.cat(parts) (rows of linear weights) in `dtype`, so several projections of one input run as one GEMM,
+    with zero rows appended up to a multiple of `multiple` rows (an aligned output width: cuBLAS falls back to
+    slow unaligned kernels for an odd one, e.g. K3's 6,284 joined KDA projections).
 
     With autograd (training) it is built per call (gradients flow to the parts). Without it (inference: the
     engine, generate, evaluation) it is cached on `owner` and rebuilt IN PLACE when a part changes (its
     version counter or storage), so a decode step reads the weights once instead of copying them, and a
     CUDA graph that captured the cached tensor stays valid; `refresh_joined_weights` rebuilds every cache
     eagerly (after a weight update, before graphs replay)."""
+    rows = sum(p.shape[0] for p in parts)
+    pad = -rows % multiple
     if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
-        return torch.cat([p.to(dtype) for p in parts])
-    key = (dtype, *((p.data_ptr(), p._version) for p in parts))
+        zeros = [parts[0].new_zeros(pad, *parts[0].shape[1:], dtype=dtype)] if pad else []
+        return torch.cat([p.to(dtype) for p in parts] + zeros)
+    key = (dtype, pad, *((p.data_ptr(), p._version) for p in parts))
     cache = owner.__dict__.setdefault("_joined_weights", {})
     hit = cache.get(name)
     if hit is None or hit[0] != key:
-        w = _build_joined(parts, dtype, None if hit is None else hit[1])
-        cache[name] = (key, w, parts, dtype)
+        w = _build_joined(parts, dtype, None if hit is None else hit[1], rows + pad)
+        cache[name] = (key, w, parts, dtype, rows + pad)
     return cache[name][1]
 
 
-def _build_joined(parts, dtype, out):
-    rows = sum(p.shape[0] for p in parts)
+def _build_joined(parts, dtype, out, rows):
     if out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != dtype \
             or out.device != parts[0].device:  # a moved model (`.cuda()`) gets a new tensor
         out = torch.empty(rows, *parts[0].shape[1:], dtype=dtype, device=parts[0].device)
@@ -60,15 +65,16 @@ def _build_joined(parts, dtype, out):
         for p in parts:
             out[r:r + p.shape[0]].copy_(p)
             r += p.shape[0]
+        out[r:].zero_()
     return out
 
 
 def refresh_joined_weights(model: nn.Module) -> None:
     """Rebuild every `joined_weight` cache of `model` in place from its parts' current values."""
     for m in model.modules():
-        for name, (_, w, parts, dtype) in list(m.__dict__.get("_joined_weights", {}).items()):
-            key = (dtype, *((p.data_ptr(), p._version) for p in parts))
-            m.__dict__["_joined_weights"][name] = (key, _build_joined(parts, dtype, w), parts, dtype)
+        for name, (key, w, parts, dtype, rows) in list(m.__dict__.get("_joined_weights", {}).items()):
+            key = (dtype, key[1], *((p.data_ptr(), p._version) for p in parts))
+            m.__dict__["_joined_weights"][name] = (key, _build_joined(parts, dtype, w, rows), parts, dtype, rows)
 
 
 class RMSNorm(nn.Module):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.conv import conv_tiles
 from ..ops.kda import EXTEND_CHUNKED_MIN_TOKENS, STATES_AT_MULTIPLE
 from ..ops.mla_decode import GROUP_ROWS
 
@@ -33,14 +34,15 @@ class PackedBatch:
 
     `tok_page`, `tok_off` [N]: where each new token's latent goes. `cu_seqlens` int32
     [n + 1]. `slots` [n]: KDA slot per document. `rows` [R]: packed positions whose logits are wanted.
-    Conv windows ("extended" layout: each document's W-1 window rows, then its tokens): `ext_cu` int32 [n + 1],
-    `ext_win_rows` [n·(W-1)], `ext_tok_rows` [N], `ext_last_rows` [n, W-1]. MLA: the first `num_decode`
+    Conv: `conv_tiles` int32 [NT, 2] (document, first token) of every `CONV_TILE`-token tile (the short conv runs
+    one program per tile, reading each document's window from its slot). MLA: the first `num_decode`
     documents are single tokens read in the absorbed form from `dec_page`, `dec_off`, `dec_valid` [nd, S] and
     `dec_len` [nd] (start + 1: the history each attends, its own row included);
     the others read their history rows `hist_page`, `hist_off` (document after document, bounds `hist_cu`).
     KDA checkpoints inside prefill chunks (the prefix cache's states, without cutting the forward there):
     `ckpt_pos` (host) [M] packed positions among the chunked documents' tokens (`chunk_cu_seqlens`' frame),
-    `ckpt_pages` [M] the slots they go to, `ckpt_win_rows` [M, W-1] the extended rows of their conv windows.
+    `ckpt_pages` [M] the slots they go to, `ckpt_win_rows` [M, W-1] the packed token rows of their conv windows
+    (the W-1 inputs before each; checkpoints lie at least 16 tokens into their document).
     Extend batches (`for_extend`, a captured CUDA graph over a few new tokens per sequence) are decode-shaped
     for MLA (every token is a single-token row of the absorbed form, `num_decode` = N) while KDA steps each
     sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots;
@@ -54,10 +56,7 @@ class PackedBatch:
     rows: torch.Tensor
     tok_page: torch.Tensor
     tok_off: torch.Tensor
-    ext_cu: torch.Tensor
-    ext_win_rows: torch.Tensor
-    ext_tok_rows: torch.Tensor
-    ext_last_rows: torch.Tensor
+    conv_tiles: torch.Tensor | None
     num_decode: int
     dec_page: torch.Tensor | None
     dec_off: torch.Tensor | None
@@ -127,8 +126,6 @@ class PackedBatch:
         tok_page = table[doc, pos // Ps]
         ends = cu[1:] - 1
         rows = ends[torch.tensor(want_logits, dtype=torch.bool)]
-        # conv windows: document j occupies ext rows [ext_cu[j], ext_cu[j+1]) = W-1 window rows, then its tokens
-        ext_cu = cu + torch.arange(n + 1) * Wm1
         win = torch.arange(Wm1)
         nd = 0
         while nd < n and lens[nd] == 1:
@@ -161,17 +158,14 @@ class PackedBatch:
             js, offs = torch.tensor([j for j, _, _ in ck]), torch.tensor([o for _, o, _ in ck])
             ckpt_pos = cu[js] - nd + offs  # among the chunked documents' tokens (the decodes come first)
             ckpt_pages = torch.tensor([sl for _, _, sl in ck], dtype=torch.long)
-            ckpt_win = ext_cu[js][:, None] + offs[:, None] + win  # the W-1 inputs before token `offset`
+            ckpt_win = cu[js][:, None] + offs[:, None] - Wm1 + win  # the W-1 inputs before token `offset`
 
         def dev(t):
             return None if t is None else t.to(device, non_blocking=True)
 
         return cls(lens=list(lens), starts=list(starts), cu_seqlens=dev(cu.to(torch.int32)),
                    slots=dev(torch.tensor(slots, dtype=torch.long)), rows=dev(rows), tok_page=dev(tok_page),
-                   tok_off=dev(pos % Ps), ext_cu=dev(ext_cu.to(torch.int32)),
-                   ext_win_rows=dev((ext_cu[:-1, None] + win).reshape(-1)),
-                   ext_tok_rows=dev(torch.arange(N) + (doc + 1) * Wm1),
-                   ext_last_rows=dev(ext_cu[1:, None] - Wm1 + win), num_decode=nd, dec_page=dev(dec_page),
+                   tok_off=dev(pos % Ps), conv_tiles=conv_tiles(lens, device), num_decode=nd, dec_page=dev(dec_page),
                    dec_off=dev(dec_off), dec_valid=dev(dec_valid), dec_len=dev(dec_len), hist_page=dev(hist_page),
                    hist_off=dev(hist_off), hist_cu=hist_cu, ckpt_pos=ckpt_pos, ckpt_pages=dev(ckpt_pages),
                    ckpt_win_rows=dev(ckpt_win))
@@ -212,10 +206,9 @@ class PackedBatch:
         valid = p[None, :] <= pos[:, None]
         col = (p // page_size).clamp_max(table.shape[1] - 1)  # past the table: invalid rows anyway
         dec_page = torch.where(valid, table.gather(1, col.expand(n, history)), 0)
-        none = torch.empty(0, dtype=torch.long, device=dev)
         return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=torch.arange(n + 1, device=dev, dtype=torch.int32),
                    slots=slots, rows=rows, tok_page=table.gather(1, (pos // page_size)[:, None])[:, 0],
-                   tok_off=pos % page_size, ext_cu=none, ext_win_rows=none, ext_tok_rows=none, ext_last_rows=none,
+                   tok_off=pos % page_size, conv_tiles=None,
                    num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
                    dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu,
                    dec_groups=dec_groups, step_chunks=step_chunks)
@@ -285,11 +278,6 @@ class PagedLayerCache:
         self.pc, self.j, self.batch = pc, j, pc.batch
 
     # ---- KDA -------------------------------------------------------------------------------------------
-    def conv_windows(self) -> torch.Tensor:
-        """[n, 3·H·K, W-1]: each document's last W-1 projected q ‖ k ‖ v inputs (oldest first; zeros at start)."""
-        w = self.pc.conv[:, self.j].index_select(0, self.batch.slots)  # [n, 3, C, W-1]
-        return w.view(w.shape[0], -1, w.shape[-1])
-
     def conv_pool(self) -> torch.Tensor:
         """[P, 3·H·K, W-1]: this layer's conv windows of every slot (a view of the pool, updated in place)."""
         c = self.pc.conv[:, self.j]
@@ -298,10 +286,6 @@ class PagedLayerCache:
     def state_pool(self) -> torch.Tensor:
         """[P, H, K, V] fp32: this layer's recurrent state of every slot (a strided view of the pool)."""
         return self.pc.state[:, self.j]
-
-    def set_conv_windows(self, w: torch.Tensor) -> None:
-        conv = self.pc.conv[:, self.j]
-        conv[self.batch.slots] = w.reshape(-1, *conv.shape[1:]).to(conv.dtype)
 
     def states(self) -> torch.Tensor:
         """[n, H, K, V] fp32 (contiguous copy): each document's recurrent state before its first new token."""

@@ -9,6 +9,8 @@ CUDA inputs the kernels handle, else torch without a conv state, else reference.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .._compile import eager_op
@@ -17,8 +19,8 @@ from .._triton import device_reason, importable
 from .recompute import short_conv_torch
 from .reference import short_conv_reference
 
-__all__ = ["short_conv", "short_conv_split", "short_conv_step", "short_conv_reference", "short_conv_torch", "triton_available",
-           "BACKENDS"]
+__all__ = ["short_conv", "short_conv_split", "short_conv_step", "conv_tiles", "CONV_TILE", "short_conv_reference",
+           "short_conv_torch", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -111,9 +113,25 @@ def short_conv_split(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ..
     return short_conv_triton(x, weight, cu_seqlens, sizes)
 
 
+CONV_TILE = 32  # tokens per program of the Triton step kernels over several tokens per sequence
+
+
+def conv_tiles(lens: list[int], device) -> torch.Tensor:
+    """int32 [NT, 2] (sequence, first token) of every `CONV_TILE`-token tile of packed sequences of `lens` tokens,
+    for `short_conv_step(..., tiles=)`: built on the host (prefill chunks, whose lengths the host knows) and sent
+    through pinned memory (no host sync)."""
+    cu = [0, *itertools.accumulate(lens)]
+    t = torch.tensor([(j, t0) for j in range(len(lens)) for t0 in range(cu[j], cu[j + 1], CONV_TILE)],
+                     dtype=torch.int32).reshape(-1, 2)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @eager_op
 def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
-                    backend: str = "auto", cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                    backend: str = "auto", cu_seqlens: torch.Tensor | None = None,
+                    tiles: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens of n sequences against a pool of conv windows (the serving engine's decode and extend steps).
 
     x [N, C]; weight [C, 1, W]; windows [P, C, W-1]: each slot's last W-1 inputs (oldest first), a view of the
@@ -123,7 +141,8 @@ def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor
     dtype, computed in fp32 (fp64 for fp64 inputs); equal to `short_conv` with `state` = the window. No host
     sync or data-dependent shape on the Triton path, so it can be captured in a CUDA graph.
     backend: "auto" (the one-kernel Triton form, `triton_step.py`, on CUDA), "triton" or "reference" (PyTorch
-    ops, the oracle; a host loop over the sequences with cu_seqlens).
+    ops, the oracle; a host loop over the sequences with cu_seqlens). tiles (with cu_seqlens, `conv_tiles(lens)`):
+    the Triton form runs one program per tile of tokens (prefill chunks) instead of one per sequence.
     """
     N, C = x.shape
     W = weight.shape[-1]
@@ -138,7 +157,7 @@ def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor
     if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in _TRITON_DTYPES
                                and windows[0].is_contiguous() and triton_available()):
         from .triton_step import short_conv_step_triton
-        return short_conv_step_triton(x, weight, windows, slots, cu_seqlens)
+        return short_conv_step_triton(x, weight, windows, slots, cu_seqlens, tiles)
     acc = torch.promote_types(x.dtype, torch.float32)
     if cu_seqlens is not None:  # the oracle: each sequence's window, then its tokens, through `short_conv`
         y = torch.zeros_like(x)

@@ -1,12 +1,15 @@
 """The serving engine's decode short conv as one Triton kernel: the new tokens of each sequence (one in a decode
 step, a few in a captured extend step) against its conv window in a pool slot, window advanced in place (the
 PyTorch form in `short_conv_step` takes ~10 kernels). Decode steps take `short_conv_step_kernel` (one token per
-sequence); extend steps `short_conv_extend_kernel` (tiles of tokens in parallel)."""
+sequence); extend steps `short_conv_extend_kernel` (tiles of tokens in parallel); prefill chunks
+`short_conv_tiles_kernel` (one program per tile) and the extend kernel's window update."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from . import CONV_TILE as EXTEND_BT  # tokens per tile of the extend and tiles kernels
 
 
 
@@ -35,30 +38,56 @@ def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot
 
 
 @triton.jit
+def _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1: tl.constexpr, BT: tl.constexpr):
+    """Tokens t0 .. t0 + BT (below eos) of the sequence starting at bos, channels c, all in parallel: token t's tap
+    at distance d reads x[t - d] inside the sequence, else window column W1 - (bos - (t - d)) (window rows `wbase`);
+    y = silu(conv) in fp32."""
+    t = t0 + tl.arange(0, BT)
+    tm = (t < eos)[:, None] & cm[None, :]
+    wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
+    a = tl.load(x_ptr + t[:, None] * sx + c[None, :], mask=tm, other=0.0).to(tl.float32) * wl[None, :]
+    for d in tl.static_range(1, W1 + 1):
+        s = t - d
+        inx = (s >= bos)[:, None]
+        v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm & inx, other=0.0).to(tl.float32) \
+            + tl.load(wbase[None, :] + (W1 + s - bos)[:, None], mask=tm & (s < bos)[:, None], other=0.0).to(tl.float32)
+        a += v * tl.load(w_ptr + c * (W1 + 1) + (W1 - d), mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + t[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=tm)
+
+
+@triton.jit
+def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y_ptr, C, sx, s_slot,
+                            W1: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Program (tile, channel block) of a prefill: tile = (sequence n, first token t0), BT tokens of sequence n, in
+    parallel with every other tile (a long prompt is many programs); windows only read (`short_conv_extend_kernel`
+    with CONV=False advances them afterwards)."""
+    n = tl.load(tile_ptr + 2 * tl.program_id(0))
+    t0 = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1
+    _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT)
+
+
+@triton.jit
 def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot,
-                             W1: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                             W1: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                             CONV: tl.constexpr):
     """Program (n, channel block), several tokens per sequence (an extend step): BT tokens at a time, all in
-    parallel — token t's tap at distance d reads x[t - d] inside the sequence, else window column W1 - (bos - (t - d))
-    — then the window becomes the last W1 inputs of (window ‖ tokens). No loop-carried chain through the tokens
-    (the decode kernel above steps one token at a time): a 64-token tail is one tile, not 64 dependent steps."""
+    parallel (`_conv_tile`), then the window becomes the last W1 inputs of (window ‖ tokens). No loop-carried
+    chain through the tokens (the decode kernel above steps one token at a time): a 64-token tail is one tile,
+    not 64 dependent steps. CONV=False: only the window update (after `short_conv_tiles_kernel`)."""
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
     wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1  # [BC]: this slot's window rows
-    wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
-    for t0 in range(bos, eos, BT):
-        t = t0 + tl.arange(0, BT)
-        tm = (t < eos)[:, None] & cm[None, :]
-        a = tl.load(x_ptr + t[:, None] * sx + c[None, :], mask=tm, other=0.0).to(tl.float32) * wl[None, :]
-        for d in tl.static_range(1, W1 + 1):
-            s = t - d
-            inx = (s >= bos)[:, None]
-            v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm & inx, other=0.0).to(tl.float32) \
-                + tl.load(wbase[None, :] + (W1 + s - bos)[:, None], mask=tm & (s < bos)[:, None], other=0.0).to(tl.float32)
-            a += v * tl.load(w_ptr + c * (W1 + 1) + (W1 - d), mask=cm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + t[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=tm)
+    if CONV:
+        for t0 in range(bos, eos, BT):
+            _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT)
     i = tl.arange(0, WP)
     p = eos - W1 + i  # the new window's column i holds position p
     im = cm[:, None] & (i < W1)[None, :]
@@ -70,10 +99,13 @@ def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, 
 
 
 def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor,
-                           slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                           slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                           tiles: torch.Tensor | None = None) -> torch.Tensor:
     """`k3.ops.conv.short_conv_step` (shapes checked there): x [N, C] (rows may be strided), weight [C, 1, W],
     windows [P, C, W-1] with contiguous slots (the pool's per-layer view), slots [n] distinct; cu_seqlens [n + 1]
-    the tokens of each sequence (None: one each). Rows of x outside every sequence get y = 0."""
+    the tokens of each sequence (None: one each). Rows of x outside every sequence get y = 0. tiles (int [NT, 2],
+    `conv_tiles`: (sequence, first token) of every `CONV_TILE`-token tile): the conv runs one program per tile
+    and channel block (prefill chunks: a long sequence is many programs), then the windows advance."""
     N, C = x.shape
     W1 = weight.shape[-1] - 1
     if x.stride(1) != 1:
@@ -90,10 +122,13 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                                                         windows.stride(0), W1=W1, WP=WP, BC=BC, num_warps=4)
         return y
     BC = 64  # more programs: an extend step often holds one or two sequences
-    short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots.contiguous(), cu_seqlens.contiguous(), y,
-                                                      C, x.stride(0), windows.stride(0), W1=W1, WP=WP, BT=EXTEND_BT,
-                                                      BC=BC, num_warps=4)
+    slots, cu = slots.contiguous(), cu_seqlens.contiguous()
+    if tiles is not None and tiles.shape[0]:
+        short_conv_tiles_kernel[(tiles.shape[0], triton.cdiv(C, BC))](x, w, windows, slots, cu, tiles.contiguous(),
+                                                                       y, C, x.stride(0), windows.stride(0), W1=W1,
+                                                                       BT=EXTEND_BT, BC=BC, num_warps=4)
+    short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),
+                                                      W1=W1, WP=WP, BT=EXTEND_BT, BC=BC, CONV=tiles is None,
+                                                      num_warps=4)
     return y
 
-
-EXTEND_BT = 32  # tokens per tile of the extend kernel

@@ -34,8 +34,9 @@ __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # extend steps (a few new tokens per sequence, `kda_decode_step_gated` with cu_seqlens) take the chunked kernels
-# from this many tokens per sequence on average (padding included), else the token-recurrent decode kernel
-EXTEND_CHUNKED_MIN_TOKENS = 16
+# from this many tokens per sequence on average (padding included), else the token-recurrent decode kernel (H200,
+# k3-small, `benchmarks/probe/kda_extend.py`: tiles 1.10-1.16x faster at 8 per sequence, 3.0x at 64, 5.0x at 128)
+EXTEND_CHUNKED_MIN_TOKENS = 8
 TRITON_G_MIN = -5.0  # the Triton tiles need every per-token log decay >= this (K3's lower bound)
 
 
