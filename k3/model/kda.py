@@ -172,7 +172,7 @@ class KimiDeltaAttention(nn.Module):
         # the taps in the step kernels' fp32 (or wider), cached: no cast kernel per step
         w_conv = joined_weight(self, "conv_wide", convs, torch.promote_types(convs[0].dtype, torch.float32))
         # the six projections of x as one GEMM over their joined weights (cached for inference), padded to an
-        # aligned width (4·H·K + K + H = 6,284 in k3-small: cuBLAS took an unaligned sm80 kernel, 0.63 ms per 8K tokens)
+        # aligned width (4·H·K + K + H = 6,284 in k3-small: cuBLAS took an unaligned sm80 kernel, 0.63 ms at 8K)
         w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                             self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype,
                           multiple=64)

@@ -144,7 +144,8 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, p
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK = _blk(K)
     kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
-                                  H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK, KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
+                                  H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK,
+                                  KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
                                   PRE=pre, num_warps=CFG["intra_warps"], **flags)
     return ke, v, qe, kg, aqk, gc, tb
 
@@ -182,11 +183,12 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
     BV = min(CFG["fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(VS, BV))](
-        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, idx, H, K, V, cs,
-        v.stride(0), 0 if idx is None else h0.stride(0),
+        ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, idx,
+        H, K, V, cs, v.stride(0), 0 if idx is None else h0.stride(0),
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
-        PREFETCH=CFG["prefetch"], SUMMARY=summary, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out, HAS_IDX=idx is not None,
+        PREFETCH=CFG["prefetch"], SUMMARY=summary, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out,
+        HAS_IDX=idx is not None,
         num_warps=CFG["store_warps" if store_h else "fwd_warps"], num_stages=CFG["stages"])
     return o, ht, hall, vnew, hsel
 
