@@ -224,6 +224,24 @@ def test_forward_without_autograd(T, cu, gate, split):
     assert rmse(o_ag.detach(), o_pre) <= bar and rmse(h_ag.detach(), h_pre) <= bar
 
 
+def test_forward_without_autograd_reads_row_slices_in_place():
+    """Inference passes q, k, v as row slices of the short conv's output and beta of the joined projection's: the
+    forward reads them in place (no copies) and gives bitwise what contiguous copies give; varlen, states_at."""
+    x, _ = make(1, 75, 2, 32, 32, seed=17, N=2)
+    q, k, v, f, beta, A_log, dt_bias = _gated_args(x)
+    wide = torch.cat([t.reshape(1, 75, -1) for t in (q, k, v)] + [beta, beta], -1)
+    qs, ks, vs = (t.reshape(1, 75, 2, 32) for t in wide[..., :192].split(64, -1))
+    bs = wide[..., 192:194]
+    assert not qs.is_contiguous() and qs.stride(1) == 196 and bs.stride(1) == 196
+    kw = dict(initial_state=x["h0"].to(DEV), output_final_state=True, states_at=torch.tensor([16, 75]),
+              cu_seqlens=torch.tensor([0, 40, 75], dtype=torch.int32), backend="triton")
+    with torch.no_grad():
+        got = chunk_kda_gated(qs, ks, vs, f, bs, A_log, dt_bias, **kw)
+        ref = chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, **kw)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- causality and continuation
 def _gated_args(x, dev=DEV):
     return [x[n].to(dev) for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias")]

@@ -11,6 +11,9 @@ import triton.language as tl
 
 from . import CONV_TILE as EXTEND_BT  # tokens per tile of the extend and tiles kernels
 
+# channels per program and warps of `short_conv_tiles_kernel` (`benchmarks/probe/prefill_kernels.py` sweeps them)
+TILES_LAUNCH = {"bc": 64, "warps": 4}
+
 
 
 @triton.jit
@@ -103,7 +106,8 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                            tiles: torch.Tensor | None = None) -> torch.Tensor:
     """`k3.ops.conv.short_conv_step` (shapes checked there): x [N, C] (rows may be strided), weight [C, 1, W],
     windows [P, C, W-1] with contiguous slots (the pool's per-layer view), slots [n] distinct; cu_seqlens [n + 1]
-    the tokens of each sequence (None: one each). Rows of x outside every sequence get y = 0. tiles (int [NT, 2],
+    the tokens of each sequence (None: one each). Rows of x outside every sequence get y = 0 (with tiles every row
+    must belong to one: prefill chunks). tiles (int [NT, 2],
     `conv_tiles`: (sequence, first token) of every `CONV_TILE`-token tile): the conv runs one program per tile
     and channel block (prefill chunks: a long sequence is many programs), then the windows advance."""
     N, C = x.shape
@@ -113,7 +117,10 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     if windows[0].stride() != (W1, 1):
         raise ValueError(f"short_conv_step: each window slot must be contiguous [C, W-1], strides {windows.stride()}")
     n = N if cu_seqlens is None else cu_seqlens.numel() - 1
-    y = (torch.empty if cu_seqlens is None else torch.zeros)(N, C, dtype=x.dtype, device=x.device)
+    # rows outside every sequence (a captured extend step's padding) get 0; with tiles (a prefill chunk) every row
+    # belongs to a sequence
+    y = (torch.empty if cu_seqlens is None or tiles is not None else torch.zeros)(N, C, dtype=x.dtype,
+                                                                                 device=x.device)
     w = weight.reshape(C, W1 + 1).float().contiguous()
     WP = max(2, triton.next_power_of_2(W1))
     if cu_seqlens is None:  # decode: one token per sequence
@@ -124,9 +131,11 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     BC = 64  # more programs: an extend step often holds one or two sequences
     slots, cu = slots.contiguous(), cu_seqlens.contiguous()
     if tiles is not None and tiles.shape[0]:
-        short_conv_tiles_kernel[(tiles.shape[0], triton.cdiv(C, BC))](x, w, windows, slots, cu, tiles.contiguous(),
+        bc = TILES_LAUNCH["bc"]
+        short_conv_tiles_kernel[(tiles.shape[0], triton.cdiv(C, bc))](x, w, windows, slots, cu, tiles.contiguous(),
                                                                        y, C, x.stride(0), windows.stride(0), W1=W1,
-                                                                       BT=EXTEND_BT, BC=BC, num_warps=4)
+                                                                       BT=EXTEND_BT, BC=bc,
+                                                                       num_warps=TILES_LAUNCH["warps"])
     short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),
                                                       W1=W1, WP=WP, BT=EXTEND_BT, BC=BC, CONV=tiles is None,
                                                       num_warps=4)

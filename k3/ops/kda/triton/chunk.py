@@ -316,7 +316,11 @@ class _ChunkKDA(torch.autograd.Function):
         V = v.shape[-1]
         grad = any(ctx.needs_input_grad[:8])  # (grad mode itself is off inside forward)
         pk = lambda x: x.contiguous().reshape((B * T,) + tuple(x.shape[2:]))  # noqa: E731
-        qp, kp, vp, gp, bp = (pk(x) for x in (q, k, v, g, beta))
+        if not grad and B == 1 and T and all(x[0, 0].is_contiguous() for x in (q, k, v, g, beta)) \
+                and q.stride(1) == k.stride(1):
+            qp, kp, vp, gp, bp = (x[0] for x in (q, k, v, g, beta))  # row slices read in place (inference)
+        else:
+            qp, kp, vp, gp, bp = (pk(x) for x in (q, k, v, g, beta))
         h0c = h0.contiguous() if h0 is not None else None
         cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
         N = len(cu_host) - 1

@@ -1,0 +1,92 @@
+"""Launch settings of the two kernels that dominate a one-sequence prefill of k3-small (H 12, K = V 128, bf16,
+8,192 tokens, no autograd) on the GPU: the chunked KDA forward (`chunk_kda_gated_triton`: value-block width of
+the recurrence and sequence splitting, which decide how many programs the 12 heads get) and the prefill short
+conv (`short_conv_step` with `conv_tiles`: channels per program, warps). CUDA events, median of 20 after
+warm-up; each variant's output against the default's (relative RMS).
+
+    python benchmarks/probe/prefill_kernels.py --out prefill_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402
+
+import k3.ops.conv.triton_step as TS  # noqa: E402
+from k3.ops.conv import conv_tiles, short_conv_step  # noqa: E402
+from k3.ops.kda.triton import chunk_kda_gated_triton  # noqa: E402
+from k3.ops.kda.triton.chunk import cfg_override  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()).sqrt().item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="prefill_kernels.json")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run under Triton's interpreter (TRITON_INTERPRET=1)")
+    a = ap.parse_args()
+    T, H, K = a.tokens, 12, 128
+    dev, bf = a.device, (torch.bfloat16 if a.device == "cuda" else torch.float32)
+    cuda = dev == "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, f = (torch.randn(1, T, H, K, device=dev, dtype=bf, generator=g) for _ in range(4))
+    beta = torch.randn(1, T, H, device=dev, dtype=bf, generator=g)
+    A_log, dtb = torch.randn(H, device=dev) * 0.3, torch.randn(H * K, device=dev) * 0.5
+    h0 = torch.randn(1, H, K, K, device=dev) * 0.1
+    res = {"kda": [], "conv": []}
+
+    def kda():
+        with torch.no_grad():
+            return chunk_kda_gated_triton(q, k, v, f, beta, A_log, dtb, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=torch.tensor([0, T], dtype=torch.int32))[0]
+
+    base = kda()
+    for bv in (64, 32, 16):
+        for min_chunks in (0, 128, 64, 32):
+            cfg = dict(fwd_bv=bv, seq_split=8 if min_chunks else 0, split_min_chunks=max(min_chunks, 1),
+                       split_below_programs=10 ** 6)
+            with cfg_override(**cfg):
+                ms = median_ms(kda, warmup=3 if cuda else 0, reps=20 if cuda else 1, cuda=cuda)
+                err = rel(kda(), base)
+            res["kda"].append(dict(block_v=bv, split_min_chunks=min_chunks, ms=ms, rel_rmse=err))
+            print(f"kda fwd T {T} BV {bv:3d} split {'off' if not min_chunks else min_chunks:>4}: {ms:7.3f} ms  "
+                  f"rel {err:.1e}")
+
+    C, P = 3 * H * K, 64
+    x = torch.randn(T, C + 1764, device=dev, dtype=bf, generator=g)[:, :C]  # a row slice, as the model passes it
+    w = torch.randn(C, 1, 4, device=dev, generator=g)
+    pool = torch.randn(P, C, 3, device=dev, dtype=bf, generator=g)
+    slots, cu = torch.tensor([5], device=dev), torch.tensor([0, T], dtype=torch.int32, device=dev)
+    tiles = conv_tiles([T], dev)
+    pool0 = pool.clone()  # the timed calls advance `pool`'s windows; the checks start from these
+    ref = short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles, backend="triton")
+    old = dict(TS.TILES_LAUNCH)
+    try:
+        for bc in (64, 128, 256):
+            for warps in (2, 4, 8):
+                TS.TILES_LAUNCH.update(bc=bc, warps=warps)
+                ms = median_ms(lambda: short_conv_step(x, w, pool, slots, cu_seqlens=cu, tiles=tiles,
+                                                       backend="triton"), warmup=3 if cuda else 0,
+                               reps=20 if cuda else 1, cuda=cuda)
+                err = rel(short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles, backend="triton"),
+                          ref)
+                gbs = 2 * T * C * 2 / (ms * 1e-3) / 1e9
+                res["conv"].append(dict(bc=bc, warps=warps, ms=ms, GBps=gbs, rel_rmse=err))
+                print(f"conv tiles BC {bc:3d} warps {warps}: {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s  rel {err:.1e}")
+    finally:
+        TS.TILES_LAUNCH.update(old)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
