@@ -178,8 +178,8 @@ class PackedBatch:
         of one token each at positions `starts` [n] (long), KDA slots `slots` [n], MLA page tables `table`
         [n, pages] (long). `history` (static) bounds every start + 1 (the padded MLA history length S).
         Every field comes from tensor ops on the inputs (no host data), so a graph captured over this batch
-        replays correctly after new values are copied into `starts`, `slots` and `table`. The conv-window
-        ("extended") and prefill-history fields are unused by a decode forward and left empty."""
+        replays correctly after new values are copied into `starts`, `slots` and `table`. The conv tiles and
+        prefill-history fields are unused by a decode forward and left empty."""
         ar = torch.arange(starts.shape[0] + 1, device=starts.device)
         return cls._token_rows(starts, table, history, page_size, slots=slots, rows=ar[:-1])
 
