@@ -288,7 +288,7 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
         o[:m], state[state_indices] = om[0], s.to(state.dtype)  # empty sequences: their state, unchanged
         return o
     n = None if cu_seqlens is None else cu_seqlens.numel() - 1
-    if chunks is not None and n is not None and q.shape[0] >= EXTEND_CHUNKED_MIN_TOKENS * n:
+    if chunks is not None and n and q.shape[0] >= EXTEND_CHUNKED_MIN_TOKENS * n:
         from .triton import kda_extend_triton
         return kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, *chunks,
                                  scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

@@ -460,6 +460,8 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
                          f"{tuple(chunks.shape)}, {tuple(chunk_off.shape)}, {tuple(state_indices.shape)}")
     if K > 128 or V > 128:
         raise ValueError(f"kda_extend_triton: the Triton kernels support head dims up to 128, got K={K}, V={V}")
+    if T == 0:
+        return v.new_zeros(0, H, V)
     scale = K ** -0.5 if scale is None else float(scale)
     flags = dict(GATE=True, BETA_SIG=True, L2=use_qk_l2norm_in_kernel)
     # row slices of the conv's / projection's outputs are read in place (rows strided, each row contiguous)
