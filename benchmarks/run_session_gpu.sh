@@ -7,15 +7,19 @@
 #       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
+# At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_S:-150} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m cuda -k "${TEST_K:-not nothing}" tests/test_kda_triton.py tests/test_paged_cache.py \
-    tests/test_serve_engine.py tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py \
-    tests/test_mla_decode.py tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py \
-    > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
+  # TEST_M: the marker filter ("cuda" by default; "" also runs the device-agnostic tests, which take CUDA when
+  # present); TEST_FILES: the files (default: the serving and kernel files below)
+  FILES=${TEST_FILES:-"tests/test_kda_triton.py tests/test_paged_cache.py tests/test_serve_engine.py
+    tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py tests/test_mla_decode.py
+    tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py"}
+  timeout ${TEST_S:-150} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m "${TEST_M-cuda}" \
+    -k "${TEST_K:-not nothing}" $FILES > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
   tail -3 "$OUT/tests.log"
 fi
 if [ "${PREFILL:-1}" = 1 ]; then
