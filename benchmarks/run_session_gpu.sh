@@ -5,6 +5,7 @@
 #      skips it) and benchmarks/probe/decode_profile.py (GPU time and kernels of a decode step; DECODE=1);
 #   2b. benchmarks/probe/decode_ops.py (every op of a decode forward by source line, graph launch cost; OPS=1);
 #       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
+#       benchmarks/probe/prefill_kernels.py (the prefill's KDA recurrence and conv launch settings; PK=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -38,6 +39,11 @@ if [ "${KEXT:-0}" = 1 ]; then  # the KDA extend step token by token vs in 16-tok
   timeout ${KEXT_S:-90} python3 benchmarks/probe/kda_extend.py --out "$OUT/kda_extend.json" > "$OUT/kda_extend.log" 2>&1 \
     || echo "kda extend exit $?" >> "$OUT/kda_extend.log"
   grep -E "^n |exit|Error" "$OUT/kda_extend.log"
+fi
+if [ "${PK:-0}" = 1 ]; then  # launch settings of the prefill's KDA recurrence and short conv
+  timeout ${PK_S:-90} python3 benchmarks/probe/prefill_kernels.py --out "$OUT/prefill_kernels.json" \
+    > "$OUT/prefill_kernels.log" 2>&1 || echo "prefill kernels exit $?" >> "$OUT/prefill_kernels.log"
+  tail -22 "$OUT/prefill_kernels.log"
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
