@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops._host import to_device
 from ..ops.conv import conv_tiles
-from ..ops.kda import EXTEND_CHUNKED_MIN_TOKENS, STATES_AT_MULTIPLE
+from ..ops.kda import STATES_AT_MULTIPLE, extend_in_chunks
 from ..ops.mla_decode import GROUP_ROWS
 
 
@@ -161,7 +162,7 @@ class PackedBatch:
             ckpt_win = cu[js][:, None] + offs[:, None] - Wm1 + win  # the W-1 inputs before token `offset`
 
         def dev(t):
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else to_device(t, device)
 
         return cls(lens=list(lens), starts=list(starts), cu_seqlens=dev(cu.to(torch.int32)),
                    slots=dev(torch.tensor(slots, dtype=torch.long)), rows=dev(rows), tok_page=dev(tok_page),
@@ -193,7 +194,7 @@ class PackedBatch:
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
         `history` (static) bounds every pos + 1."""
         N, n = pos.shape[0], cu.shape[0] - 1
-        chunks = token_runs(cu, N, STATES_AT_MULTIPLE, first=True) if N >= EXTEND_CHUNKED_MIN_TOKENS * n else None
+        chunks = token_runs(cu, N, STATES_AT_MULTIPLE, first=True) if extend_in_chunks(N, n) else None
         return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu,
                                dec_groups=token_runs(cu, N, GROUP_ROWS), step_chunks=chunks)
 

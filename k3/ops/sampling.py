@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._host import to_device
+
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """[n] bool: rows holding a NaN or +inf, or only -inf (-inf entries alone are masked tokens)."""
@@ -21,7 +23,7 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list as a tensor on `device`, copied without waiting for the device's queue (a plain
     `torch.tensor(values, device=cuda)` synchronises the stream: the engine's asynchronous steps avoid that)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def filter_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache
+from ..ops._host import to_device
 from ..ops.attn_res import static_tables
 from ..ops.linear_ce.chunked import mm_out_dtype_available
 from ..ops.moe import grouped_mm_available
@@ -312,14 +313,14 @@ class ModelRunner:
         if g is not None:
             return g(seqs, self.scratch)
         b = self.batch(seqs)
-        ids = torch.tensor([t for s in seqs for t in s.tokens]).to(self.device, non_blocking=True)
+        ids = to_device(torch.tensor([t for s in seqs for t in s.tokens]), self.device)
         src, at = [], 0
         for s in seqs:  # packed position of each device-fed token
             if s.src >= 0:
                 src.append((at, s.src))
             at += len(s.tokens)
         if src:
-            at = torch.tensor(src).to(self.device, non_blocking=True)
+            at = to_device(torch.tensor(src), self.device)
             ids[at[:, 0]] = self.last_tokens[at[:, 1]]
         self.cache.batch = b
         try:

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops._host import to_device
+
 try:  # the fused kernels; everything else works without triton
     import triton
     import triton.language as tl
@@ -229,13 +231,6 @@ def _interpreted() -> bool:
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host table on `device` without a host sync (pinned staging, asynchronous copy)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -518,7 +513,7 @@ class MuonAdamW(torch.optim.Optimizer):
             counts = torch.tensor([-(-n // chunk) for n in numels])
             tid = torch.repeat_interleave(torch.arange(len(numels)), counts)
             first = torch.cat([torch.arange(int(c)) * chunk for c in counts]) if len(numels) else tid
-            hit = (_to_device(torch.stack([tid, first]).to(torch.int64).contiguous(), device), tid.numel())
+            hit = (to_device(torch.stack([tid, first]).to(torch.int64).contiguous(), device), tid.numel())
             if len(self._chunks) > 256:
                 self._chunks.clear()
             self._chunks[key] = hit
@@ -526,7 +521,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if n_chunks == 0:
             return
         aligned = all(x % 16 == 0 for row in ptrs for x in row) and all(n % 8 == 0 for n in numels)
-        tab = _to_device(torch.tensor(ptrs + [list(numels)], dtype=torch.int64), device)
+        tab = to_device(torch.tensor(ptrs + [list(numels)], dtype=torch.int64), device)
         kernel[(n_chunks,)](tab, len(numels), chunks, n_chunks, *args, ALIGNED=aligned, BLOCK=block, ITERS=iters,
                             **constexprs)
 

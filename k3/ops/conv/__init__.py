@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from .._compile import eager_op
+from .._host import to_device
 from .._triton import device_reason, importable
 
 from .recompute import short_conv_torch
@@ -121,11 +122,8 @@ def conv_tiles(lens: list[int], device) -> torch.Tensor:
     for `short_conv_step(..., tiles=)`: built on the host (prefill chunks, whose lengths the host knows) and sent
     through pinned memory (no host sync)."""
     cu = [0, *itertools.accumulate(lens)]
-    t = torch.tensor([(j, t0) for j in range(len(lens)) for t0 in range(cu[j], cu[j + 1], CONV_TILE)],
-                     dtype=torch.int32).reshape(-1, 2)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor([(j, t0) for j in range(len(lens)) for t0 in range(cu[j], cu[j + 1], CONV_TILE)],
+                                  dtype=torch.int32).reshape(-1, 2), device)
 
 
 @eager_op

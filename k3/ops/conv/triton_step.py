@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CONV_TILE as EXTEND_BT  # tokens per tile of the extend and tiles kernels
+from . import CONV_TILE  # tokens per tile of the extend and tiles kernels
 
 # channels per program and warps of `short_conv_tiles_kernel` (`benchmarks/probe/prefill_kernels.py`, H200, 8,192
 # tokens x 4,608 channels bf16: 64 / 2 warps 191 us, 64 / 4 264 us, 128 / 4 226 us, 256 / 4 277 us)
@@ -135,10 +135,10 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
         bc = TILES_LAUNCH["bc"]
         short_conv_tiles_kernel[(tiles.shape[0], triton.cdiv(C, bc))](x, w, windows, slots, cu, tiles.contiguous(),
                                                                        y, C, x.stride(0), windows.stride(0), W1=W1,
-                                                                       BT=EXTEND_BT, BC=bc,
+                                                                       BT=CONV_TILE, BC=bc,
                                                                        num_warps=TILES_LAUNCH["warps"])
     short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),
-                                                      W1=W1, WP=WP, BT=EXTEND_BT, BC=BC, CONV=tiles is None,
+                                                      W1=W1, WP=WP, BT=CONV_TILE, BC=BC, CONV=tiles is None,
                                                       num_warps=4)
     return y
 

@@ -30,13 +30,19 @@ from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
            "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS",
-           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS"]
+           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # extend steps (a few new tokens per sequence, `kda_decode_step_gated` with cu_seqlens) take the chunked kernels
 # from this many tokens per sequence on average (padding included), else the token-recurrent decode kernel (H200,
 # k3-small, `benchmarks/probe/kda_extend.py`: tiles 1.10-1.16x faster at 8 per sequence, 3.0x at 64, 5.0x at 128)
 EXTEND_CHUNKED_MIN_TOKENS = 8
+
+
+def extend_in_chunks(num_tokens: int, num_seqs: int) -> bool:
+    """Whether an extend step of `num_tokens` rows (padding included) over `num_seqs` sequences takes the chunked
+    kernels (`EXTEND_CHUNKED_MIN_TOKENS`); `PackedBatch.for_extend` builds their tile tables only then."""
+    return num_seqs > 0 and num_tokens >= EXTEND_CHUNKED_MIN_TOKENS * num_seqs
 TRITON_G_MIN = -5.0  # the Triton tiles need every per-token log decay >= this (K3's lower bound)
 
 
@@ -287,8 +293,7 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         o[:m], state[state_indices] = om[0], s.to(state.dtype)  # empty sequences: their state, unchanged
         return o
-    n = None if cu_seqlens is None else cu_seqlens.numel() - 1
-    if chunks is not None and n and q.shape[0] >= EXTEND_CHUNKED_MIN_TOKENS * n:
+    if chunks is not None and cu_seqlens is not None and extend_in_chunks(q.shape[0], cu_seqlens.numel() - 1):
         from .triton import kda_extend_triton
         return kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, *chunks,
                                  scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 
+from ..._host import to_device
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
@@ -98,16 +99,8 @@ def _layout_tables(cu_host, device, bt):
     start = cu[:-1][seq] + local * bt
     valid = torch.minimum(cu[1:][seq] - start, torch.full_like(start, bt))
     chunks = torch.stack([start, valid], 1).to(torch.int32)
-    return (_to_device(cu.to(torch.int32), device), _to_device(coff[:-1].to(torch.int32), device),
-            _to_device(chunks, device), list(cu_host), coff.tolist(), NC)
-
-
-def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    """A host tensor on `device` without a host sync: staged through pinned memory and copied asynchronously
-    (a copy from pageable memory waits for the stream, which stalls an eager forward once per layer)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return (to_device(cu.to(torch.int32), device), to_device(coff[:-1].to(torch.int32), device),
+            to_device(chunks, device), list(cu_host), coff.tolist(), NC)
 
 
 def _slots(states_at, cu_host, coff_host, NC, device):
@@ -126,7 +119,7 @@ def _slots(states_at, cu_host, coff_host, NC, device):
         if slot[ends[p]] >= 0:
             raise ValueError(f"states_at: position {p} requested twice")
         slot[ends[p]] = m
-    return _to_device(slot, str(device)), len(pos)
+    return to_device(slot, str(device)), len(pos)
 
 
 def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=False):
@@ -309,18 +302,27 @@ def _recur_bwd_split(parts, summ, do, dht, dh0, du, dsall, cu, coff, cu_host, co
         dh0.copy_(dh0v[plan["first"]])
 
 
+def _kernel_rows(q, k, v, g, beta):
+    """q, k, g [T, H, K], v [T, H, V], beta [T, H] as the forward kernels read them: row slices of wider tensors
+    (the conv's / projection's outputs) in place when each row is contiguous, else contiguous copies; q and k
+    share one row stride."""
+    xs = [x if x.shape[0] == 0 or x[0].is_contiguous() else x.contiguous() for x in (q, k, v, g, beta)]
+    if xs[0].stride(0) != xs[1].stride(0):
+        xs[0], xs[1] = xs[0].contiguous(), xs[1].contiguous()
+    return xs
+
+
 class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, lb, flags, states_at):
         B, T, H, K = q.shape
         V = v.shape[-1]
         grad = any(ctx.needs_input_grad[:8])  # (grad mode itself is off inside forward)
-        pk = lambda x: x.contiguous().reshape((B * T,) + tuple(x.shape[2:]))  # noqa: E731
-        if not grad and B == 1 and T and all(x[0, 0].is_contiguous() for x in (q, k, v, g, beta)) \
-                and q.stride(1) == k.stride(1):
-            qp, kp, vp, gp, bp = (x[0] for x in (q, k, v, g, beta))  # row slices read in place (inference)
-        else:
-            qp, kp, vp, gp, bp = (pk(x) for x in (q, k, v, g, beta))
+        if not grad and B == 1:  # inference: row slices read in place
+            qp, kp, vp, gp, bp = _kernel_rows(q[0], k[0], v[0], g[0], beta[0])
+        else:  # the backward kernels read contiguous rows
+            qp, kp, vp, gp, bp = (x.contiguous().reshape((B * T,) + tuple(x.shape[2:]))
+                                  for x in (q, k, v, g, beta))
         h0c = h0.contiguous() if h0 is not None else None
         cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
         N = len(cu_host) - 1
@@ -464,10 +466,7 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
         return v.new_zeros(0, H, V)
     scale = K ** -0.5 if scale is None else float(scale)
     flags = dict(GATE=True, BETA_SIG=True, L2=use_qk_l2norm_in_kernel)
-    # row slices of the conv's / projection's outputs are read in place (rows strided, each row contiguous)
-    qp, kp, vp, fp, bp = (x if x[0].is_contiguous() else x.contiguous() for x in (q, k, v, f, beta_logit))
-    if kp.stride(0) != qp.stride(0):
-        qp, kp = qp.contiguous(), kp.contiguous()
+    qp, kp, vp, fp, bp = _kernel_rows(q, k, v, f, beta_logit)
     if state.dtype != torch.float32 or state[0].stride() != (K * V, V, 1) or state.stride(0) < H * K * V:
         raise ValueError(f"kda_extend_triton: state must be an fp32 pool [P, {H}, {K}, {V}] of contiguous, "
                          f"non-overlapping slots, got {state.dtype} {tuple(state.shape)} strides {state.stride()}")
