@@ -186,8 +186,8 @@ def kda_recur_bwd_kernel(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr
             ke, qe, kg, do, A, Tb, gC = ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n
             ip = tl.maximum(i - 1, 0)
             ke_n, qe_n, kg_n, do_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
-                                                                 do_ptr, H * V, bos + ip * BT, eos, c0 + ip, h, H, K, V, kc,
-                                                                 vc, BT, False, True)
+                                                                 do_ptr, H * V, bos + ip * BT, eos, c0 + ip, h, H, K,
+                                                                 V, kc, vc, BT, False, True)
         else:
             ke, qe, kg, do, A, Tb, gC = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, do_ptr, H * V,
                                                    bos + i * BT, eos, c0 + i, h, H, K, V, kc, vc, BT, False, True)
