@@ -133,7 +133,8 @@ def test_packed_documents_over_pages_equal_the_full_forward(model, one_thread):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_packed_documents_equal_the_full_forward():
     """The CUDA kernels of the one forward (the Triton short conv in token tiles from the pool's windows,
-    chunk_kda_gated with initial states, the Triton decode step) against the model's own CUDA forward, fp32 without TF32."""
+    chunk_kda_gated with initial states, the Triton decode step) against the model's own CUDA forward, fp32
+    without TF32."""
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
