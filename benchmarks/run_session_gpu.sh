@@ -2,7 +2,8 @@
 # One device call (≤ 10 min) of this session's GPU measurements, results in $OUT:
 #   1. the CUDA tests touched by the change (KDA states_at, paged cache, engine, decode graphs);
 #   2. benchmarks/probe/prefill_profile.py (forwards, GPU time, syncs and host hot spots of a prefill; PREFILL=0
-#      skips it) and benchmarks/probe/decode_profile.py (GPU time and kernels of a decode step; DECODE=1);
+#      skips it) and benchmarks/probe/decode_profile.py (GPU time and kernels of a decode step; DECODE=1, KDC=0 skips
+#      the KDA decode launch probe after it);
 #   2b. benchmarks/probe/decode_ops.py (every op of a decode forward by source line, graph launch cost; OPS=1);
 #       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
 #       benchmarks/probe/prefill_kernels.py (the prefill's KDA recurrence and conv launch settings; PK=1);
@@ -32,8 +33,10 @@ if [ "${DECODE:-0}" = 1 ]; then
   timeout ${DEC_S:-120} python3 benchmarks/probe/decode_profile.py --batch ${DEC_BATCH:-1 256} --out "$OUT/decode_profile.json" \
     > "$OUT/decode.log" 2>&1 || echo "decode profile exit $?" >> "$OUT/decode.log"
   grep -E "batch|copy_" "$OUT/decode.log"
-  timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
-  cat "$OUT/kda_decode_cfg.log" | tail -34
+  if [ "${KDC:-1}" = 1 ]; then  # the KDA decode kernel's launch settings
+    timeout 60 python3 benchmarks/probe/kda_decode_cfg.py --out "$OUT/kda_decode_cfg.json" > "$OUT/kda_decode_cfg.log" 2>&1
+    cat "$OUT/kda_decode_cfg.log" | tail -34
+  fi
 fi
 if [ "${KEXT:-0}" = 1 ]; then  # the KDA extend step token by token vs in 16-token tiles
   timeout ${KEXT_S:-90} python3 benchmarks/probe/kda_extend.py --out "$OUT/kda_extend.json" > "$OUT/kda_extend.log" 2>&1 \
