@@ -177,15 +177,23 @@ def test_sort_by_expert_layout(backend):
         assert torch.equal(flat[entries], flat[entries].sort().values)
 
 
-@pytest.mark.parametrize("N,K,E", [(1, 4, 32), (256, 4, 32), (37, 8, 384), (2000, 2, 8)])
-def test_sort_kernel_equals_the_stable_sort(N, K, E):
-    """Token counts from one decode to a prefill chunk, K3's 384 experts (padded to 512 columns), int32 ends."""
+@pytest.mark.parametrize("N,K,E", [(1, 4, 32), (256, 4, 32), (37, 8, 384), (2000, 2, 8), (700, 4, 32)])
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "blocks"])
+def test_sort_kernel_equals_the_stable_sort(N, K, E, one_program):
+    """Token counts from one decode to a prefill chunk, K3's 384 experts (padded to 512 columns), int32 ends;
+    the one-program sort and the two-kernel block sort (prefill and training batches: 11 and 13 blocks at
+    (700, 4, 32) and (37, 8, 384); one partial block at (1, 4, 32))."""
+    from k3.ops.moe_triton import expert_sort
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         idx = routing(N, K, E, seed=N, device=device)
         a = moe_ops.sort_by_expert(idx, E, backend="torch")
-        b = moe_ops.sort_by_expert(idx, E, out_int32=True, backend="triton")
+        b = expert_sort(idx, E, out_int32=True, one_program=one_program)
         assert torch.equal(a[0], b[0]) and b[1].dtype == torch.int32 and torch.equal(a[1], b[1].long())
+    if torch.cuda.is_available() and not one_program:  # a training batch's size through the dispatch rule
+        idx = routing(32768, 4, 32, seed=5, device="cuda")
+        a, b = moe_ops.sort_by_expert(idx, 32, backend="torch"), moe_ops.sort_by_expert(idx, 32)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def perm_run(backend, x, ys, w, pos, dtype, device):

@@ -20,13 +20,20 @@ def model():
     return make_tiny(seed=21)
 
 
-def test_packed_batch_indices_equal_a_token_loop():
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_packed_batch_indices_equal_a_token_loop(device):
+    """On CUDA the host-built tables travel through pinned staging (`ops._host.to_device`), expanded ones too."""
     rng = random.Random(0)
     lens, starts = [1, 1, 1, 5, 13, 1, 2], [0, 9, 30, 0, 17, 4, 8]
     W1, n = 3, len(lens)
     tables = [rng.sample(range(100), -(-(s + l) // PAGE) + rng.randrange(2)) for s, l in zip(starts, lens)]
     want = [True, False, True, True, False, True, True]
-    b = PackedBatch.build(lens, starts, list(range(40, 40 + n)), tables, want, PAGE, W1, "cpu")
+    b = PackedBatch.build(lens, starts, list(range(40, 40 + n)), tables, want, PAGE, W1, device)
+    assert b.cu_seqlens.device.type == device
     assert b.num_decode == 3 and not b.decode and b.num_tokens == sum(lens)
     assert b.cu_seqlens.tolist() == [0, 1, 2, 3, 8, 21, 22, 24] and b.slots.tolist() == list(range(40, 47))
     assert b.rows.tolist() == [0, 2, 7, 21, 23]

@@ -133,13 +133,12 @@ def sort_by_expert(topk_idx: torch.Tensor, num_experts: int, out_int32: bool = F
     """topk_idx [N, K] → (pos [N, K] int64, ends [E] int64, or int32 with `out_int32`: the grouped GEMM's
     offsets): the (token, expert) entries sorted by expert (stable: token order within an expert); entry
     (n, k) goes to row pos[n, k]; expert e owns rows [ends[e−1], ends[e]), so ends[-1] = N·K. No host sync.
-    Backends: "torch" (a stable sort), "triton" (one counting-sort kernel, `moe_triton.expert_sort`), "auto"
-    (the kernel on CUDA up to `SORT_MAX_ENTRIES` entries: decode and prefill batches; the sort above)."""
+    Backends: "torch" (a stable sort), "triton" (a counting sort in one or two kernels,
+    `moe_triton.expert_sort`), "auto" (the kernels on CUDA)."""
     if backend == "auto":
         backend = "torch"
         if topk_idx.is_cuda and importable(__name__.rsplit(".", 1)[0] + ".moe_triton"):
-            from .moe_triton import SORT_MAX_ENTRIES
-            backend = "triton" if topk_idx.numel() <= SORT_MAX_ENTRIES else "torch"
+            backend = "triton"
     if _use_triton(backend, topk_idx):
         from .moe_triton import expert_sort
         return expert_sort(topk_idx, num_experts, out_int32)

@@ -131,17 +131,64 @@ def expert_sort_kernel(idx_ptr, pos_ptr, ends_ptr, NK, E, EP: tl.constexpr, BLOC
         run += tl.sum(oh, 0)
 
 
-SORT_MAX_ENTRIES = 16384  # above this the one-program counting sort loses to torch.sort (training batches)
+@triton.jit
+def expert_count_kernel(idx_ptr, counts_ptr, NK, EP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: how many of entries [b·BLOCK, (b+1)·BLOCK) go to each expert → counts[b, :EP]."""
+    b = tl.program_id(0)
+    ee = tl.arange(0, EP)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(idx_ptr + offs, mask=offs < NK, other=-1)
+    tl.store(counts_ptr + b * EP + ee, tl.sum((e[:, None] == ee[None, :]).to(tl.int32), 0))
 
 
-def expert_sort(topk_idx: torch.Tensor, num_experts: int, out_int32: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`k3.ops.moe.sort_by_expert` as one kernel (inputs checked by the caller)."""
+@triton.jit
+def expert_rank_kernel(idx_ptr, counts_ptr, pos_ptr, ends_ptr, NK, E, NB, EP: tl.constexpr, BLOCK: tl.constexpr,
+                       RB: tl.constexpr):
+    """Program b: the rows of block b's entries, start[e] + (entries of e in earlier blocks) + (in-block rank),
+    from every block's counts (`expert_count_kernel`); program 0 also writes ends."""
+    b = tl.program_id(0)
+    ee = tl.arange(0, EP)
+    total = tl.zeros([EP], tl.int32)
+    before = tl.zeros([EP], tl.int32)
+    for r0 in range(0, NB, RB):
+        rr = r0 + tl.arange(0, RB)
+        c = tl.load(counts_ptr + rr[:, None] * EP + ee[None, :], mask=(rr < NB)[:, None], other=0)
+        total += tl.sum(c, 0)
+        before += tl.sum(tl.where((rr < b)[:, None], c, 0), 0)
+    ends = tl.cumsum(total, 0)
+    if b == 0:
+        tl.store(ends_ptr + ee, ends.to(ends_ptr.dtype.element_ty), mask=ee < E)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    m = offs < NK
+    e = tl.load(idx_ptr + offs, mask=m, other=-1)
+    oh = (e[:, None] == ee[None, :]).to(tl.int32)
+    rank = tl.cumsum(oh, 0) - oh + (ends - total + before)[None, :]
+    tl.store(pos_ptr + offs, tl.sum(oh * rank, 1).to(tl.int64), mask=m)
+
+
+SORT_ONE_PROGRAM = 16384  # up to this many entries one program sorts them (one launch: decode, short chunks)
+
+
+def expert_sort(topk_idx: torch.Tensor, num_experts: int, out_int32: bool, one_program: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k3.ops.moe.sort_by_expert` as a counting sort (inputs checked by the caller): one program up to
+    `SORT_ONE_PROGRAM` entries, else two launches over blocks of entries (per-block counts, then each block's
+    rows from the counts of the blocks before it) -- no radix sort, scatter or search for prefill and training
+    batches. `one_program` forces either form (tests)."""
     flat = topk_idx.reshape(-1).contiguous()
+    NK = flat.numel()
     EP = max(16, triton.next_power_of_2(num_experts))
-    pos = torch.empty(flat.numel(), dtype=torch.int64, device=flat.device)
+    BLOCK = max(16, 8192 // EP)
+    pos = torch.empty(NK, dtype=torch.int64, device=flat.device)
     ends = torch.empty(num_experts, dtype=torch.int32 if out_int32 else torch.int64, device=flat.device)
-    expert_sort_kernel[(1,)](flat, pos, ends, flat.numel(), num_experts, EP=EP, BLOCK=max(16, 8192 // EP),
-                             num_warps=8)
+    if one_program if one_program is not None else NK <= SORT_ONE_PROGRAM:
+        expert_sort_kernel[(1,)](flat, pos, ends, NK, num_experts, EP=EP, BLOCK=BLOCK, num_warps=8)
+    else:
+        NB = max(1, triton.cdiv(NK, BLOCK))
+        counts = torch.empty(NB, EP, dtype=torch.int32, device=flat.device)
+        expert_count_kernel[(NB,)](flat, counts, NK, EP=EP, BLOCK=BLOCK, num_warps=4)
+        expert_rank_kernel[(NB,)](flat, counts, pos, ends, NK, num_experts, NB, EP=EP, BLOCK=BLOCK,
+                                  RB=max(1, min(64, 4096 // EP)), num_warps=4)
     return pos.view(topk_idx.shape), ends
 
 
