@@ -267,6 +267,35 @@ def test_norm_triton_matches_reference(kind, D, cfg, cfg_override):
     _assert_close(ref, got, TOL, ["y", "dx", "dweight", "dgate"])
 
 
+def test_norm_gated_reads_a_head_split_row_slice_in_place():
+    """The KDA layer's gate: heads [N, H, K] of a column range of the joined projection [N, W] (row stride W, not
+    H·K). The Triton kernels read it in place (no copy) and equal the reference: y, dx, dweight, dgate (fp32,
+    interpreter on CPU)."""
+    from k3.ops.norm.triton import _gate_rows
+    N, H, K, W = 9, 3, 16, 3 * 16 + 21
+    g = _gen(5)
+    x = 2 * torch.randn(1, N, H, K, generator=g, dtype=torch.float64) + 0.3
+    w = 1 + 0.3 * torch.randn(K, generator=g, dtype=torch.float64)
+    wide = 1.5 * torch.randn(N, W, generator=g, dtype=torch.float64)
+
+    def gated(impl, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, wide)]
+        gate = leaves[2][:, 5:5 + H * K].reshape(1, N, H, K)
+        assert not gate.is_contiguous()
+        if impl == "triton":
+            view, stride, G, inner = _gate_rows(gate, K)
+            assert (stride, G, inner) == (W, H, K) and view.data_ptr() == gate.data_ptr()  # in place
+            y = rms_norm_gated(leaves[0], leaves[1], gate, 1e-5, backend="triton")
+        else:
+            y = rms_norm_gated_reference(leaves[0], leaves[1], gate, 1e-5)
+        dy = torch.randn(y.shape, generator=_gen(6), dtype=torch.float64).to(dtype)
+        (y * dy).sum().backward()
+        return [y] + [t.grad for t in leaves]
+
+    _assert_close(gated("reference", torch.float64), gated("triton", torch.float32), TOL,
+                  ["y", "dx", "dweight", "dgate"])
+
+
 def test_norm_dispatch():
     x, w, gate = (t.float() for t in _norm_inputs(C))
     with pytest.raises(ValueError, match="weight must be \\[24\\]"):

@@ -165,7 +165,8 @@ def test_sort_by_expert_layout(backend):
     """Both backends (the counting-sort kernel through the CPU interpreter here) give the stable layout."""
     N, K, E = 50, 3, 9
     idx = routing(N, K, E, seed=1)
-    pos, ends = moe_ops.sort_by_expert(idx, E, backend=backend)
+    pos, ends = moe_ops.sort_by_expert(idx.to(DEV if backend == "triton" else "cpu"), E, backend=backend)
+    pos, ends = pos.cpu(), ends.cpu()
     flat = pos.reshape(-1)
     assert torch.equal(flat.sort().values, torch.arange(N * K))  # a permutation
     sorted_e = torch.empty(N * K, dtype=torch.long)
@@ -184,12 +185,10 @@ def test_sort_kernel_equals_the_stable_sort(N, K, E, one_program):
     the one-program sort and the two-kernel block sort (prefill and training batches: 11 and 13 blocks at
     (700, 4, 32) and (37, 8, 384); one partial block at (1, 4, 32))."""
     from k3.ops.moe_triton import expert_sort
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device in devices:
-        idx = routing(N, K, E, seed=N, device=device)
-        a = moe_ops.sort_by_expert(idx, E, backend="torch")
-        b = expert_sort(idx, E, out_int32=True, one_program=one_program)
-        assert torch.equal(a[0], b[0]) and b[1].dtype == torch.int32 and torch.equal(a[1], b[1].long())
+    idx = routing(N, K, E, seed=N, device=DEV)  # the kernels on the GPU, else through the CPU interpreter
+    a = moe_ops.sort_by_expert(idx, E, backend="torch")
+    b = expert_sort(idx, E, out_int32=True, one_program=one_program)
+    assert torch.equal(a[0], b[0]) and b[1].dtype == torch.int32 and torch.equal(a[1], b[1].long())
     if torch.cuda.is_available() and not one_program:  # a training batch's size through the dispatch rule
         idx = routing(32768, 4, 32, seed=5, device="cuda")
         a, b = moe_ops.sort_by_expert(idx, 32, backend="torch"), moe_ops.sort_by_expert(idx, 32)
@@ -337,6 +336,61 @@ def test_experts_forward_grouped_matches_loop_fp32_cpu():
     except (RuntimeError, NotImplementedError) as e:  # torch builds without the CPU grouped GEMM
         pytest.skip(f"torch._grouped_mm on CPU: {e}")
     assert rel_rmse(a.double(), b) <= 1e-6
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-gate-up"])
+@pytest.mark.parametrize("N,K", [(1, 4), (3, 2), (8, 4)])
+def test_experts_decode_matches_the_fp64_loop(N, K, fused):
+    """The few-token GEMV kernels (`moe_decode`; fp32, the CPU interpreter here, CUDA on the GPU) against the fp64
+    loop: one token as in batch-1 decode, a duplicated expert, odd widths (I = 40, L = 24: masked column and row
+    blocks, two column chunks with chunk 16), gate and up as the halves of one fused tensor or separate."""
+    from k3.ops import moe_decode
+    E, I, L = 6, 40, 24
+    gen = rng(N * 10 + K)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)])
+    idx[0, -1] = idx[0, 0]  # a token routed twice to one expert
+    x = torch.randn(N, L, generator=gen, dtype=torch.float64)
+    w = torch.rand(N, K, generator=gen, dtype=torch.float64)
+    w13 = torch.randn(E, 2 * I, L, generator=gen, dtype=torch.float64) * L ** -0.5 * 3
+    w2 = torch.randn(E, L, I, generator=gen, dtype=torch.float64) * I ** -0.5
+    w1, w3 = (w13[:, :I], w13[:, I:]) if fused else (w13[:, :I].clone(), w13[:, I:].clone())
+    with torch.no_grad():
+        ref = moe_ops.experts_forward(x, idx, w, w1, w2, w3, 4.0, 25.0, grouped=False)
+        f = lambda t: t.to(DEV, torch.float32)  # noqa: E731
+        old = dict(moe_decode.LAUNCH)
+        moe_decode.LAUNCH.update(chunk=16)
+        try:
+            got = moe_decode.experts_decode(f(x), idx.to(DEV), f(w), f(w1), f(w2), f(w3), 4.0, 25.0)
+        finally:
+            moe_decode.LAUNCH.update(old)
+        assert moe_decode.fits(f(x), idx, f(w1), f(w2), f(w3))
+    assert got.dtype == torch.float32 and got.shape == (N, L)
+    assert rel_rmse(ref, got.cpu().double()) <= 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_experts_decode_equals_the_grouped_path_bf16():
+    """k3-small's expert sizes in bf16: the GEMV kernels that `experts_forward` picks for a decode step against
+    the sorted-rows pipeline (grouped GEMMs), which rounds its GEMM outputs to bf16 (within 1e-2)."""
+    from k3.ops import moe_decode
+    E, I, L, K = 32, 512, 768, 4
+    gen = rng(3)
+    w13 = (torch.randn(E, 2 * I, L, generator=gen) * L ** -0.5).cuda().bfloat16()
+    w2 = (torch.randn(E, L, I, generator=gen) * I ** -0.5).cuda().bfloat16()
+    for N in (1, 8):
+        idx = routing(N, K, E, seed=N, device="cuda")
+        x = torch.randn(N, L, generator=gen).cuda().bfloat16()
+        w = torch.rand(N, K, generator=gen).cuda()
+        with torch.no_grad():
+            a = moe_ops.experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # auto: the GEMV kernels
+            old = moe_decode.MAX_ENTRIES
+            moe_decode.MAX_ENTRIES = 0
+            try:
+                b = moe_ops.experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # the grouped GEMMs
+            finally:
+                moe_decode.MAX_ENTRIES = old
+        assert rel_rmse(b.double(), a.double()) <= 1e-2, N
 
 
 # ---- CUDA: k3-small sizes, bf16 under autocast, no host sync -------------------------------------------------------

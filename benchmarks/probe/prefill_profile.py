@@ -82,7 +82,7 @@ def op_sites(fn, top: int = 20) -> list:
         fn()
         torch.cuda.synchronize()
     rows = [(e.key, e.count, e.device_time_total / 1e3, [f for f in e.stack if "/k3/" in f][:3])
-            for e in prof.key_averages(group_by_stack_n=6) if e.key.startswith("aten::") and e.device_time_total]
+            for e in prof.key_averages(group_by_stack_n=30) if e.key.startswith("aten::") and e.device_time_total]
     # an op's device time includes the ops it calls (aten::to -> aten::copy_): keep the innermost of a chain
     leaf = {"aten::copy_", "aten::cat", "aten::sort", "aten::index", "aten::index_put_", "aten::fill_",
             "aten::add", "aten::add_", "aten::mul", "aten::sub", "aten::where", "aten::scatter_", "aten::gather",

@@ -257,11 +257,16 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
 
     x [N, L] → [N, L] in x's dtype, accumulated in fp32 (fp64 for fp64 inputs). `grouped` (default: CUDA
     bf16 activations) runs the sorted-rows pipeline (module docstring) with `torch._grouped_mm` GEMMs (per-expert
-    GEMMs for fp64, which it does not take), no host sync; else one loop step per used expert, host-side counts
+    GEMMs for fp64, which it does not take), no host sync -- for a few tokens without autograd, two GEMV kernels
+    (`moe_decode`) instead; else one loop step per used expert, host-side counts
     (off CUDA as `moe_recompute.experts_loop`, which saves only its inputs for the backward).
     """
     if grouped is None:
         grouped = grouped_mm_available(x)
+    if grouped and importable(__name__.rsplit(".", 1)[0] + ".moe_decode"):
+        from . import moe_decode
+        if moe_decode.fits(x, topk_idx, w1, w2, w3):  # a decode step's few tokens: two GEMV kernels
+            return moe_decode.experts_decode(x, topk_idx, topk_weight, w1, w2, w3, beta, linear_beta)
     if grouped:
         gmm = hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         pos, ends = sort_by_expert(topk_idx, w1.shape[0], out_int32=gmm)

@@ -27,9 +27,13 @@ CFG = {
 
 
 @triton.jit
-def _load_rows(ptr, rows, cols, M, D, stride):
+def _load_rows(ptr, rows, cols, M, D, stride, G=1, s_in=0):
+    """Rows r of a [M, D] operand at r·stride, or, with G > 1, at (r // G)·stride + (r % G)·s_in: the heads of
+    a row slice (the KDA gate, a column range of the joined projection) read in place."""
     m = (rows < M)[:, None] & (cols < D)[None, :]
-    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = rows.to(tl.int64)
+    off = (r // G) * stride + (r % G) * s_in
+    return tl.load(ptr + off[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -39,9 +43,9 @@ def _store_rows(ptr, val, rows, cols, M, D, stride):
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, M, D, sx, sg, sy, eps,
+def rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, M, D, sx, sg, sy, eps, gG, sg_in,
                         HAS_W: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """BR rows: y = x * rsqrt(mean(x²) + eps) [* w] [* sigmoid(g)]."""
+    """BR rows: y = x * rsqrt(mean(x²) + eps) [* w] [* sigmoid(g)]; g's rows by (sg, gG, sg_in) (`_load_rows`)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     x = _load_rows(x_ptr, rows, cols, M, D, sx)
@@ -50,13 +54,13 @@ def rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, M, D, sx, sg, sy, eps,
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        y = y * tl.sigmoid(_load_rows(g_ptr, rows, cols, M, D, sg))
+        y = y * tl.sigmoid(_load_rows(g_ptr, rows, cols, M, D, sg, gG, sg_in))
     _store_rows(y_ptr, y, rows, cols, M, D, sy)
 
 
 @triton.jit
 def rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr, M, D, sx, sg, sdy, sdx, sdg, eps,
-                        HAS_W: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                        gG, sg_in, HAS_W: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """Row blocks pid, pid + P, ...: dx, dgate, and this program's partial dweight [D] (fp32)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -73,7 +77,7 @@ def rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr, M, 
         n = x * r[:, None]
         dy = _load_rows(dy_ptr, rows, cols, M, D, sdy)
         if GATED:
-            s = tl.sigmoid(_load_rows(g_ptr, rows, cols, M, D, sg))
+            s = tl.sigmoid(_load_rows(g_ptr, rows, cols, M, D, sg, gG, sg_in))
             _store_rows(dg_ptr, dy * n * w * s * (1.0 - s), rows, cols, M, D, sdg)
             dy = dy * s
         if HAS_W:
@@ -97,27 +101,43 @@ def _rows2d(t, D):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _gate_rows(g, D):
+    """The gate as the kernels read it: (tensor, row stride, G, inner stride). A view [..., G, D] whose leading
+    dims merge (a row slice of a wider tensor split into heads) is read in place, rows r at
+    (r // G)·stride + (r % G)·inner; anything else as `_rows2d`."""
+    if g.dim() >= 3 and g.stride(-1) == 1 and g.numel():
+        try:
+            g3 = g.view(-1, g.shape[-2], D)
+        except RuntimeError:  # the leading dims do not merge: copied below
+            g3 = None
+        if g3 is not None and g3.stride(0) != g3.shape[1] * g3.stride(1):  # not plain rows: read in place
+            return g3, g3.stride(0), g3.shape[1], g3.stride(1)
+    g2 = _rows2d(g, D)
+    return g2, g2.stride(0), 1, 0
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps):
         D = x.shape[-1]
-        x2, g2 = _rows2d(x, D), (None if gate is None else _rows2d(gate, D))
+        x2 = _rows2d(x, D)
+        g2, sg, gG, sg_in = (None, 0, 1, 0) if gate is None else _gate_rows(gate, D)
         M = x2.shape[0]
         y = torch.empty(M, D, device=x.device, dtype=x.dtype)
         BR, BD, warps = _blocks(D)
         if M:
             rms_norm_fwd_kernel[(triton.cdiv(M, BR),)](
                 x2, weight if weight is not None else x2, g2 if g2 is not None else x2, y, M, D, x2.stride(0),
-                g2.stride(0) if g2 is not None else 0, y.stride(0), eps,
+                sg, y.stride(0), eps, gG, sg_in,
                 HAS_W=weight is not None, GATED=g2 is not None, BR=BR, BD=BD, num_warps=warps)
         ctx.save_for_backward(x2, weight, g2)
-        ctx.meta = (eps, x.shape, None if gate is None else gate.shape)
+        ctx.meta = (eps, x.shape, None if gate is None else gate.shape, sg, gG, sg_in)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, g2 = ctx.saved_tensors
-        eps, xshape, gshape = ctx.meta
+        eps, xshape, gshape, sg, gG, sg_in = ctx.meta
         M, D = x2.shape
         dy2 = _rows2d(dy, D)
         dx = torch.empty(M, D, device=x2.device, dtype=x2.dtype)
@@ -129,8 +149,7 @@ class _RMSNorm(torch.autograd.Function):
             rms_norm_bwd_kernel[(P,)](
                 x2, weight if weight is not None else x2, g2 if g2 is not None else x2, dy2, dx,
                 dg if dg is not None else dx, dwp if dwp is not None else dx, M, D, x2.stride(0),
-                g2.stride(0) if g2 is not None else 0, dy2.stride(0), dx.stride(0),
-                dg.stride(0) if dg is not None else 0, eps,
+                sg, dy2.stride(0), dx.stride(0), dg.stride(0) if dg is not None else 0, eps, gG, sg_in,
                 HAS_W=weight is not None, GATED=g2 is not None, BR=BR, BD=BD, num_warps=warps)
         elif dwp is not None:
             dwp.zero_()

@@ -109,7 +109,12 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
     if PREFETCH:
         ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n = _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, v_ptr,
                                                             sv, bos, eos, c0, h, H, K, V, kc, vc, BT, True, not PRE)
+    if STORE_SEL:  # the checkpoint slot of each chunk, loaded a step ahead (off the state's chain)
+        slot_n = tl.load(slot_ptr + c0, mask=nch > 0, other=-1)
     for i in range(0, nch):
+        if STORE_SEL:
+            slot = slot_n
+            slot_n = tl.load(slot_ptr + c0 + tl.minimum(i + 1, nch - 1))
         if PREFETCH:
             ke, qe, kg, vT, A, Tb, gC = ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n
             ke_n, qe_n, kg_n, v_n, A_n, Tb_n, gC_n = _load_step(
@@ -136,7 +141,6 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
             tl.store(vnew_ptr + offv, vn.to(vnew_ptr.dtype.element_ty), mask=mv)
         S = S * tl.exp(gC)[None, :] + _mm(vn, kg, BF16, DOT_PREC)
         if STORE_SEL:
-            slot = tl.load(slot_ptr + c0 + i)
             if slot >= 0:
                 tl.store(hsel_ptr + (slot * H + h).to(tl.int64) * K * V + soff, S, mask=sm)
     if STORE_HT:
