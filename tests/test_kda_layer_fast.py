@@ -279,7 +279,8 @@ def test_norm_gated_reads_a_head_split_row_slice_in_place():
     wide = 1.5 * torch.randn(N, W, generator=g, dtype=torch.float64)
 
     def gated(impl, dtype):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, wide)]
+        dev = DEV if impl == "triton" else "cpu"  # the kernels on the GPU, else through the CPU interpreter
+        leaves = [t.detach().to(dev, dtype).requires_grad_() for t in (x, w, wide)]
         gate = leaves[2][:, 5:5 + H * K].reshape(1, N, H, K)
         assert not gate.is_contiguous()
         if impl == "triton":
@@ -288,9 +289,9 @@ def test_norm_gated_reads_a_head_split_row_slice_in_place():
             y = rms_norm_gated(leaves[0], leaves[1], gate, 1e-5, backend="triton")
         else:
             y = rms_norm_gated_reference(leaves[0], leaves[1], gate, 1e-5)
-        dy = torch.randn(y.shape, generator=_gen(6), dtype=torch.float64).to(dtype)
+        dy = torch.randn(y.shape, generator=_gen(6), dtype=torch.float64).to(dev, dtype)
         (y * dy).sum().backward()
-        return [y] + [t.grad for t in leaves]
+        return [t.cpu() for t in [y] + [t.grad for t in leaves]]
 
     _assert_close(gated("reference", torch.float64), gated("triton", torch.float32), TOL,
                   ["y", "dx", "dweight", "dgate"])

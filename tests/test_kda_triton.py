@@ -224,11 +224,19 @@ def test_forward_without_autograd(T, cu, gate, split):
     assert rmse(o_ag.detach(), o_pre) <= bar and rmse(h_ag.detach(), h_pre) <= bar
 
 
-def test_forward_without_autograd_reads_row_slices_in_place():
+def test_forward_without_autograd_reads_row_slices_in_place(monkeypatch):
     """Inference passes q, k, v as row slices of the short conv's output and beta of the joined projection's: the
-    forward reads them in place (no copies) and gives bitwise what contiguous copies give; varlen, states_at."""
+    forward reads them in place (no copies) and gives bitwise what contiguous copies give; varlen, states_at.
+    A_log and dt_bias are parameters, as in the model: under no_grad the forward still takes the inference path
+    (in place, Tb folded: `pre`), although autograd marks parameters as needing gradients even there."""
+    import k3.ops.kda.triton.chunk as CH
+    seen = []
+    intra = CH._intra_fwd
+    monkeypatch.setattr(CH, "_intra_fwd", lambda q, *a, pre=False: seen.append((q.data_ptr(), pre)) or
+                        intra(q, *a, pre=pre))
     x, _ = make(1, 75, 2, 32, 32, seed=17, N=2)
     q, k, v, f, beta, A_log, dt_bias = _gated_args(x)
+    A_log, dt_bias = torch.nn.Parameter(A_log), torch.nn.Parameter(dt_bias)
     wide = torch.cat([t.reshape(1, 75, -1) for t in (q, k, v)] + [beta, beta], -1)
     qs, ks, vs = (t.reshape(1, 75, 2, 32) for t in wide[..., :192].split(64, -1))
     bs = wide[..., 192:194]
@@ -238,8 +246,12 @@ def test_forward_without_autograd_reads_row_slices_in_place():
     with torch.no_grad():
         got = chunk_kda_gated(qs, ks, vs, f, bs, A_log, dt_bias, **kw)
         ref = chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, **kw)
+    assert seen == [(qs.data_ptr(), True), (q.data_ptr(), True)]
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+    seen.clear()
+    chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, **kw)[0].sum().backward()  # with autograd: no `pre`
+    assert [p for _, p in seen] == [False] and A_log.grad is not None
 
 
 # ---------------------------------------------------------------- causality and continuation

@@ -314,10 +314,12 @@ def _kernel_rows(q, k, v, g, beta):
 
 class _ChunkKDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, lb, flags, states_at):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, lb, flags, states_at, grad_mode):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        grad = any(ctx.needs_input_grad[:8])  # (grad mode itself is off inside forward)
+        # grad mode is off inside forward, and needs_input_grad is True for parameters (A_log, dt_bias) even
+        # under no_grad / inference_mode: the caller's grad mode decides whether a backward can follow
+        grad = grad_mode and any(ctx.needs_input_grad[:8])
         if not grad and B == 1:  # inference: row slices read in place
             qp, kp, vp, gp, bp = _kernel_rows(q[0], k[0], v[0], g[0], beta[0])
         else:  # the backward kernels read contiguous rows
@@ -380,7 +382,7 @@ class _ChunkKDA(torch.autograd.Function):
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731
         return (shp(dq), shp(dk), shp(dv), shp(dg), shp(db), dA_log, ddt, dh0,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _check(fn, q, k, v, g, beta, initial_state, cu_seqlens):
@@ -437,7 +439,7 @@ def chunk_kda_gated_triton(q, k, v, f, beta_logit, A_log, dt_bias=None, scale=No
 def _finish(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state, cu_seqlens, scale, lb, flags, states_at):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, ht, hsel = _ChunkKDA.apply(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, float(lb), flags,
-                                  states_at)
+                                  states_at, torch.is_grad_enabled())
     ht = ht if output_final_state else None
     return (o, ht) if states_at is None else (o, ht, hsel)
 
