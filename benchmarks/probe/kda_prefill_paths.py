@@ -1,0 +1,53 @@
+"""The chunked KDA forward of a one-sequence prefill without autograd (k3-small: H 12, K = V 128, bf16, 8,192
+tokens, an initial state, states kept every 512 tokens as the engine's prefix cache asks): Tb folded into Aqk
+and kg (`pre`) or not, and q, k, v, beta read in place as row slices of the conv / projection outputs or as
+contiguous copies made first (the copies timed too). CUDA events, median of 30; outputs against the first.
+
+    python benchmarks/probe/kda_prefill_paths.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402
+
+import k3.ops.kda.triton.chunk as CH  # noqa: E402
+from k3.ops.kda.triton import chunk_kda_gated_triton  # noqa: E402
+
+
+def main():
+    T, H, K = 8192, 12, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    conv = torch.randn(T, 3 * H * K, device="cuda", generator=g).bfloat16()       # the short conv's output
+    proj = torch.randn(T, 6336, device="cuda", generator=g).bfloat16()            # the joined projection
+    q, k, v = (t.view(1, T, H, K) for t in conv.split(H * K, -1))
+    beta = proj[:, 4 * H * K + K:4 * H * K + K + H].view(1, T, H)
+    f = torch.randn(1, T, H, K, device="cuda", generator=g).bfloat16()
+    A_log, dtb = torch.randn(H, device="cuda") * 0.3, torch.randn(H * K, device="cuda") * 0.5
+    h0 = torch.randn(1, H, K, K, device="cuda") * 0.1
+    kw = dict(initial_state=h0, output_final_state=True, states_at=torch.arange(512, T, 512),
+              cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
+    intra = CH._intra_fwd
+    ref = None
+    for pre in (True, False):
+        CH._intra_fwd = lambda *a, pre_=pre, **k_: intra(*a, pre=pre_)
+        for inplace in (True, False):
+            def run():
+                args = (q, k, v, f, beta) if inplace else tuple(t.contiguous() for t in (q, k, v, f, beta))
+                with torch.no_grad():
+                    return chunk_kda_gated_triton(*args, A_log, dtb, **kw)
+            ms = median_ms(run, 5, 30)
+            o = run()[0].float()
+            ref = o if ref is None else ref
+            rel = ((o - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+            print(f"pre {pre!s:5} {'in place' if inplace else 'copies  '}: {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
+    CH._intra_fwd = intra
+
+
+if __name__ == "__main__":
+    main()
