@@ -228,7 +228,8 @@ def test_forward_without_autograd_reads_row_slices_in_place(monkeypatch):
     """Inference passes q, k, v as row slices of the short conv's output and beta of the joined projection's: the
     forward reads them in place (no copies) and gives bitwise what contiguous copies give; varlen, states_at.
     A_log and dt_bias are parameters, as in the model: under no_grad the forward still takes the inference path
-    (in place, Tb folded: `pre`), although autograd marks parameters as needing gradients even there."""
+    (in place; Tb folded, `pre`, when CFG fold_tb asks), although autograd marks parameters as needing gradients
+    even there."""
     import k3.ops.kda.triton.chunk as CH
     seen = []
     intra = CH._intra_fwd
@@ -243,12 +244,14 @@ def test_forward_without_autograd_reads_row_slices_in_place(monkeypatch):
     assert not qs.is_contiguous() and qs.stride(1) == 196 and bs.stride(1) == 196
     kw = dict(initial_state=x["h0"].to(DEV), output_final_state=True, states_at=torch.tensor([16, 75]),
               cu_seqlens=torch.tensor([0, 40, 75], dtype=torch.int32), backend="triton")
-    with torch.no_grad():
-        got = chunk_kda_gated(qs, ks, vs, f, bs, A_log, dt_bias, **kw)
-        ref = chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, **kw)
-    assert seen == [(qs.data_ptr(), True), (q.data_ptr(), True)]
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    for fold in (False, True):  # Tb folded into Aqk and kg (CFG fold_tb) or not
+        seen.clear()
+        with torch.no_grad(), CH.cfg_override(fold_tb=fold):
+            got = chunk_kda_gated(qs, ks, vs, f, bs, A_log, dt_bias, **kw)
+            ref = chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, **kw)
+        assert seen == [(qs.data_ptr(), fold), (q.data_ptr(), fold)]
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
     seen.clear()
     chunk_kda_gated(q, k, v, f, beta, A_log, dt_bias, **kw)[0].sum().backward()  # with autograd: no `pre`
     assert [p for _, p in seen] == [False] and A_log.grad is not None

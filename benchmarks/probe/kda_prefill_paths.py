@@ -45,7 +45,8 @@ def main():
             o = run()[0].float()
             ref = o if ref is None else ref
             rel = ((o - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
-            print(f"pre {pre!s:5} {'in place' if inplace else 'copies  '}: {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
+            how = "in place" if inplace else "copies  "
+            print(f"pre {pre!s:5} {how}: {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
     CH._intra_fwd = intra
 
 

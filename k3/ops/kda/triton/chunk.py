@@ -50,6 +50,10 @@ CFG = {
     # the states but not the tiles. ~0.9 KB per token and head at K = 128, about what fla's default keeps
     # (fp32 cumulative gate, Aqk and Akk: ~1 KB); 0 recomputes everything from the inputs
     "save_parts": os.environ.get("K3_KDA_SAVE_PARTS", "1") == "1",
+    # forwards without autograd: fold Tb into Aqk and kg (`PRE`, one matmul fewer per recurrence step). Off: on
+    # the H200 at one 8K sequence, H 12 (an engine prefill) the folded recurrence is slower, 0.77 vs 0.63 ms per
+    # layer (docs/benchmarks.md, session 10); at H 96 it was 2 % faster. The extend steps keep it (measured there).
+    "fold_tb": os.environ.get("K3_KDA_FOLD_TB", "0") == "1",
     # cut sequences of at least 4 * split_min_chunks chunks into up to seq_split segments (>= split_min_chunks
     # chunks each) that run in parallel (0/1: off), when the recurrence has fewer than split_below_programs
     # programs (H200, docs/benchmarks.md: H12 at 32K-128K forward 1.8-2.0x faster; 8K would lose, so is not cut)
@@ -328,7 +332,8 @@ class _ChunkKDA(torch.autograd.Function):
         h0c = h0.contiguous() if h0 is not None else None
         cu, coff, chunks, cu_host, coff_host, NC = _layout(cu_seqlens, B, T, q.device)
         N = len(cu_host) - 1
-        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags, pre=not grad)
+        parts = _intra_fwd(qp, kp, vp, gp, bp, A_log, dt_bias, chunks, NC, scale, lb, flags,
+                           pre=not grad and CFG["fold_tb"])
         slot, nsel = _slots(states_at, cu_host, coff_host, NC, q.device) if states_at is not None else (None, 0)
         save = CFG["save_states"] and grad
         keep_parts = CFG["save_parts"] and grad and not save
