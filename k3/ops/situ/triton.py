@@ -50,6 +50,15 @@ def _sigmoids(x):
 
 
 @triton.jit
+def situ_glu_value(g, u, beta, linear_beta):
+    """β₁·tanh(g/β₁)·σ(g)·β₂·tanh(u/β₂) of fp32 tiles (also the epilogue of `moe_decode`'s gate/up kernel)."""
+    t1, _ = _tanh_sech2(g / beta)
+    s, _ = _sigmoids(g)
+    t2, _ = _tanh_sech2(u / linear_beta)
+    return (beta * t1 * s) * (linear_beta * t2)
+
+
+@triton.jit
 def situ_fwd_kernel(g_ptr, u_ptr, o_ptr, M, I, s_g, s_u, s_o, beta, linear_beta,
                     BM: tl.constexpr, BI: tl.constexpr):
     """Program (i, j): rows i*BM.., columns j*BI.. of o = β₁·tanh(g/β₁)·σ(g)·β₂·tanh(u/β₂)."""
@@ -60,10 +69,7 @@ def situ_fwd_kernel(g_ptr, u_ptr, o_ptr, M, I, s_g, s_u, s_o, beta, linear_beta,
     c = cols[None, :]
     g = tl.load(g_ptr + r * s_g + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r * s_u + c, mask=mask, other=0.0).to(tl.float32)
-    t1, _ = _tanh_sech2(g / beta)
-    s, _ = _sigmoids(g)
-    t2, _ = _tanh_sech2(u / linear_beta)
-    o = (beta * t1 * s) * (linear_beta * t2)
+    o = situ_glu_value(g, u, beta, linear_beta)
     tl.store(o_ptr + r * s_o + c, o.to(o_ptr.dtype.element_ty), mask=mask)
 
 
