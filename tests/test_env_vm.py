@@ -346,3 +346,43 @@ def test_kill_leaves_nothing(tier, vm, state_dir):
     tier.kill(vm)
     assert not qemu_pids(str(state_dir / "sandboxes"))
     assert list((state_dir / "sandboxes").iterdir()) == []
+
+
+def test_qmp_client_keeps_events_sent_before_the_greeting(tmp_path):
+    """On a reconnect (a restarted manager) QEMU may flush events queued for the previous client ahead of the
+    greeting: the client keeps them as events and negotiates; a first message that is neither fails clearly.
+    A fake QMP server on a unix socket, no QEMU needed."""
+    import json
+    import socket
+    import threading
+
+    from k3.env.vm.channels import QMP, QMPError
+
+    def serve(path, first):
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+
+        def run():
+            conn, _ = srv.accept()
+            with conn:
+                for m in first:
+                    conn.sendall(json.dumps(m).encode() + b"\n")
+                if conn.recv(4096):  # qmp_capabilities
+                    conn.sendall(b'{"return": {}}\n')
+                conn.recv(1)
+            srv.close()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    event = {"timestamp": {"seconds": 1, "microseconds": 2}, "event": "RESUME"}
+    greeting = {"QMP": {"version": {}, "capabilities": []}}
+    path = str(tmp_path / "a.sock")
+    serve(path, [event, greeting])
+    q = QMP(path, timeout=5)
+    assert q.events == [event]
+    q.close()
+    path = str(tmp_path / "b.sock")
+    serve(path, [{"return": {}}])
+    with pytest.raises(QMPError, match="not a QMP greeting"):
+        QMP(path, timeout=5)

@@ -111,9 +111,14 @@ class QMP:
         self.events: list[dict] = []
         self.lock = threading.Lock()
         deadline = time.monotonic() + timeout
-        greeting = json.loads(self.conn.readline(deadline))
-        if "QMP" not in greeting:
-            raise QMPError(f"not a QMP greeting: {greeting}")
+        while True:  # on a reconnect QEMU may flush events queued for the last client ahead of the greeting
+            greeting = json.loads(self.conn.readline(deadline))
+            if "event" in greeting:
+                self.events.append(greeting)
+                continue
+            if "QMP" not in greeting:
+                raise QMPError(f"not a QMP greeting: {greeting}")
+            break
         self.execute("qmp_capabilities", timeout=timeout)
 
     def close(self) -> None:
