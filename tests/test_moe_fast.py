@@ -343,7 +343,8 @@ def test_experts_forward_grouped_matches_loop_fp32_cpu():
 def test_experts_decode_matches_the_fp64_loop(N, K, fused):
     """The few-token GEMV kernels (`moe_decode`; fp32, the CPU interpreter here, CUDA on the GPU) against the fp64
     loop: one token as in batch-1 decode, a duplicated expert, odd widths (I = 40, L = 24: masked column and row
-    blocks, two column chunks with chunk 16), gate and up as the halves of one fused tensor or separate."""
+    blocks, two column chunks with chunk 16), gate and up as the halves of one fused tensor or separate
+    with different row strides."""
     from k3.ops import moe_decode
     E, I, L = 6, 40, 24
     gen = rng(N * 10 + K)
@@ -353,14 +354,18 @@ def test_experts_decode_matches_the_fp64_loop(N, K, fused):
     w = torch.rand(N, K, generator=gen, dtype=torch.float64)
     w13 = torch.randn(E, 2 * I, L, generator=gen, dtype=torch.float64) * L ** -0.5 * 3
     w2 = torch.randn(E, L, I, generator=gen, dtype=torch.float64) * I ** -0.5
-    w1, w3 = (w13[:, :I], w13[:, I:]) if fused else (w13[:, :I].clone(), w13[:, I:].clone())
+    # separate: w3 a column slice of a wider tensor (row stride L + 5), so w1 and w3 have different strides
+    w3_wide = torch.cat([w13[:, I:], torch.zeros(E, I, 5, dtype=torch.float64)], -1)
+    w1, w3 = (w13[:, :I], w13[:, I:]) if fused else (w13[:, :I].clone(), w3_wide[..., :L])
     with torch.no_grad():
         ref = moe_ops.experts_forward(x, idx, w, w1, w2, w3, 4.0, 25.0, grouped=False)
         f = lambda t: t.to(DEV, torch.float32)  # noqa: E731
+        w1k, w3k = (f(w13)[:, :I], f(w13)[:, I:]) if fused else (f(w1), f(w3_wide)[..., :L])
+        assert (w1k.stride() == w3k.stride()) == fused
         old = dict(moe_decode.LAUNCH)
         moe_decode.LAUNCH.update(chunk=16)
         try:
-            got = moe_decode.experts_decode(f(x), idx.to(DEV), f(w), f(w1), f(w2), f(w3), 4.0, 25.0)
+            got = moe_decode.experts_decode(f(x), idx.to(DEV), f(w), w1k, f(w2), w3k, 4.0, 25.0)
         finally:
             moe_decode.LAUNCH.update(old)
         assert moe_decode.fits(f(x), idx, f(w1), f(w2), f(w3))

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton import interpreted
 from .situ.triton import situ_glu_value
 
 MAX_ENTRIES = 64  # (token, expert) entries up to which `experts_forward` takes these kernels (H200 probe:
@@ -27,8 +28,8 @@ LAUNCH = {"bi": 16, "bl": 16, "chunk": 256, "warps": 4}
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, L, sx, sw_e, sw_r, sh, beta, linear_beta,
-                       BI: tl.constexpr, CH: tl.constexpr):
+def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, L, sx, s1_e, s1_r, s3_e, s3_r, sh, beta,
+                       linear_beta, BI: tl.constexpr, CH: tl.constexpr):
     j = tl.program_id(0)
     rows = tl.program_id(1) * BI + tl.arange(0, BI)
     rm = rows < I
@@ -40,10 +41,12 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, L, sx, sw_e,
         cols = c0 + tl.arange(0, CH)
         cm = cols < L
         x = tl.load(x_ptr + n * sx + cols, mask=cm, other=0.0).to(tl.float32)
-        off = e * sw_e + rows[:, None].to(tl.int64) * sw_r + cols[None, :]
+        r = rows[:, None].to(tl.int64)
         m = rm[:, None] & cm[None, :]
-        g += tl.sum(tl.load(w1_ptr + off, mask=m, other=0.0).to(tl.float32) * x[None, :], 1)
-        u += tl.sum(tl.load(w3_ptr + off, mask=m, other=0.0).to(tl.float32) * x[None, :], 1)
+        w1 = tl.load(w1_ptr + e * s1_e + r * s1_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        w3 = tl.load(w3_ptr + e * s3_e + r * s3_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        g += tl.sum(w1 * x[None, :], 1)
+        u += tl.sum(w3 * x[None, :], 1)
     h = situ_glu_value(g, u, beta, linear_beta)
     tl.store(h_ptr + j * sh + rows, h.to(h_ptr.dtype.element_ty), mask=rm)
 
@@ -76,8 +79,10 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 
 
 def fits(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
-    """Whether `experts_decode` takes this call: few entries, no autograd, weights in x's dtype."""
+    """Whether `experts_decode` takes this call: few entries, no autograd, weights in x's dtype, CUDA (or the
+    CPU interpreter)."""
     return (topk_idx.numel() <= MAX_ENTRIES and not torch.is_grad_enabled()
+            and (x.is_cuda or interpreted(moe_gate_up_kernel))
             and w1.dtype == w2.dtype == w3.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32))
 
@@ -90,8 +95,6 @@ def experts_decode(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     N, K = topk_idx.shape
     E, I, L = w1.shape
     x, w1, w3, w2 = _unit(x), _unit(w1), _unit(w3), _unit(w2)
-    if w1.stride() != w3.stride():
-        w1, w3 = w1.contiguous(), w3.contiguous()
     idx = topk_idx.reshape(-1).contiguous()
     wt = topk_weight.reshape(-1).contiguous()
     h = torch.empty(N * K, I, dtype=x.dtype, device=x.device)
@@ -100,8 +103,8 @@ def experts_decode(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
         return y
     c = LAUNCH
     moe_gate_up_kernel[(N * K, triton.cdiv(I, c["bi"]))](
-        x, idx, w1, w3, h, K, I, L, x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), float(beta),
-        float(linear_beta), BI=c["bi"], CH=c["chunk"], num_warps=c["warps"])
+        x, idx, w1, w3, h, K, I, L, x.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
+        h.stride(0), float(beta), float(linear_beta), BI=c["bi"], CH=c["chunk"], num_warps=c["warps"])
     moe_down_kernel[(N, triton.cdiv(L, c["bl"]))](
         h, idx, wt, w2, y, K, I, L, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BL=c["bl"],
         CH=c["chunk"], num_warps=c["warps"])

@@ -166,7 +166,9 @@ def expert_rank_kernel(idx_ptr, counts_ptr, pos_ptr, ends_ptr, NK, E, NB, EP: tl
     tl.store(pos_ptr + offs, tl.sum(oh * rank, 1).to(tl.int64), mask=m)
 
 
-SORT_ONE_PROGRAM = 16384  # up to this many entries one program sorts them (one launch: decode, short chunks)
+# up to this many entries one program sorts them (one launch: decode, short chunks); above, the two block kernels
+# (benchmarks/probe/expert_sort.py, H200, per call: 4,096 entries 100 vs 122 us, 16,384 entries 259 vs 120 us)
+SORT_ONE_PROGRAM = 4096
 
 
 def expert_sort(topk_idx: torch.Tensor, num_experts: int, out_int32: bool, one_program: bool | None = None
