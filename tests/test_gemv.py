@@ -1,0 +1,80 @@
+"""The few-row projection kernel (`k3.ops.gemv`) against fp64 `F.linear`: the CPU interpreter here (fp32 and
+bf16 inputs), CUDA on the GPU (bf16, k3-small's head and a projection); the dispatch rules of `linear`."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_rmse
+from k3.ops import gemv
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rng(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K,config", [(1, 40, 70, (16, 32, 4, 2)), (3, 17, 300, (16, 64, 4, 2)),
+                                          (16, 130, 64, (32, 128, 4, 2)), (5, 96, 33, None)])
+def test_gemv_matches_fp64_linear(M, N, K, config, dtype):
+    """Masked row and column blocks (N, K not multiples of the blocks), 1 to 16 rows, several column chunks;
+    fp32 accumulation of the inputs' exact products: within 1e-6 of fp64 on the inputs as given."""
+    g = rng(M * 1000 + N)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    ref = F.linear(x.double(), w.double())
+    with torch.no_grad():
+        for out in (None, torch.float32):
+            y = gemv.gemv(x.to(DEV), w.to(DEV), out, config=config)
+            assert y.dtype == (out or dtype) and y.shape == (M, N)
+            tol = 1e-6 if y.dtype == torch.float32 else 8e-3  # bf16 output: one rounding
+            assert rel_rmse(ref, y.cpu()) <= tol
+
+
+def test_gemv_reads_strided_weights_and_keeps_leading_dims():
+    """A weight that is a row slice of a wider matrix (row stride > K) and x [B, T, K] → [B, T, N]."""
+    g = rng(7)
+    wide = torch.randn(50, 48, generator=g)
+    w = wide[:, :40]
+    x = torch.randn(2, 3, 40, generator=g)
+    with torch.no_grad():
+        y = gemv.gemv(x.to(DEV), w.to(DEV), config=(16, 16, 4, 2))
+    assert y.shape == (2, 3, 50)
+    assert rel_rmse(F.linear(x.double(), w.double()), y.cpu()) <= 1e-6
+
+
+def test_linear_dispatch():
+    """`linear` takes the kernel for ≤ MAX_ROWS rows without autograd, else F.linear (same values); the
+    output dtype is honoured on both paths; bad shapes name the sizes."""
+    g = rng(3)
+    w = torch.randn(24, 32, generator=g).to(DEV)
+    few, many = torch.randn(2, 32, generator=g).to(DEV), torch.randn(gemv.MAX_ROWS + 1, 32, generator=g).to(DEV)
+    with torch.no_grad():
+        assert gemv.fits(few, w) == (CUDA or gemv.interpreted(gemv.gemv_kernel))
+        assert not gemv.fits(many, w)
+        for x in (few, many):
+            y = gemv.linear(x, w, torch.float64 if not CUDA else None)
+            assert rel_rmse(F.linear(x.double(), w.double()), y.cpu()) <= 1e-6
+    assert not gemv.fits(few.requires_grad_(), w)  # grad mode on: the autograd path
+    with pytest.raises(ValueError, match="33 columns"):
+        gemv.gemv(torch.zeros(1, 33), torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="MAX_ROWS"):
+        gemv.gemv(torch.zeros(gemv.MAX_ROWS + 1, 32), torch.zeros(4, 32))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("N,K,M", [(163840, 1536, 1), (6336, 1536, 4), (1536, 128, 16)])
+def test_cuda_gemv_bf16_equals_cublas(N, K, M):
+    """k3-small shapes in bf16 with the default launch settings: fp32 output within 1e-5 of fp64 (the head's
+    logits), bf16 output within one rounding of cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(N + M)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    with torch.no_grad():
+        ref = F.linear(x.double(), w.double())
+        assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
+        assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
