@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from conftest import rel_rmse
 from k3.ops import gemv
+from k3.ops.gemv import triton as gemv_triton
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -28,7 +29,7 @@ def test_gemv_matches_fp64_linear(M, N, K, config, dtype):
     ref = F.linear(x.double(), w.double())
     with torch.no_grad():
         for out in (None, torch.float32):
-            y = gemv.gemv(x.to(DEV), w.to(DEV), out, config=config)
+            y = gemv_triton.gemv(x.to(DEV), w.to(DEV), out, config=config)
             assert y.dtype == (out or dtype) and y.shape == (M, N)
             tol = 1e-6 if y.dtype == torch.float32 else 8e-3  # bf16 output: one rounding
             assert rel_rmse(ref, y.cpu()) <= tol
@@ -41,7 +42,7 @@ def test_gemv_reads_strided_weights_and_keeps_leading_dims():
     w = wide[:, :40]
     x = torch.randn(2, 3, 40, generator=g)
     with torch.no_grad():
-        y = gemv.gemv(x.to(DEV), w.to(DEV), config=(16, 16, 4, 2))
+        y = gemv_triton.gemv(x.to(DEV), w.to(DEV), config=(16, 16, 4, 2))
     assert y.shape == (2, 3, 50)
     assert rel_rmse(F.linear(x.double(), w.double()), y.cpu()) <= 1e-6
 
@@ -53,16 +54,16 @@ def test_linear_dispatch():
     w = torch.randn(24, 32, generator=g).to(DEV)
     few, many = torch.randn(2, 32, generator=g).to(DEV), torch.randn(gemv.MAX_ROWS + 1, 32, generator=g).to(DEV)
     with torch.no_grad():
-        assert gemv.fits(few, w) == (CUDA or gemv.interpreted(gemv.gemv_kernel))
+        assert gemv.fits(few, w) == CUDA  # the interpreter only through direct calls
         assert not gemv.fits(many, w)
         for x in (few, many):
             y = gemv.linear(x, w, torch.float64 if not CUDA else None)
             assert rel_rmse(F.linear(x.double(), w.double()), y.cpu()) <= 1e-6
     assert not gemv.fits(few.requires_grad_(), w)  # grad mode on: the autograd path
     with pytest.raises(ValueError, match="33 columns"):
-        gemv.gemv(torch.zeros(1, 33), torch.zeros(4, 32))
-    with pytest.raises(ValueError, match="MAX_ROWS"):
-        gemv.gemv(torch.zeros(gemv.MAX_ROWS + 1, 32), torch.zeros(4, 32))
+        gemv_triton.gemv(torch.zeros(1, 33), torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="at most 16"):
+        gemv_triton.gemv(torch.zeros(17, 32), torch.zeros(4, 32))
 
 
 @pytest.mark.cuda
@@ -78,3 +79,21 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
         ref = F.linear(x.double(), w.double())
         assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
+
+
+def test_linear_with_an_accumulator_matches_addmm():
+    """y = x W^T + add (the MoE up projection onto the shared experts' output): kernel and cuBLAS paths."""
+    g = rng(11)
+    x, w, add = torch.randn(3, 40, generator=g), torch.randn(20, 40, generator=g), torch.randn(3, 20, generator=g)
+    ref = torch.addmm(add.double(), x.double(), w.double().t())
+    with torch.no_grad():
+        got = gemv.linear(x.to(DEV), w.to(DEV), add=add.to(DEV))
+        assert gemv.fits(x.to(DEV), w.to(DEV), add.to(DEV)) == CUDA
+    assert rel_rmse(ref, got.cpu()) <= 1e-6
+    big = torch.randn(gemv.MAX_ROWS + 2, 40, generator=g)  # cuBLAS
+    badd = torch.randn(gemv.MAX_ROWS + 2, 20, generator=g)
+    with torch.no_grad():
+        got = gemv.linear(big.to(DEV), w.to(DEV), add=badd.to(DEV))
+    assert rel_rmse(torch.addmm(badd.double(), big.double(), w.double().t()), got.cpu()) <= 1e-6
+    with pytest.raises(ValueError, match="add has shape"):
+        gemv_triton.gemv(x, w, add=torch.zeros(2, 20))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import median_ms  # noqa: E402
 
-from k3.ops import gemv  # noqa: E402
+from k3.ops.gemv import triton as gemv  # noqa: E402
 
 SHAPES = {  # (N, K) of k3-small's projections in a decode step
     "lm_head": (163840, 1536), "kda_in (joined)": (6336, 1536), "kda f_b": (1536, 128), "o_proj / g_proj": (1536, 1536),

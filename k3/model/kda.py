@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
+from ..ops.gemv import linear
 from ..ops.conv import short_conv, short_conv_split, short_conv_step
 from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_gated,
                       kda_gate)
@@ -176,8 +177,8 @@ class KimiDeltaAttention(nn.Module):
         w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                             self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype,
                           multiple=64)
-        y, fa, beta_logit, gate, _ = F.linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
-        f = self.f_b_proj(fa).view(N, H, K)
+        y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
+        f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
         if b.decode:  # decode / extend: each slot's conv window and state advanced in place in the pool
             q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu).split(HK, dim=-1)
@@ -216,4 +217,4 @@ class KimiDeltaAttention(nn.Module):
         N, H, K = o.shape
         o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, gate.reshape(1, N, H, K),
                            self.o_norm.eps, backend=self.elementwise_backend)
-        return self.o_proj(o.reshape(1, N, H * K))
+        return linear(o.reshape(1, N, H * K), self.o_proj.weight)

@@ -9,6 +9,7 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.gemv import linear
 from ..ops.norm import rms_norm
 from ..ops.situ import gate_up_weight, situ_glu_fused
 
@@ -115,5 +116,5 @@ class SituMLP(nn.Module):
         parts = [self.gate_proj.weight, self.up_proj.weight]
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
-        gu = F.linear(x, w)
-        return self.down_proj(situ_glu_fused(gu, self.beta, self.linear_beta))
+        gu = linear(x, w)
+        return linear(situ_glu_fused(gu, self.beta, self.linear_beta), self.down_proj.weight)

@@ -25,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..config import K3TextConfig
 from ..ops.attention import doc_causal_attention
+from ..ops.gemv import linear
 from ..ops.mla_decode import paged_mla_decode, triton_reason
 from ..ops.varlen import doc_ids
 from .layers import RMSNorm
@@ -66,12 +67,13 @@ class MLAttention(nn.Module):
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → q [B, T, H, nope + rope]."""
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = (linear(x, self.q_proj.weight) if hasattr(self, "q_proj")
+             else linear(self.q_a_layernorm(linear(x, self.q_a_proj.weight)), self.q_b_proj.weight))
         return q.view(*x.shape[:2], self.num_heads, self.nope + self.rope)
 
     def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] → (c [B, T, kv_lora_rank] normalised latent, k_pe [B, T, rope])."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c, k_pe = linear(x, self.kv_a_proj_with_mqa.weight).split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,8 +229,8 @@ class MLAttention(nn.Module):
         """o [B, T, H, V] → output gate and o_proj → [B, T, D]."""
         o = o.reshape(*x.shape[:2], self.num_heads * self.vdim)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+            o = o * torch.sigmoid(linear(x, self.g_proj.weight))
+        return linear(o, self.o_proj.weight)
 
 
 def causal_mask(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:

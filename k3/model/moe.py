@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
+from ..ops.gemv import linear
 from ..ops.moe import experts_forward, route
 from .layers import RMSNorm, SituMLP
 
@@ -102,7 +103,7 @@ class LatentMoE(nn.Module):
                                self.cfg.moe_renormalize, self.cfg.routed_scaling_factor)
         if self.record_routing:
             self.last_routing = (idx.detach(), scores.detach())
-        lat = self.routed_expert_down_proj(xf)
+        lat = linear(xf, self.routed_expert_down_proj.weight)
         run = experts_forward if self.expert_parallel is None else self._ep_forward
         y = run(lat, idx, w, self.experts.w1, self.experts.w2, self.experts.w3,
                 self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
@@ -114,7 +115,7 @@ class LatentMoE(nn.Module):
         if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
             return (self.routed_expert_up_proj(y) + shared).reshape(shape)
         # inference: the shared experts' output is the up projection's GEMM accumulator (no add kernel)
-        return torch.addmm(shared, y, self.routed_expert_up_proj.weight.t()).reshape(shape)
+        return linear(y, self.routed_expert_up_proj.weight, add=shared).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)

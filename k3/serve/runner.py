@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache
+from ..ops import gemv
 from ..ops._host import to_device
 from ..ops.attn_res import static_tables
 from ..ops.linear_ce.chunked import mm_out_dtype_available
@@ -263,8 +264,9 @@ class ModelRunner:
         bf16 / fp16 head writes fp32 straight from its GEMM where the device can (no [R, V] cast kernel)."""
         _, hn, _ = self.lm.model(self.lm.model.embed_tokens(ids)[None], cache=self.cache, rows=rows)
         head = self.lm.lm_head
-        if hn.dtype != torch.float32 and head.bias is None and mm_out_dtype_available(hn.device.type):
-            return torch.mm(hn[0], head.weight.t(), out_dtype=torch.float32)
+        if hn.dtype != torch.float32 and head.bias is None and (gemv.fits(hn[0], head.weight)
+                                                                or mm_out_dtype_available(hn.device.type)):
+            return gemv.linear(hn[0], head.weight, torch.float32)  # the GEMV kernel for a few rows, else cuBLAS
         return head(hn)[0].float()
 
     def graph_for(self, seqs: list[SeqInput]) -> _Graph | None:

@@ -1,0 +1,59 @@
+"""Dense projections of a few rows (decode steps): `linear` dispatches y = x W^T (+ add) to a Triton GEMV or cuBLAS.
+
+A batch-1 decode step multiplies one row by every weight matrix of the model: the work is reading the weights
+(the LM head alone is 503 MB in k3-small), so the time is bytes / bandwidth, and cuBLAS's GEMM kernels read
+these shapes below the HBM rate. `triton.py` holds the GEMV kernel (its docstring says how it reads); this
+module only picks the path, so importing the model does not import Triton.
+
+`linear(x, w, out_dtype, add)`: the kernel for up to `MAX_ROWS` rows without autograd on CUDA, else
+`F.linear` / `torch.mm(out_dtype=...)` / `torch.addmm`. Reference: `F.linear` in fp64 (`tests/test_gemv.py`);
+the kernel differs from cuBLAS only in the order of its fp32 sums.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .._compile import eager_op
+from .._triton import device_reason
+
+__all__ = ["linear", "fits", "MAX_ROWS"]
+
+# rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
+MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fits(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> bool:
+    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows, no autograd, x, w (and add) of one float dtype and
+    device, w [N, K] with unit column stride, on CUDA. Not through the CPU interpreter: a whole model's
+    projections there take minutes (the kernel's own tests call it directly)."""
+    return (x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+            and w.dim() == 2 and w.stride(-1) == 1 and x.dtype == w.dtype and x.dtype in _DTYPES
+            and x.device == w.device and (add is None or (add.dtype in _DTYPES and add.device == x.device))
+            and x.is_cuda and device_reason(x, __name__) is None)
+
+
+@eager_op
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+           add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a few rows
+    without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision product
+    on CUDA, `torch.addmm` for an add, else `F.linear` and a cast)."""
+    if fits(x, w, add):
+        from .triton import gemv
+        return gemv(x, w, out_dtype, add=add)
+    if add is None and out_dtype in (None, x.dtype):
+        return F.linear(x, w)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if add is not None:
+        y = torch.addmm(add.reshape(-1, w.shape[0]).to(x.dtype), x2, w.t())
+    elif (out_dtype == torch.float32 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+          and w.dtype == x.dtype):
+        return torch.mm(x2, w.t(), out_dtype=out_dtype).view(*lead, w.shape[0])
+    else:
+        y = F.linear(x2, w)
+    return (y if out_dtype is None else y.to(out_dtype)).view(*lead, w.shape[0])

@@ -1,0 +1,80 @@
+"""The GEMV kernel behind `k3.ops.gemv.linear`: y = x W^T (+ add) for up to 16 rows of x.
+
+Each program owns `BN` rows of W [N, K] (row-major, K contiguous) and streams them through in `CH`-column
+chunks (loads pipelined over `stages`), multiplying by the x rows padded to one 16-row MMA tile on the tensor
+cores with fp32 accumulation; an optional `add` [M, N] joins in fp32 and the output is rounded once to its dtype
+(fp32 logits straight from the head, bf16 activations elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton import interpreted as _interpreted
+
+# (BN, CH, warps, stages) by output width: many programs for the narrow projections, long rows for the head
+LAUNCH = ((4096, (16, 256, 4, 4)), (1 << 62, (64, 128, 4, 4)))
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, M, N, K, sx, sw, sy, sa, BN: tl.constexpr, CH: tl.constexpr,
+                IEEE: tl.constexpr, HAS_ADD: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = rows < N
+    m = tl.arange(0, 16)
+    mm = m < M
+    acc = tl.zeros([16, BN], tl.float32)
+    for c0 in range(0, K, CH):
+        cols = c0 + tl.arange(0, CH)
+        cm = cols < K
+        x = tl.load(x_ptr + m[:, None] * sx + cols[None, :], mask=mm[:, None] & cm[None, :], other=0.0)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * sw + cols[None, :], mask=rm[:, None] & cm[None, :],
+                    other=0.0)
+        if IEEE:  # fp32 inputs, or the CPU interpreter (whose dot mishandles half types): exact fp32 products
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    om = mm[:, None] & rm[None, :]
+    if HAS_ADD:
+        acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m[:, None] * sy + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
+
+
+def interpreted() -> bool:
+    """True when the kernel was bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return _interpreted(gemv_kernel)
+
+
+def launch(n: int) -> tuple[int, int, int, int]:
+    """(BN, CH, warps, stages) for an output width n."""
+    return next(c for limit, c in LAUNCH if n <= limit)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → x w^T (+ add [..., N]) [..., N] in `out_dtype`
+    (x's dtype by default), fp32 accumulation. `config`: (BN, CH, warps, stages), else `launch(N)`."""
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"gemv: x has {x.shape[-1]} columns, w {tuple(w.shape)} expects {K}")
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > 16:
+        raise ValueError(f"gemv: {M} rows; the kernel takes at most 16")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    a = y
+    if add is not None:
+        if add.numel() != M * N:
+            raise ValueError(f"gemv: add has shape {tuple(add.shape)}, expected {M} x {N} values")
+        a = add.reshape(M, N)
+        if a.stride(-1) != 1:
+            a = a.contiguous()
+    if M and N:
+        bn, ch, warps, stages = config or launch(N)
+        gemv_kernel[(triton.cdiv(N, bn),)](x2, w, y, a, M, N, K, x2.stride(0), w.stride(0), y.stride(0), a.stride(0),
+                                          BN=bn, CH=ch, IEEE=x.dtype == torch.float32 or not x.is_cuda,
+                                          HAS_ADD=add is not None, num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], N)
