@@ -116,6 +116,19 @@ def no_extend_graphs(engine: Engine):
         engine.runner.use_extend_graphs = True
 
 
+def without_gemv(engine: Engine, fn):
+    """fn() with `k3.ops.gemv` off (every projection through cuBLAS), its graphs captured afresh, and the
+    engine's graphs restored after (the before / after of the GEMV kernel in one run)."""
+    from k3.ops import gemv
+    old_rows, old_graphs = gemv.MAX_ROWS, engine.runner.graphs
+    gemv.MAX_ROWS, engine.runner.graphs = 0, {}
+    try:
+        engine.reset_prefix_cache()
+        return fn()
+    finally:
+        gemv.MAX_ROWS, engine.runner.graphs = old_rows, old_graphs
+
+
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
     """Prefill everything, run 3 decode steps (a graph captured on first use is captured there), then time
     `steps` pure decode steps as one loop (one synchronisation before and after: an asynchronous step returns
@@ -180,6 +193,9 @@ def run(a) -> dict:
             eng.runner.use_graphs = True
             r["eager_step_ms"], r["eager_tokens_per_s"] = e["step_ms"], e["tokens_per_s"]
             r["graph_speedup"] = e["step_ms"] / r["step_ms"]
+        if b == 1 and eng.runner.use_graphs:  # the projections through cuBLAS instead of the GEMV kernel
+            r["no_gemv_step_ms"] = without_gemv(eng, lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b),
+                                                                         steps, cuda))["step_ms"]
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -276,6 +292,8 @@ def table(res: dict) -> str:
             if "hbm_fraction" in r else ""
         if "sync_step_ms" in r:
             extra += f"   (synchronous {r['sync_step_ms']:.2f} ms)"
+        if "no_gemv_step_ms" in r:
+            extra += f"   (projections by cuBLAS {r['no_gemv_step_ms']:.2f} ms)"
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")
