@@ -7,6 +7,7 @@
 #   2b. benchmarks/probe/decode_ops.py (every op of a decode forward by source line, graph launch cost; OPS=1);
 #       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
 #       benchmarks/probe/prefill_kernels.py (the prefill's KDA recurrence and conv launch settings; PK=1);
+#       benchmarks/probe/gemv.py (decode projections: cuBLAS vs the GEMV kernel; GEMV=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -19,7 +20,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # present); TEST_FILES: the files (default: the serving and kernel files below)
   FILES=${TEST_FILES:-"tests/test_kda_triton.py tests/test_paged_cache.py tests/test_serve_engine.py
     tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py tests/test_mla_decode.py
-    tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py"}
+    tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py tests/test_gemv.py"}
   timeout ${TEST_S:-150} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m "${TEST_M-cuda}" \
     -k "${TEST_K:-not nothing}" $FILES > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
   tail -3 "$OUT/tests.log"
@@ -47,6 +48,11 @@ if [ "${PK:-0}" = 1 ]; then  # launch settings of the prefill's KDA recurrence a
   timeout ${PK_S:-90} python3 benchmarks/probe/prefill_kernels.py --out "$OUT/prefill_kernels.json" \
     > "$OUT/prefill_kernels.log" 2>&1 || echo "prefill kernels exit $?" >> "$OUT/prefill_kernels.log"
   tail -22 "$OUT/prefill_kernels.log"
+fi
+if [ "${GEMV:-0}" = 1 ]; then  # the decode projections: cuBLAS vs the GEMV kernel's launch settings
+  timeout ${GEMV_S:-120} python3 benchmarks/probe/gemv.py --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1 \
+    || echo "gemv exit $?" >> "$OUT/gemv.log"
+  cat "$OUT/gemv.log" | tail -45
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
