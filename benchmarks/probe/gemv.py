@@ -79,7 +79,7 @@ def main():
                 r["best"] = best
                 print(f"{name:18s} N {N:6d} K {K:5d} M {M:2d}: cublas {r['cublas']['us']:7.2f} us "
                       f"({r['cublas']['tb_s']:.2f} TB/s) | best {best} {r[best]['us']:7.2f} us "
-                      f"({r[best]['tb_s']:.2f} TB/s) | default {r[f'gemv {gemv.launch(N)}']['us'] if f'gemv {gemv.launch(N)}' in r else '-'}"
+                      f"({r[best]['tb_s']:.2f} TB/s) | default {r.get(f'gemv {gemv.launch(N)}', {}).get('us', '-')}"
                       f" | err {r[best]['rel_rms']:.1e}", flush=True)
                 rows.append(r)
         del ws

@@ -28,7 +28,7 @@ from ..ops.attention import doc_causal_attention
 from ..ops.gemv import linear
 from ..ops.mla_decode import paged_mla_decode, triton_reason
 from ..ops.varlen import doc_ids
-from .layers import RMSNorm
+from .layers import RMSNorm, joined_weight
 from .paged_cache import PagedLayerCache
 
 
@@ -184,8 +184,8 @@ class MLAttention(nn.Module):
         causal aligned to the last key (query t sits at position start + t)."""
         b = cache.batch
         nd = b.num_decode
-        q = self.project_q(x)[0]  # [N, H, Dq]
-        c, k_pe = self.project_latent(x)
+        q, c, k_pe, gate = self._project_paged(x)
+        q = q[0]  # [N, H, Dq]
         cache.write_latents(c[0], k_pe[0])
         parts = []
         if nd:
@@ -202,7 +202,26 @@ class MLAttention(nn.Module):
                 parts.append(o[0].transpose(0, 1))
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self._finish(x, o[None])
+        return self._finish(x, o[None], gate)
+
+    def _project_paged(self, x: torch.Tensor):
+        """x [1, N, D] → (q [1, N, H, Dq], c, k_pe, output-gate logits or None). Without autograd the projections
+        of x (q_a or q, kv_a, g) run as one GEMM over their joined weights (cached, `joined_weight`): one
+        kernel instead of three in a decode step; with it, `project_q` / `project_latent` as in training."""
+        if torch.is_grad_enabled():
+            return (self.project_q(x), *self.project_latent(x), None)
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        parts = [first.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if self.g_proj is not None
+                                                                 else [])
+        w = joined_weight(self, "in_proj", parts, x.dtype, multiple=64)
+        n_q, n_kv = first.weight.shape[0], self.kv_lora_rank + self.rope
+        n_g = 0 if self.g_proj is None else self.g_proj.weight.shape[0]
+        widths = [n_q, self.kv_lora_rank, self.rope, n_g, w.shape[0] - n_q - n_kv - n_g]
+        q, c, k_pe, gate, _ = linear(x, w).split(widths, dim=-1)
+        if not hasattr(self, "q_proj"):
+            q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
+        return (q.reshape(*x.shape[:2], self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
+                gate if self.g_proj is not None else None)
 
     def _decode_paged(self, q: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
         """The leading single-token documents (decodes), q [nd, H, Dq] → [nd, H, V], absorbed: the paged kernel
@@ -225,11 +244,12 @@ class MLAttention(nn.Module):
                          out=o_lat.transpose(0, 1), groups=b.dec_groups)
         return torch.bmm(o_lat, w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
-    def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """o [B, T, H, V] → output gate and o_proj → [B, T, D]."""
+    def _finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """o [B, T, H, V] → output gate (σ(g_proj(x)); `gate`: its logits, already computed) and o_proj
+        → [B, T, D]."""
         o = o.reshape(*x.shape[:2], self.num_heads * self.vdim)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(linear(x, self.g_proj.weight))
+            o = o * torch.sigmoid(linear(x, self.g_proj.weight) if gate is None else gate)
         return linear(o, self.o_proj.weight)
 
 
