@@ -373,57 +373,6 @@ def test_experts_decode_matches_the_fp64_loop(N, K, fused):
     assert rel_rmse(ref, got.cpu().double()) <= 1e-6
 
 
-@pytest.mark.parametrize("N", [1, 5])
-def test_situ_mlp_decode_matches_the_fp64_mlp(N):
-    """A dense SiTU MLP (shared experts, dense layers) for a few rows through the two GEMV kernels with one
-    expert (`situ_mlp_decode`; fp32, the CPU interpreter here) against `SituMLP` in fp64: gate and up as the
-    halves of the joined weight (read in place), odd widths (D = 24, I = 40, chunk 16), within 1e-6."""
-    from k3.model.layers import SituMLP
-    from k3.ops import moe_decode
-    gen = rng(N)
-    mlp = SituMLP(24, 40).double()
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * p.shape[1] ** -0.5 * 2)
-        x = torch.randn(N, 24, generator=gen, dtype=torch.float64)
-        ref = mlp(x)
-        w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(DEV, torch.float32)
-        old = dict(moe_decode.LAUNCH)
-        moe_decode.LAUNCH.update(chunk=16)
-        try:
-            got = moe_decode.situ_mlp_decode(x.to(DEV, torch.float32), w[:40], w[40:],
-                                             mlp.down_proj.weight.to(DEV, torch.float32), mlp.beta, mlp.linear_beta)
-        finally:
-            moe_decode.LAUNCH.update(old)
-    assert got.shape == (N, 24) and rel_rmse(ref, got.cpu()) <= 1e-6
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_situ_mlp_decode_path_bf16():
-    """k3-small's shared experts (D 1536, I 1024) in bf16 on one row: `SituMLP` takes the two-kernel decode path
-    without autograd (a spy), within bf16 rounding (1e-2) of the fp64 MLP on the same weights."""
-    from k3.ops import moe_decode
-    torch.manual_seed(0)
-    mlp = SituMLP(1536, 1024).cuda().bfloat16()
-    x = torch.randn(1, 1536, device="cuda").bfloat16()
-    calls = []
-    real = moe_decode.situ_mlp_decode
-    moe_decode.situ_mlp_decode = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        with torch.no_grad():
-            got = mlp(x)
-    finally:
-        moe_decode.situ_mlp_decode = real
-    ref = copy_double(mlp)(x.double())
-    assert calls and rel_rmse(ref, got) <= 1e-2
-
-
-def copy_double(m):
-    import copy
-    return copy.deepcopy(m).double()
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_experts_decode_equals_the_grouped_path_bf16():

@@ -10,17 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gemv import linear
-from ..ops._triton import importable
 from ..ops.norm import rms_norm
 from ..ops.situ import gate_up_weight, situ_glu_fused
-
-
-def moe_decode_dense_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """`k3.ops.moe_decode.dense_fits` where its kernels import (CUDA, few rows, no autograd)."""
-    if not x.is_cuda or torch.is_grad_enabled() or not importable("k3.ops.moe_decode"):
-        return False
-    from ..ops.moe_decode import dense_fits
-    return dense_fits(x, w)
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -125,9 +116,5 @@ class SituMLP(nn.Module):
         parts = [self.gate_proj.weight, self.up_proj.weight]
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
-        if moe_decode_dense_fits(x, w):  # a decode step's few rows: gate ‖ up with SiTU-GLU, then down (2 kernels)
-            from ..ops.moe_decode import situ_mlp_decode
-            half = w.shape[0] // 2
-            return situ_mlp_decode(x, w[:half], w[half:], self.down_proj.weight.to(dt), self.beta, self.linear_beta)
         gu = linear(x, w)
         return linear(situ_glu_fused(gu, self.beta, self.linear_beta), self.down_proj.weight)

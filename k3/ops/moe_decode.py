@@ -29,14 +29,11 @@ LAUNCH = {"bi": 16, "bl": 16, "chunk": 256, "warps": 4}
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, L, sx, s1_e, s1_r, s3_e, s3_r, sh, beta,
-                       linear_beta, BI: tl.constexpr, CH: tl.constexpr, DENSE: tl.constexpr = False):
+                       linear_beta, BI: tl.constexpr, CH: tl.constexpr):
     j = tl.program_id(0)
     rows = tl.program_id(1) * BI + tl.arange(0, BI)
     rm = rows < I
-    if DENSE:  # one expert for every row (a dense SiTU MLP): no index table
-        e = tl.full([], 0, tl.int64)
-    else:
-        e = tl.load(idx_ptr + j).to(tl.int64)
+    e = tl.load(idx_ptr + j).to(tl.int64)
     n = j // K
     g = tl.zeros([BI], tl.float32)
     u = tl.zeros([BI], tl.float32)
@@ -56,19 +53,15 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, L, sx, s1_e,
 
 @triton.jit
 def moe_down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, y_ptr, K, I, L, sh, sw_e, sw_r, sy,
-                    BL: tl.constexpr, CH: tl.constexpr, DENSE: tl.constexpr = False):
+                    BL: tl.constexpr, CH: tl.constexpr):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     rm = rows < L
     acc = tl.zeros([BL], tl.float32)
     for k in range(0, K):
         j = n * K + k
-        if DENSE:
-            e = tl.full([], 0, tl.int64)
-            wk = 1.0
-        else:
-            e = tl.load(idx_ptr + j).to(tl.int64)
-            wk = tl.load(wt_ptr + j).to(tl.float32)
+        e = tl.load(idx_ptr + j).to(tl.int64)
+        wk = tl.load(wt_ptr + j).to(tl.float32)
         part = tl.zeros([BL], tl.float32)
         for c0 in range(0, I, CH):
             cols = c0 + tl.arange(0, CH)
@@ -92,38 +85,6 @@ def fits(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Te
             and (x.is_cuda or interpreted(moe_gate_up_kernel))
             and w1.dtype == w2.dtype == w3.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32))
-
-
-def dense_fits(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
-    """Whether `situ_mlp_decode` takes a dense SiTU MLP call: ≤ 16 rows without autograd, weights in x's dtype,
-    on CUDA (the model's CPU tests stay off the interpreter, whose per-program loop makes a whole model slow;
-    the kernel's own tests call it directly)."""
-    return (x.numel() <= 16 * x.shape[-1] and not torch.is_grad_enabled() and x.is_cuda
-            and w_gate.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
-
-
-def situ_mlp_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, beta: float,
-                    linear_beta: float) -> torch.Tensor:
-    """A dense SiTU MLP (`k3.model.layers.SituMLP`: the shared experts, the dense layers) for a few rows in two
-    kernels, the routed experts' with one expert and weight 1: x [N, D], w_gate / w_up [I, D] (any row stride:
-    the halves of the joined gate ‖ up weight read in place), w_down [D, I] → down(SiTU-GLU(gate x, up x)) [N, D]
-    in x's dtype."""
-    D = x.shape[-1]
-    x2 = _unit(x.reshape(-1, D))
-    N = x2.shape[0]
-    I = w_gate.shape[0]
-    w1, w3, w2 = _unit(w_gate)[None], _unit(w_up)[None], _unit(w_down)[None]
-    h = torch.empty(N, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    if N:
-        c = LAUNCH
-        moe_gate_up_kernel[(N, triton.cdiv(I, c["bi"]))](
-            x2, x2, w1, w3, h, 1, I, D, x2.stride(0), 0, w1.stride(1), 0, w3.stride(1), h.stride(0), float(beta),
-            float(linear_beta), BI=c["bi"], CH=c["chunk"], DENSE=True, num_warps=c["warps"])
-        moe_down_kernel[(N, triton.cdiv(D, c["bl"]))](
-            h, x2, x2, w2, y, 1, I, D, h.stride(0), 0, w2.stride(1), y.stride(0), BL=c["bl"], CH=c["chunk"],
-            DENSE=True, num_warps=c["warps"])
-    return y.view(*x.shape[:-1], D)
 
 
 def experts_decode(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
