@@ -23,14 +23,16 @@ __all__ = ["linear", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
+MAX_K = 4096  # longer rows go to cuBLAS (k3-small's dense down projection, K 6,144: 10.1 us against 11.0 on the H200)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> bool:
-    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows, no autograd, x, w (and add) of one float dtype and
-    device, w [N, K] with unit column stride, on CUDA. Not through the CPU interpreter: a whole model's
+    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows of ≤ MAX_K columns, no autograd, x, w (and add) of one
+    float dtype and device, w [N, K] with unit column stride, on CUDA. Not through the CPU interpreter: a whole model's
     projections there take minutes (the kernel's own tests call it directly)."""
     return (x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+            and x.shape[-1] <= MAX_K
             and w.dim() == 2 and w.stride(-1) == 1 and x.dtype == w.dtype and x.dtype in _DTYPES
             and x.device == w.device and (add is None or (add.dtype in _DTYPES and add.device == x.device))
             and x.is_cuda and device_reason(x, __name__) is None)

@@ -13,8 +13,9 @@ import triton.language as tl
 
 from .._triton import interpreted as _interpreted
 
-# (BN, CH, warps, stages) by output width: many programs for the narrow projections, long rows for the head
-LAUNCH = ((4096, (16, 256, 4, 4)), (1 << 62, (64, 128, 4, 4)))
+# (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
+# program for the narrow projections (many programs), 64 for the wide ones and the head
+LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256, 4, 3)))
 
 
 @triton.jit
@@ -46,9 +47,10 @@ def interpreted() -> bool:
     return _interpreted(gemv_kernel)
 
 
-def launch(n: int) -> tuple[int, int, int, int]:
-    """(BN, CH, warps, stages) for an output width n."""
-    return next(c for limit, c in LAUNCH if n <= limit)
+def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
+    """(BN, CH, warps, stages) for an output width n (and input width k: a chunk no wider than k needs)."""
+    bn, ch, warps, stages = next(c for limit, c in LAUNCH if n <= limit)
+    return bn, ch if k is None else min(ch, max(16, triton.next_power_of_2(k))), warps, stages
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
@@ -73,7 +75,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         if a.stride(-1) != 1:
             a = a.contiguous()
     if M and N:
-        bn, ch, warps, stages = config or launch(N)
+        bn, ch, warps, stages = config or launch(N, K)
         gemv_kernel[(triton.cdiv(N, bn),)](x2, w, y, a, M, N, K, x2.stride(0), w.stride(0), y.stride(0), a.stride(0),
                                           BN=bn, CH=ch, IEEE=x.dtype == torch.float32 or not x.is_cuda,
                                           HAS_ADD=add is not None, num_warps=warps, num_stages=stages)
