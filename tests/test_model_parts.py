@@ -212,3 +212,23 @@ def test_kda_layer_uses_per_head_a_log_and_lower_bound():
         same = kda(x)
     assert rel_rmse(ref, same) < 1e-5  # chunked (auto) vs token-recurrent reference
     assert rel_rmse(ref, changed) > 1e-4
+
+
+# ---- residual folded into the output projections -------------------------------------------------
+def test_sublayers_return_residual_plus_output():
+    """Each sublayer (KDA, MLA, LatentMoE, the dense SiTU MLP) called with `residual` returns residual + its
+    output: bit for bit with autograd on (training keeps its arithmetic), within fp32 rounding without it
+    (inference adds the residual inside the output projection: `torch.addmm` here, the GEMV epilogue on CUDA)."""
+    torch.manual_seed(0)
+    model = make_tiny(seed=1).float()
+    kinds = ("KimiDeltaAttention", "MLAttention", "LatentMoE", "SituMLP")
+    subs = [next(m for m in model.language_model.model.modules() if type(m).__name__ == k) for k in kinds]
+    D = model.config.text_config.hidden_size
+    x, r = torch.randn(1, 7, D), torch.randn(1, 7, D)
+    for m in subs:
+        kind = type(m).__name__
+        plain = r + m(x)
+        assert torch.equal(m(x, residual=r), plain), kind
+        with torch.no_grad():
+            fused = m(x, residual=r)
+        assert rel_rmse(plain.detach(), fused) <= 1e-6, kind

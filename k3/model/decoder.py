@@ -103,10 +103,10 @@ class KimiDecoderLayer(nn.Module):
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None
-        a = self.self_attn(x, attention_mask, cache, cu_seqlens)
-        partial = a if partial is None else partial + a
+        # each sublayer returns partial + its output (inference adds it in the output projection's epilogue)
+        partial = self.self_attn(x, attention_mask, cache, cu_seqlens, residual=partial)
         x = self._mix_norm(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
-        return blocks, partial + self._mlp(x)
+        return blocks, self._mlp(x, residual=partial)
 
     def _mix_norm(self, sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear,
                   norm: RMSNorm) -> torch.Tensor:
@@ -120,8 +120,8 @@ class KimiDecoderLayer(nn.Module):
             return torch.utils.checkpoint.checkpoint(f, *sources, use_reentrant=False)
         return f(*sources)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return (self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp)(x, residual=residual)
 
     def forward(self, x: torch.Tensor, attention_mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
         """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off)."""

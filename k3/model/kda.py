@@ -74,14 +74,20 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias.copy_(torch.log(p) - torch.log1p(-p))
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: dict | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this layer's dict (updated).
-        cu_seqlens: packed documents over the flattened B·T tokens (training; no cache, no mask)."""
+                cache: dict | None = None, cu_seqlens: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this
+        layer's dict (updated). cu_seqlens: packed documents over the flattened B·T tokens (training; no cache, no
+        mask). `residual` [B, T, D]: returned as residual + output (the engine folds it into o_proj's epilogue)."""
         if isinstance(cache, PagedLayerCache):
             if attention_mask is not None or cu_seqlens is not None:
                 raise ValueError("KimiDeltaAttention: a paged cache carries its own packing; pass no "
                                  "attention_mask or cu_seqlens with it")
-            return self._forward_paged(x, cache)
+            return self._forward_paged(x, cache, residual)
+        out = self._forward(x, attention_mask, cache, cu_seqlens)
+        return out if residual is None else residual + out
+
+    def _forward(self, x: torch.Tensor, attention_mask, cache, cu_seqlens) -> torch.Tensor:
         if self.context_parallel is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("KimiDeltaAttention: context parallelism takes no cache or attention_mask")
@@ -154,7 +160,8 @@ class KimiDeltaAttention(nn.Module):
                            self.o_norm.eps, backend=self.elementwise_backend)
         return self.o_proj(o.reshape(B, T, HK))
 
-    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
+    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`), the fused path's ops.
 
         Short conv: `short_conv_step` reads each document's W-1 cached inputs from its pool slot, convolves its
@@ -186,7 +193,7 @@ class KimiDeltaAttention(nn.Module):
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
                                       backend=_step_backend(backend),
                                       cu_seqlens=b.step_cu, chunks=b.step_chunks)
-            return self._output(o, gate)
+            return self._output(o, gate, residual)
         # each document's tokens against its window in the pool (advanced in place), one program per token tile
         q, k, v = (t.reshape(N, H, K) for t in short_conv_step(
             y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.cu_seqlens, tiles=b.conv_tiles).split(HK, dim=-1))
@@ -210,11 +217,12 @@ class KimiDeltaAttention(nn.Module):
             s.append(out[1])
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
         cache.set_states(s)
-        return self._output(o, gate)
+        return self._output(o, gate, residual)
 
-    def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o [N, H, V], gate = g_proj(x) [N, H·V] → o_norm, output gate (one `rms_norm_gated`), o_proj → [1, N, D]."""
+    def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """o [N, H, V], gate = g_proj(x) [N, H·V] → o_norm, output gate (one `rms_norm_gated`), o_proj (+ residual
+        in its epilogue) → [1, N, D]."""
         N, H, K = o.shape
         o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, gate.reshape(1, N, H, K),
                            self.o_norm.eps, backend=self.elementwise_backend)
-        return linear(o.reshape(1, N, H * K), self.o_proj.weight)
+        return linear(o.reshape(1, N, H * K), self.o_proj.weight, add=residual)

@@ -102,14 +102,17 @@ class SituMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.beta, self.linear_beta = beta, linear_beta
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [.., D] → down(SiTU-GLU(gate x, up x)) (+ `residual`: residual + output, in the down projection's
+        epilogue without autograd)."""
         if not x.is_cuda and torch.is_grad_enabled():
             # memory-lean CPU training: keep only x for the backward and recompute the [.., 2I] / [.., I]
             # intermediates there (deterministic on the CPU, so the gradients are the same)
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            out = torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+            return out if residual is None else residual + out
+        return self._forward(x, residual)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         dev = x.device.type
         dt = (torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
               else self.gate_proj.weight.dtype)
@@ -117,4 +120,4 @@ class SituMLP(nn.Module):
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
         gu = linear(x, w)
-        return linear(situ_glu_fused(gu, self.beta, self.linear_beta), self.down_proj.weight)
+        return linear(situ_glu_fused(gu, self.beta, self.linear_beta), self.down_proj.weight, add=residual)

@@ -125,24 +125,27 @@ class MLAttention(nn.Module):
         self.max_logit = best
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: dict | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cache: dict | None = None, cu_seqlens: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D]; attention_mask [B, S_total] over past + new tokens; cache holds `c` and `k_pe`;
-        cu_seqlens: packed documents over the flattened B·T tokens (attention stays inside a document)."""
+        cu_seqlens: packed documents over the flattened B·T tokens (attention stays inside a document).
+        `residual` [B, T, D]: returned as residual + output (inference folds it into o_proj's epilogue)."""
         if isinstance(cache, PagedLayerCache):
             if attention_mask is not None or cu_seqlens is not None:
                 raise ValueError("MLAttention: a paged cache carries its own packing; pass no attention_mask or "
                                  "cu_seqlens with it")
-            return self._forward_paged(x, cache)
+            return self._forward_paged(x, cache, residual)
         if self.context_parallel is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("MLAttention: context parallelism takes no cache or attention_mask")
-            return self.context_parallel.mla(self, x, cu_seqlens)
+            out = self.context_parallel.mla(self, x, cu_seqlens)
+            return out if residual is None else residual + out
         B, T, _ = x.shape
         q = self.project_q(x)
         c, k_pe = self.project_latent(x)
         if cache is None and attention_mask is None and self.attn_impl in ("auto", "naive") \
                 and self.attn_backend != "reference":
-            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens))
+            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens), residual=residual)
         past = 0
         if cache is not None:
             if "c" in cache:
@@ -161,7 +164,8 @@ class MLAttention(nn.Module):
         impl = self.attn_impl
         if impl == "auto":
             impl = "absorbed" if past > 0 else "naive"
-        return self._finish(x, (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, allowed))
+        o = (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, allowed)
+        return self._finish(x, o, residual=residual)
 
     def _attend_docs(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
                      cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -177,7 +181,8 @@ class MLAttention(nn.Module):
         self.max_logit = max_logit.float()
         return o
 
-    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
+    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`). The new latents go to
         their pages first; the leading single-token documents then attend their padded histories in the
         absorbed form (one batched call), every other document its history [0, start + T) with expanded keys,
@@ -202,7 +207,7 @@ class MLAttention(nn.Module):
                 parts.append(o[0].transpose(0, 1))
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self._finish(x, o[None], gate)
+        return self._finish(x, o[None], gate, residual)
 
     def _project_paged(self, x: torch.Tensor):
         """x [1, N, D] → (q [1, N, H, Dq], c, k_pe, output-gate logits or None). Without autograd the projections
@@ -244,13 +249,14 @@ class MLAttention(nn.Module):
                          out=o_lat.transpose(0, 1), groups=b.dec_groups)
         return torch.bmm(o_lat, w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
-    def _finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    def _finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """o [B, T, H, V] → output gate (σ(g_proj(x)); `gate`: its logits, already computed) and o_proj
-        → [B, T, D]."""
+        (+ residual: in its epilogue without autograd, else residual + o_proj(·)) → [B, T, D]."""
         o = o.reshape(*x.shape[:2], self.num_heads * self.vdim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(linear(x, self.g_proj.weight) if gate is None else gate)
-        return linear(o, self.o_proj.weight)
+        return linear(o, self.o_proj.weight, add=residual)
 
 
 def causal_mask(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:

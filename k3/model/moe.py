@@ -96,7 +96,9 @@ class LatentMoE(nn.Module):
             setattr(self.experts, k, nn.Parameter(p[lo:lo + n].clone(), requires_grad=p.requires_grad))
         self.expert_parallel = ep
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [.., D] → the routed + shared experts' output (+ `residual`, x's shape: residual + output; inference
+        folds it into the shared experts' down projection, whose output is the up projection's accumulator)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, w, scores = route(xf, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
@@ -109,13 +111,14 @@ class LatentMoE(nn.Module):
                 self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
+        res = None if residual is None else residual.reshape(-1, shape[-1])
         if self.shared_experts is None:
-            return self.routed_expert_up_proj(y).reshape(shape)
-        shared = self.shared_experts(xf)
+            return linear(y, self.routed_expert_up_proj.weight, add=res).reshape(shape)
         if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            return (self.routed_expert_up_proj(y) + shared).reshape(shape)
-        # inference: the shared experts' output is the up projection's GEMM accumulator (no add kernel)
-        return linear(y, self.routed_expert_up_proj.weight, add=shared).reshape(shape)
+            out = (self.routed_expert_up_proj(y) + self.shared_experts(xf)).reshape(shape)
+            return out if residual is None else residual + out
+        # inference: residual + shared experts as the up projection's accumulator (no add kernel)
+        return linear(y, self.routed_expert_up_proj.weight, add=self.shared_experts(xf, res)).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)

@@ -43,12 +43,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a few rows
     without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision product
-    on CUDA, `torch.addmm` for an add, else `F.linear` and a cast)."""
+    on CUDA, `torch.addmm` for an add without autograd or autocast, else `F.linear` (+ add) and a cast). `add` is
+    how a decode step folds a residual or the shared experts' output into the GEMV's epilogue (no add kernel)."""
     if fits(x, w, add):
         from .triton import gemv
         return gemv(x, w, out_dtype, add=add)
     if add is None and out_dtype in (None, x.dtype):
         return F.linear(x, w)
+    if add is not None and (torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
+        y = F.linear(x, w) + add  # autograd / autocast: the plain ops (training keeps its exact arithmetic)
+        return y if out_dtype is None else y.to(out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if add is not None:
