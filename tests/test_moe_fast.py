@@ -521,6 +521,14 @@ def test_route_kernel_equals_the_reference_route(E, k, renorm, bias):
     logits[3] = float("nan")
     idx, _, _ = route_topk_triton(logits, b, k, renorm, 2.5)
     assert int(idx.min()) >= 0 and int(idx.max()) < E
+    # the logits inside the kernel (decode steps: x and the gate weight instead of a GEMM's output), D = 300
+    # (two 256-wide chunks at most, the second masked)
+    x, gw = torch.randn(N, 300, generator=g).to(dev), torch.randn(E, 300, generator=g).to(dev) * 0.05
+    with torch.enable_grad():
+        ref_idx, ref_w, ref_s = moe_ops.route(x, gw, b, k, renorm, 2.5)
+    idx, w, s = route_topk_triton(None, b, k, renorm, 2.5, x=x, gate_weight=gw)
+    assert torch.equal(idx, ref_idx)
+    assert (w - ref_w.detach()).abs().max() <= 1e-5 and (s - ref_s.detach()).abs().max() <= 1e-6
 
 
 # ---- experts' gate / up weights laid out as one tensor (inference: one grouped GEMM, no copy) ----------------

@@ -254,9 +254,9 @@ class MLAttention(nn.Module):
         """o [B, T, H, V] → output gate (σ(g_proj(x)); `gate`: its logits, already computed) and o_proj
         (+ residual: in its epilogue without autograd, else residual + o_proj(·)) → [B, T, D]."""
         o = o.reshape(*x.shape[:2], self.num_heads * self.vdim)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(linear(x, self.g_proj.weight) if gate is None else gate)
-        return linear(o, self.o_proj.weight, add=residual)
+        if self.g_proj is not None and gate is None:
+            gate = linear(x, self.g_proj.weight)
+        return linear(o, self.o_proj.weight, add=residual, gate=gate)  # (o ⊙ σ(gate)) W_o^T (+ residual)
 
 
 def causal_mask(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:

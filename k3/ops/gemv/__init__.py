@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .._compile import eager_op
 from .._triton import device_reason
 
-__all__ = ["linear", "fits", "MAX_ROWS"]
+__all__ = ["linear", "situ_glu_linear", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
@@ -27,27 +27,31 @@ MAX_K = 4096  # longer rows go to cuBLAS (k3-small's dense down projection, K 6,
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def fits(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> bool:
-    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows of ≤ MAX_K columns, no autograd, x, w (and add) of one
-    float dtype and device, w [N, K] with unit column stride, on CUDA. Not through the CPU interpreter: a whole model's
-    projections there take minutes (the kernel's own tests call it directly)."""
+def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows of ≤ MAX_K columns, no autograd, x and w of one float
+    dtype and device (and the optional operands `others` on that device), w [N, K] with unit column stride, on
+    CUDA. Not through the CPU interpreter: a whole model's projections there take minutes (the kernel's own
+    tests call it directly)."""
     return (x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
-            and x.shape[-1] <= MAX_K
-            and w.dim() == 2 and w.stride(-1) == 1 and x.dtype == w.dtype and x.dtype in _DTYPES
-            and x.device == w.device and (add is None or (add.dtype in _DTYPES and add.device == x.device))
+            and x.shape[-1] <= MAX_K and w.dim() == 2 and w.stride(-1) == 1 and x.dtype == w.dtype
+            and x.dtype in _DTYPES and x.device == w.device
+            and all(t is None or (t.dtype in _DTYPES and t.device == x.device) for t in others)
             and x.is_cuda and device_reason(x, __name__) is None)
 
 
 @eager_op
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-           add: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a few rows
-    without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision product
-    on CUDA, `torch.addmm` for an add without autograd or autocast, else `F.linear` (+ add) and a cast). `add` is
-    how a decode step folds a residual or the shared experts' output into the GEMV's epilogue (no add kernel)."""
-    if fits(x, w, add):
+           add: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """(x ⊙ σ(gate)) [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a
+    few rows without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision
+    product on CUDA, `torch.addmm` for an add without autograd or autocast, else `F.linear` (+ add) and a cast).
+    `add` is how a decode step folds a residual or the shared experts' output into the GEMV's epilogue, `gate`
+    how the MLA output gate is applied as the GEMV loads its input (no elementwise kernels)."""
+    if fits(x, w, add, gate):
         from .triton import gemv
-        return gemv(x, w, out_dtype, add=add)
+        return gemv(x, w, out_dtype, add=add, gate=gate)
+    if gate is not None:
+        x = x * torch.sigmoid(gate)
     if add is None and out_dtype in (None, x.dtype):
         return F.linear(x, w)
     if add is not None and (torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
@@ -63,3 +67,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     else:
         y = F.linear(x2, w)
     return (y if out_dtype is None else y.to(out_dtype)).view(*lead, w.shape[0])
+
+
+@eager_op
+def situ_glu_linear(x: torch.Tensor, w: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU(x w_gate^T, x w_up^T) for w = gate ‖ up [2I, K] → [..., I] in x's dtype: one GEMV kernel with the
+    activation in its epilogue for a few rows (`fits`), else the GEMM and `situ_glu_fused` (the training path)."""
+    if fits(x, w):
+        from .triton import gemv
+        return gemv(x, w, glu=(beta, linear_beta))
+    from ..situ import situ_glu_fused
+    return situ_glu_fused(F.linear(x, w), beta, linear_beta)
