@@ -95,7 +95,7 @@ def test_situ_triton_strided_3d_and_empty():
     """[B, T, 2I] input with a row stride (a slice of a wider tensor) and empty inputs."""
     g, u, do = situ_inputs(12, 16, seed=5)
     wide = torch.cat([g, u, torch.randn(12, 8, dtype=torch.float64)], -1).float().view(3, 4, 40)
-    gu = wide[..., :32].to(DEV)
+    gu = wide.to(DEV)[..., :32]  # the slice on the device (a copy of the slice would be contiguous)
     assert not gu.is_contiguous()
     out = situ_glu_fused(gu, backend="triton")
     assert out.shape == (3, 4, 16)
@@ -521,14 +521,6 @@ def test_route_kernel_equals_the_reference_route(E, k, renorm, bias):
     logits[3] = float("nan")
     idx, _, _ = route_topk_triton(logits, b, k, renorm, 2.5)
     assert int(idx.min()) >= 0 and int(idx.max()) < E
-    # the logits inside the kernel (decode steps: x and the gate weight instead of a GEMM's output), D = 300
-    # (two 256-wide chunks at most, the second masked)
-    x, gw = torch.randn(N, 300, generator=g).to(dev), torch.randn(E, 300, generator=g).to(dev) * 0.05
-    with torch.enable_grad():
-        ref_idx, ref_w, ref_s = moe_ops.route(x, gw, b, k, renorm, 2.5)
-    idx, w, s = route_topk_triton(None, b, k, renorm, 2.5, x=x, gate_weight=gw)
-    assert torch.equal(idx, ref_idx)
-    assert (w - ref_w.detach()).abs().max() <= 1e-5 and (s - ref_s.detach()).abs().max() <= 1e-6
 
 
 # ---- experts' gate / up weights laid out as one tensor (inference: one grouped GEMM, no copy) ----------------

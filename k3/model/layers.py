@@ -9,9 +9,9 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gemv import linear, situ_glu_linear
+from ..ops.gemv import linear
 from ..ops.norm import rms_norm
-from ..ops.situ import gate_up_weight
+from ..ops.situ import gate_up_weight, situ_glu_fused
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -119,5 +119,5 @@ class SituMLP(nn.Module):
         parts = [self.gate_proj.weight, self.up_proj.weight]
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
-        h = situ_glu_linear(x, w, self.beta, self.linear_beta)  # one GEMV with SiTU-GLU in a decode step
-        return linear(h, self.down_proj.weight, add=residual)
+        gu = linear(x, w)
+        return linear(situ_glu_fused(gu, self.beta, self.linear_beta), self.down_proj.weight, add=residual)

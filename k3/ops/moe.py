@@ -111,11 +111,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
     the one-kernel selection (`route_triton.py`; these ops are its reference), training these ops (the
     weights need autograd)."""
     if x.is_cuda and not torch.is_grad_enabled() and route_triton_available():
-        from .route_triton import FROM_X_EXPERTS, FROM_X_ROWS, route_topk_triton
-        if (x.dim() == 2 and x.shape[0] <= FROM_X_ROWS and gate_weight.shape[0] <= FROM_X_EXPERTS
-                and x.dtype == gate_weight.dtype and x.stride(-1) == 1 and gate_weight.stride(-1) == 1):
-            # a decode step's few tokens: the logits inside the selection kernel (one kernel, no GEMM)
-            return route_topk_triton(None, bias, top_k, renormalize, scaling_factor, x=x, gate_weight=gate_weight)
+        from .route_triton import route_topk_triton
         return route_topk_triton(router_logits(x, gate_weight), bias, top_k, renormalize, scaling_factor)
     scores = torch.sigmoid(router_logits(x, gate_weight))
     choice = scores if bias is None else scores + bias.float()

@@ -10,27 +10,14 @@ import triton.language as tl
 
 
 @triton.jit
-def route_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, E, scale, x_ptr, gw_ptr, D, sx, sg,
-                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                      FROM_X: tl.constexpr, BD: tl.constexpr):
+def route_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, E, scale,
+                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
     """Program n: scores = sigmoid(logits[n]); choose the K largest of scores + bias (ties: lowest expert), in
-    descending order; weights = the chosen scores (÷ their sum + 1e-20 with RENORM) × scale. FROM_X: the logits
-    are computed here, x[n] · gate_weight^T with fp32 accumulation (a decode step's few tokens: no GEMM kernel)."""
+    descending order; weights = the chosen scores (÷ their sum + 1e-20 with RENORM) × scale."""
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     m = e < E
-    if FROM_X:
-        z = tl.zeros([BE], tl.float32)
-        for d0 in range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
-            dm = d < D
-            xv = tl.load(x_ptr + n * sx + d, mask=dm, other=0.0).to(tl.float32)
-            wv = tl.load(gw_ptr + e[:, None].to(tl.int64) * sg + d[None, :], mask=m[:, None] & dm[None, :],
-                         other=0.0).to(tl.float32)
-            z += tl.sum(wv * xv[None, :], 1)
-    else:
-        z = tl.load(logits_ptr + n * E + e, mask=m, other=0.0).to(tl.float32)
-    s = tl.sigmoid(z)
+    s = tl.sigmoid(tl.load(logits_ptr + n * E + e, mask=m, other=0.0).to(tl.float32))
     tl.store(scores_ptr + n * E + e, s, mask=m)
     c = s
     if HAS_BIAS:
@@ -55,32 +42,16 @@ def route_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, E, scale
         c = tl.where(e == i, float("-inf"), c)
 
 
-FROM_X_ROWS = 16  # tokens up to which `route` computes the logits inside the kernel (decode steps)
-FROM_X_EXPERTS = 256  # ... for up to this many experts (a [E, BD] weight tile per step of the loop)
-
-
-def route_topk_triton(logits: torch.Tensor | None, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-                      scaling_factor: float, x: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [N, E] fp32 → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32), as `route`.
-    With logits None: x [N, D] and gate_weight [E, D] (same dtype, unit column stride), the logits computed in the
-    kernel (the fp32 product, up to summation order)."""
-    if logits is None:
-        N, E, D = x.shape[0], gate_weight.shape[0], x.shape[1]
-        dev = x.device
-    else:
-        N, E = logits.shape
-        D, dev = 0, logits.device
-        logits = logits.float().contiguous()
-    scores = torch.empty(N, E, dtype=torch.float32, device=dev)
-    idx = torch.empty(N, top_k, dtype=torch.long, device=dev)
-    w = torch.empty(N, top_k, dtype=torch.float32, device=dev)
+def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                      scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [N, E] fp32 → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32), as `route`."""
+    N, E = logits.shape
+    logits = logits.float().contiguous()
+    scores = torch.empty_like(logits)
+    idx = torch.empty(N, top_k, dtype=torch.long, device=logits.device)
+    w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     if N:
-        lg = scores if logits is None else logits
-        xs, gw = (lg, lg) if logits is not None else (x, gate_weight)
-        BE = max(16, triton.next_power_of_2(E))
-        route_topk_kernel[(N,)](lg, lg if bias is None else bias.float().contiguous(), scores, idx, w, E,
-                                float(scaling_factor), xs, gw, D, xs.stride(0), gw.stride(0), K=top_k, BE=BE,
-                                HAS_BIAS=bias is not None, RENORM=renormalize, FROM_X=logits is None,
-                                BD=max(16, min(256, 8192 // BE)), num_warps=4 if E <= 1024 else 8)
+        route_topk_kernel[(N,)](logits, logits if bias is None else bias.float().contiguous(), scores, idx, w, E,
+                                float(scaling_factor), K=top_k, BE=max(16, triton.next_power_of_2(E)),
+                                HAS_BIAS=bias is not None, RENORM=renormalize, num_warps=4 if E <= 1024 else 8)
     return idx, w, scores

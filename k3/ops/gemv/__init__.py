@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .._compile import eager_op
 from .._triton import device_reason
 
-__all__ = ["linear", "situ_glu_linear", "fits", "MAX_ROWS"]
+__all__ = ["linear", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
@@ -67,14 +67,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     else:
         y = F.linear(x2, w)
     return (y if out_dtype is None else y.to(out_dtype)).view(*lead, w.shape[0])
-
-
-@eager_op
-def situ_glu_linear(x: torch.Tensor, w: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU-GLU(x w_gate^T, x w_up^T) for w = gate ‖ up [2I, K] → [..., I] in x's dtype: one GEMV kernel with the
-    activation in its epilogue for a few rows (`fits`), else the GEMM and `situ_glu_fused` (the training path)."""
-    if fits(x, w):
-        from .triton import gemv
-        return gemv(x, w, glu=(beta, linear_beta))
-    from ..situ import situ_glu_fused
-    return situ_glu_fused(F.linear(x, w), beta, linear_beta)

@@ -1,5 +1,5 @@
 """The GEMV kernel behind `k3.ops.gemv.linear`: y = x W^T (+ add) for up to 16 rows of x (optionally with the
-input gated, x ⊙ σ(gate), or SiTU-GLU over gate ‖ up weights in the epilogue).
+input gated, x ⊙ σ(gate)).
 
 Each program owns `BN` rows of W [N, K] (row-major, K contiguous) and streams them through in `CH`-column
 chunks (loads pipelined over `stages`), multiplying by the x rows padded to one 16-row MMA tile on the tensor
@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted
-from ..situ.triton import situ_glu_value
 
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
 # program for the narrow projections (many programs), 64 for the wide ones and the head
@@ -21,18 +20,15 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, M, N, K, sx, sw, sy, sa, sg, beta, linear_beta,
-                BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
-                HAS_GATE: tl.constexpr, GLU: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, M, N, K, sx, sw, sy, sa, sg, BN: tl.constexpr, CH: tl.constexpr,
+                IEEE: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. HAS_GATE: x ⊙ σ(gate) is the input (the MLA
-    output gate, applied as x is loaded); GLU: w holds gate rows [0, N) and up rows [N, 2N) and the output is
-    SiTU-GLU(x w_gate^T, x w_up^T); HAS_ADD: + add [M, N] (a residual, the shared experts' output)."""
+    output gate, applied as x is loaded); HAS_ADD: + add [M, N] (a residual, the shared experts' output)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
     m = tl.arange(0, 16)
     mm = m < M
     acc = tl.zeros([16, BN], tl.float32)
-    acc_u = tl.zeros([16, BN], tl.float32)
     r64 = rows[:, None].to(tl.int64)
     for c0 in range(0, K, CH):
         cols = c0 + tl.arange(0, CH)
@@ -48,14 +44,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, M, N, K, sx, sw, sy, sa, sg, 
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-        if GLU:
-            wu = tl.load(w_ptr + (r64 + N) * sw + cols[None, :], mask=wm, other=0.0)
-            if IEEE:
-                acc_u += tl.dot(x.to(tl.float32), tl.trans(wu.to(tl.float32)), input_precision="ieee")
-            else:
-                acc_u += tl.dot(x, tl.trans(wu))
-    if GLU:
-        acc = situ_glu_value(acc, acc_u, beta, linear_beta)
     om = mm[:, None] & rm[None, :]
     if HAS_ADD:
         acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
@@ -74,18 +62,12 @@ def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
-         gate: torch.Tensor | None = None, glu: tuple[float, float] | None = None,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+         gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → (x ⊙ σ(gate)) w^T (+ add) [..., N] in `out_dtype`
-    (x's dtype by default), fp32 accumulation. `glu` (β₁, β₂): w is gate ‖ up [2I, K] and the output
-    SiTU-GLU(gate, up) [..., I]. `config`: (BN, CH, warps, stages), else `launch(N, K)`."""
+    (x's dtype by default), fp32 accumulation. `config`: (BN, CH, warps, stages), else `launch(N, K)`."""
     N, K = w.shape
     if x.shape[-1] != K:
         raise ValueError(f"gemv: x has {x.shape[-1]} columns, w {tuple(w.shape)} expects {K}")
-    if glu is not None:
-        if N % 2:
-            raise ValueError(f"gemv: a GLU weight needs gate and up halves, got {N} rows")
-        N //= 2
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if M > 16:
@@ -97,12 +79,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     g = _rows(gate, M, K, "gate", x2)
     if M and N:
         bn, ch, warps, stages = config or launch(N, K)
-        beta, linear_beta = glu or (0.0, 0.0)
         gemv_kernel[(triton.cdiv(N, bn),)](
-            x2, w, y, a, g, M, N, K, x2.stride(0), w.stride(0), y.stride(0), a.stride(0), g.stride(0), float(beta),
-            float(linear_beta), BN=bn, CH=ch, IEEE=x.dtype == torch.float32 or not x.is_cuda,
-            HAS_ADD=add is not None, HAS_GATE=gate is not None, GLU=glu is not None, num_warps=warps,
-            num_stages=stages)
+            x2, w, y, a, g, M, N, K, x2.stride(0), w.stride(0), y.stride(0), a.stride(0), g.stride(0), BN=bn, CH=ch,
+            IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
+            num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
 
