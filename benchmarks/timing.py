@@ -29,3 +29,17 @@ def median_ms(fn, warmup: int, reps: int, cuda: bool = True, before=None) -> flo
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (one warm-up run on a side stream first: Triton compiles, cuBLAS picks its
+    kernels) → the graph's `replay`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay

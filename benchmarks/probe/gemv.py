@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import median_ms  # noqa: E402
+from timing import graphed, median_ms  # noqa: E402
 
 from k3.ops.gemv import triton as gemv  # noqa: E402
 
@@ -30,18 +30,6 @@ SHAPES = {  # (N, K) of k3-small's projections in a decode step
 }
 CONFIGS = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3),
            (128, 128, 8, 3)]
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():

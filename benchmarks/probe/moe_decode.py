@@ -16,22 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import median_ms  # noqa: E402
+from timing import graphed, median_ms  # noqa: E402
 
 from k3.ops import moe_decode  # noqa: E402
 from k3.ops.moe import experts_forward  # noqa: E402
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():
