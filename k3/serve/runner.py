@@ -27,7 +27,6 @@ from ..model.paged_cache import PackedBatch, PagedCache
 from ..ops import gemv
 from ..ops._host import to_device
 from ..ops.attn_res import static_tables
-from ..ops.linear_ce.chunked import mm_out_dtype_available
 from ..ops.moe import grouped_mm_available
 from .pool import PagePool, PoolExhausted
 
@@ -264,8 +263,7 @@ class ModelRunner:
         bf16 / fp16 head writes fp32 straight from its GEMM where the device can (no [R, V] cast kernel)."""
         _, hn, _ = self.lm.model(self.lm.model.embed_tokens(ids)[None], cache=self.cache, rows=rows)
         head = self.lm.lm_head
-        if hn.dtype != torch.float32 and head.bias is None and (gemv.fits(hn[0], head.weight)
-                                                                or mm_out_dtype_available(hn.device.type)):
+        if hn.dtype != torch.float32 and head.bias is None:
             return gemv.linear(hn[0], head.weight, torch.float32)  # the GEMV kernel for a few rows, else cuBLAS
         return head(hn)[0].float()
 

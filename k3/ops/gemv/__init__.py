@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .._compile import eager_op
 from .._triton import device_reason
+from ..linear_ce.chunked import mm_out_dtype_available
 
 __all__ = ["linear", "fits", "MAX_ROWS"]
 
@@ -62,8 +63,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     x2 = x.reshape(-1, x.shape[-1])
     if add is not None:
         y = torch.addmm(add.reshape(-1, w.shape[0]).to(x.dtype), x2, w.t())
-    elif (out_dtype == torch.float32 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-          and w.dtype == x.dtype):
+    elif (out_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+          and mm_out_dtype_available(x.device.type)):
         return torch.mm(x2, w.t(), out_dtype=out_dtype).view(*lead, w.shape[0])
     else:
         y = F.linear(x2, w)
