@@ -5,7 +5,8 @@ Measures, for `k3-small` with random bf16 weights on one GPU:
     loop, so that the asynchronous engine's overlap of host and GPU is counted; the same steps with
     `async_scheduling` off and with CUDA graphs off are timed in the same run), and at batch 1
     the fraction of the HBM-bandwidth limit: (active weights + KDA states + MLA latents read per token) ÷ 4.3 TB/s;
-  - prefill tokens/s (one long prompt, chunked under the token budget);
+  - prefill tokens/s (one long prompt, chunked under the token budget; its first chunk through the prefill graph,
+    and again eagerly in the same run);
   - TTFT for a long shared prefix: cold, then a second request that hits the prefix cache;
   - end-to-end greedy throughput of `Engine.generate` vs `model.generate()` on the same batch, and how many
     generated tokens agree.
@@ -220,10 +221,23 @@ def run(a) -> dict:
         times.append(c.s)
     c.s = statistics.median(times)
     res["prefill"] = dict(tokens=long_prefill, seconds=c.s, tokens_per_s=long_prefill / c.s)
+    if eng.runner.use_graphs:  # the same prefills without the prefill graph (eager forward), in the same run
+        eng.runner.use_prefill_graphs, times = False, []
+        for rep in range(3):
+            eng.reset_prefix_cache()
+            p = rand_prompts(1, long_prefill, V, 7 + rep)[0]
+            with Clock(cuda) as ce:
+                eng.generate([p], one)
+            times.append(ce.s)
+        eng.runner.use_prefill_graphs = True
+        res["prefill"].update(eager_seconds=statistics.median(times),
+                              graph_speedup=statistics.median(times) / c.s)
     if cuda:
         fl = prefill_flops_per_token(model.config, long_prefill)
         res["prefill"].update(flops_per_token=fl, tflops=fl * long_prefill / c.s / 1e12,
                               mfu=fl * long_prefill / c.s / PEAK_BF16)
+        if "eager_seconds" in res["prefill"]:
+            res["prefill"]["eager_mfu"] = fl * long_prefill / res["prefill"]["eager_seconds"] / PEAK_BF16
 
     # each of `a.ttft_reps` rounds, on its own prefix: three requests sharing it, each with its own tail. The first
     # computes everything; the second hits if the first's end-of-prompt checkpoint falls inside the shared prefix
@@ -300,6 +314,10 @@ def table(res: dict) -> str:
     p = res["prefill"]
     mfu = f", {p['tflops']:.0f} TFLOP/s, MFU {100 * p['mfu']:.1f}%" if "mfu" in p else ""
     lines.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s{mfu}")
+    if "graph_speedup" in p:
+        em = f", MFU {100 * p['eager_mfu']:.1f}%" if "eager_mfu" in p else ""
+        lines.append(f"  without the prefill graph: {p['tokens'] / p['eager_seconds']:.0f} tok/s{em} "
+                     f"(graph {p['graph_speedup']:.2f}x)")
     t = res["ttft_shared_prefix"]
     lines.append(f"TTFT {t['cold']['prompt_tokens']}-token prompt (median of {len(t['cold']['all_seconds'])}): cold {1e3 * t['cold']['seconds']:.1f} ms, "
                  f"prefix hit ({t['prefix_hit']['cached_tokens']} cached) {1e3 * t['prefix_hit']['seconds']:.1f} ms "

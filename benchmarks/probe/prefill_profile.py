@@ -1,5 +1,5 @@
-"""Where a prefill's time goes: k3-small bf16 engine, one cold 8,192-token prefill and one prefix-hit tail
-(16K cached + 64 new tokens). For each: wall time, summed GPU kernel time and the top kernels, the host→device
+"""Where a prefill's time goes: k3-small bf16 engine, one cold 8,192-token prefill (through its CUDA graph, and
+eagerly) and one prefix-hit tail (16K cached + 64 new tokens). For each: wall time, summed GPU kernel time and the top kernels, the host→device
 synchronisations
 with the Python line that caused each (`torch.cuda.set_sync_debug_mode`), and the host's Python hot spots
 (cProfile, top by own time), and the aten ops with the most GPU time.
@@ -128,7 +128,14 @@ def main():
     for _ in range(3):
         hit()  # the first computes the prefix, the others hit
     res = {}
-    for name, fn in (("cold_8192", cold), ("hit_16384_plus_64", hit)):
+    def cold_eager():  # the same prefill without its CUDA graph (the eager forward: before / after in one run)
+        eng.runner.use_prefill_graphs = False
+        try:
+            cold()
+        finally:
+            eng.runner.use_prefill_graphs = True
+
+    for name, fn in (("cold_8192", cold), ("cold_8192_eager", cold_eager), ("hit_16384_plus_64", hit)):
         r = res[name] = {}
         r["wall_ms"] = sorted(timed(fn) for _ in range(3))[1]
         r["gpu_ms"], r["kernels"], r["top_kernels"] = gpu_time_ms(fn)

@@ -187,12 +187,18 @@ class KimiDeltaAttention(nn.Module):
         y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
         f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
-        if b.decode:  # decode / extend: each slot's conv window and state advanced in place in the pool
-            q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu).split(HK, dim=-1)
+        if b.decode or b.cold:  # decode / extend / cold prefill: each slot's conv window and state advanced in place
+            if b.step_states_at is not None:  # the checkpoints' conv windows: the inputs before each
+                windows = y[b.ckpt_win_rows].transpose(1, 2)
+            q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu,
+                                      tiles=b.conv_tiles).split(HK, dim=-1)
             o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
-                                      backend=_step_backend(backend),
-                                      cu_seqlens=b.step_cu, chunks=b.step_chunks)
+                                      backend=_step_backend(backend), cu_seqlens=b.step_cu, chunks=b.step_chunks,
+                                      states_at=b.step_states_at)
+            if b.step_states_at is not None:
+                o, states = o
+                cache.write_checkpoints(windows, states)
             return self._output(o, gate, residual)
         # each document's tokens against its window in the pool (advanced in place), one program per token tile
         q, k, v = (t.reshape(N, H, K) for t in short_conv_step(

@@ -192,6 +192,12 @@ class MLAttention(nn.Module):
         q, c, k_pe, gate = self._project_paged(x)
         q = q[0]  # [N, H, Dq]
         cache.write_latents(c[0], k_pe[0])
+        if b.cold:  # one sequence's first chunk (padded at its end): causal within the new tokens
+            dt = cache.mla_pool().dtype  # the values a read from the pages would give
+            k, v = self.expand_kv(c.to(dt).to(c.dtype), k_pe.to(dt).to(k_pe.dtype))
+            o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, scale=self.scale)
+            return self._finish(x, o.transpose(1, 2), gate, residual)
         parts = []
         if nd:
             parts.append(self._decode_paged(q[:nd], cache))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops._host import to_device
-from ..ops.conv import conv_tiles
+from ..ops.conv import CONV_TILE, conv_tiles
 from ..ops.kda import STATES_AT_MULTIPLE, extend_in_chunks
 from ..ops.mla_decode import GROUP_ROWS
 
@@ -49,6 +49,10 @@ class PackedBatch:
     sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots;
     `dec_groups` [NG, 2] runs of up to `GROUP_ROWS` tokens of one sequence for the MLA kernel (first, count);
     `step_chunks` (tiles [NC, 2], first tile [n]): the sequences' 16-token tiles for the chunked KDA kernels.
+    Cold prefill batches (`for_prefill`, a captured CUDA graph over one prompt's first chunk, padded): `cold`; KDA
+    and the conv advance the slot in place as in an extend batch (`step_cu`, `step_chunks`, `conv_tiles` built on
+    the device), with the checkpoints' positions `step_states_at` [M] on the device (< 1: padding, whose
+    `ckpt_pages` entry is the scratch slot); MLA attends causally within the new tokens (nothing before them).
     """
     lens: list[int]
     starts: list[int]
@@ -72,6 +76,8 @@ class PackedBatch:
     step_cu: torch.Tensor | None = None
     dec_groups: torch.Tensor | None = None
     step_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+    step_states_at: torch.Tensor | None = None
+    cold: bool = False
 
     @property
     def num_docs(self) -> int:
@@ -197,6 +203,29 @@ class PackedBatch:
         chunks = token_runs(cu, N, STATES_AT_MULTIPLE, first=True) if extend_in_chunks(N, n) else None
         return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu,
                                dec_groups=token_runs(cu, N, GROUP_ROWS), step_chunks=chunks)
+
+    @classmethod
+    def for_prefill(cls, length: torch.Tensor, slot: torch.Tensor, table: torch.Tensor, ckpt_pos: torch.Tensor,
+                    ckpt_pages: torch.Tensor, tokens: int, page_size: int, conv_width: int, scratch_page: int
+                    ) -> "PackedBatch":
+        """A cold prefill chunk built ON THE DEVICE for a captured CUDA graph: one sequence's first `length` tokens
+        ([1] long, ≤ `tokens`, the static padded row count) at positions 0 .. length - 1, KDA slot `slot` [1], MLA
+        page table `table` [ceil(tokens / page_size)] (long). Rows past `length` are padding: no KDA / conv state
+        reads them, their latents go to `scratch_page`. `ckpt_pos` [M]: offsets of KDA checkpoints (multiples of
+        `STATES_AT_MULTIPLE`, 0 < offset < length; 0: unused) whose state and conv window go to `ckpt_pages` [M]
+        (an unused one's to a scratch slot). Logits row: length - 1."""
+        dev = length.device
+        pos = torch.arange(tokens, device=dev)
+        cu = torch.cat([length.new_zeros(1), length])
+        win = ckpt_pos[:, None] - conv_width + torch.arange(conv_width, device=dev)
+        tiles = torch.stack([torch.zeros_like(pos[::CONV_TILE]), pos[::CONV_TILE]], 1).to(torch.int32)
+        return cls(lens=[tokens], starts=[0], cu_seqlens=cu.to(torch.int32), slots=slot, rows=length - 1,
+                   tok_page=torch.where(pos < length, table[pos // page_size], scratch_page), tok_off=pos % page_size,
+                   conv_tiles=tiles, num_decode=0, dec_page=None, dec_off=None, dec_valid=None, dec_len=None,
+                   hist_page=None, hist_off=None, hist_cu=[0], ckpt_pages=ckpt_pages,
+                   ckpt_win_rows=win.clamp_min(0), step_cu=cu, step_chunks=token_runs(cu, tokens, STATES_AT_MULTIPLE,
+                                                                                      first=True),
+                   step_states_at=ckpt_pos, cold=True)
 
     @classmethod
     def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None,

@@ -140,8 +140,8 @@ def short_conv_step(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor
     sync or data-dependent shape on the Triton path, so it can be captured in a CUDA graph.
     backend: "auto" (the one-kernel Triton form, `triton_step.py`, on CUDA), "triton" or "reference" (PyTorch
     ops, the oracle; a host loop over the sequences with cu_seqlens). tiles (with cu_seqlens, `conv_tiles(lens)`):
-    the Triton form runs one program per tile of tokens (prefill chunks) instead of one per sequence; every row
-    must then belong to a sequence (rows past cu[n] are left unset).
+    the Triton form runs one program per tile of tokens (prefill chunks) instead of one per sequence; rows past
+    cu[n] (a captured prefill's padding) must then lie in the last sequence's tiles, which write them as 0.
     """
     N, C = x.shape
     W = weight.shape[-1]

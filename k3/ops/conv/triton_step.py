@@ -42,12 +42,14 @@ def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot
 
 
 @triton.jit
-def _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1: tl.constexpr, BT: tl.constexpr):
+def _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1: tl.constexpr, BT: tl.constexpr,
+               zero_end=0):
     """Tokens t0 .. t0 + BT (below eos) of the sequence starting at bos, channels c, all in parallel: token t's tap
     at distance d reads x[t - d] inside the sequence, else window column W1 - (bos - (t - d)) (window rows `wbase`);
-    y = silu(conv) in fp32."""
+    y = silu(conv) in fp32. Rows eos .. zero_end (padding after the last sequence) get y = 0."""
     t = t0 + tl.arange(0, BT)
     tm = (t < eos)[:, None] & cm[None, :]
+    sm = (t < tl.maximum(eos, zero_end))[:, None] & cm[None, :]
     wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
     a = tl.load(x_ptr + t[:, None] * sx + c[None, :], mask=tm, other=0.0).to(tl.float32) * wl[None, :]
     for d in tl.static_range(1, W1 + 1):
@@ -56,15 +58,16 @@ def _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1: tl.co
         v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm & inx, other=0.0).to(tl.float32) \
             + tl.load(wbase[None, :] + (W1 + s - bos)[:, None], mask=tm & (s < bos)[:, None], other=0.0).to(tl.float32)
         a += v * tl.load(w_ptr + c * (W1 + 1) + (W1 - d), mask=cm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + t[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=tm)
+    tl.store(y_ptr + t[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=sm)
 
 
 @triton.jit
-def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y_ptr, C, sx, s_slot,
+def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y_ptr, C, sx, s_slot, NSEQ, N,
                             W1: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Program (tile, channel block) of a prefill: tile = (sequence n, first token t0), BT tokens of sequence n, in
     parallel with every other tile (a long prompt is many programs); windows only read (`short_conv_extend_kernel`
-    with CONV=False advances them afterwards)."""
+    with CONV=False advances them afterwards). The last sequence's tiles also zero the rows after it up to N (a
+    captured prefill's padding)."""
     n = tl.load(tile_ptr + 2 * tl.program_id(0))
     t0 = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -72,7 +75,7 @@ def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
     wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1
-    _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT)
+    _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT, tl.where(n == NSEQ - 1, N, 0))
 
 
 @triton.jit
@@ -107,8 +110,8 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                            tiles: torch.Tensor | None = None) -> torch.Tensor:
     """`k3.ops.conv.short_conv_step` (shapes checked there): x [N, C] (rows may be strided), weight [C, 1, W],
     windows [P, C, W-1] with contiguous slots (the pool's per-layer view), slots [n] distinct; cu_seqlens [n + 1]
-    the tokens of each sequence (None: one each). Rows of x outside every sequence get y = 0 (with tiles every row
-    must belong to one: prefill chunks). tiles (int [NT, 2],
+    the tokens of each sequence (None: one each). Rows of x outside every sequence get y = 0 (with tiles, the rows
+    after the last sequence must lie in its tiles: a prefill chunk and its padding). tiles (int [NT, 2],
     `conv_tiles`: (sequence, first token) of every `CONV_TILE`-token tile): the conv runs one program per tile
     and channel block (prefill chunks: a long sequence is many programs), then the windows advance."""
     N, C = x.shape
@@ -118,8 +121,8 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     if windows[0].stride() != (W1, 1):
         raise ValueError(f"short_conv_step: each window slot must be contiguous [C, W-1], strides {windows.stride()}")
     n = N if cu_seqlens is None else cu_seqlens.numel() - 1
-    # rows outside every sequence (a captured extend step's padding) get 0; with tiles (a prefill chunk) every row
-    # belongs to a sequence
+    # rows outside every sequence (a captured extend step's padding) get 0; with tiles (a prefill chunk) the last
+    # sequence's tiles write them
     y = (torch.empty if cu_seqlens is None or tiles is not None else torch.zeros)(N, C, dtype=x.dtype,
                                                                                  device=x.device)
     w = weight.reshape(C, W1 + 1).float().contiguous()
@@ -134,7 +137,8 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     if tiles is not None and tiles.shape[0]:
         bc = TILES_LAUNCH["bc"]
         short_conv_tiles_kernel[(tiles.shape[0], triton.cdiv(C, bc))](x, w, windows, slots, cu, tiles.contiguous(),
-                                                                       y, C, x.stride(0), windows.stride(0), W1=W1,
+                                                                       y, C, x.stride(0), windows.stride(0), n, N,
+                                                                       W1=W1,
                                                                        BT=CONV_TILE, BC=bc,
                                                                        num_warps=TILES_LAUNCH["warps"])
     short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),

@@ -262,9 +262,31 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
     return o, state
 
 
+def _steps_with_states(q, k, v, g, beta, state, slots, cu_seqlens, states_at, scale, l2, o):
+    """The PyTorch token steps of `kda_decode_step_gated` with `states_at`: each sequence in pieces cut at its
+    requested positions (host loop; the oracle and CPU path). Returns (o, states [M, H, K, V] fp32)."""
+    cu, want = [int(x) for x in cu_seqlens.tolist()], [int(x) for x in states_at.tolist()]
+    out = state.new_zeros(len(want), *state.shape[1:])
+    for i, slot in enumerate(slots.tolist()):
+        cuts = sorted({p for p in want if cu[i] < p < cu[i + 1]} | {cu[i + 1]})
+        s, a = state[slot][None], cu[i]
+        for b in cuts:
+            if b > a:
+                oi, s = _fused_recurrent_torch(*(x[None, a:b] for x in (q, k, v, g, beta)), scale, s, True,
+                                               use_qk_l2norm_in_kernel=l2)
+                o[a:b] = oi[0]
+            for m, p in enumerate(want):
+                if p == b and p > 0:
+                    out[m] = s[0].to(out.dtype)
+            a = b
+        state[slot] = s[0].to(state.dtype)
+    return o, out
+
+
 @eager_op
 def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, lower_bound,
-                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto", cu_seqlens=None, chunks=None):
+                          scale=None, use_qk_l2norm_in_kernel=True, backend="auto", cu_seqlens=None, chunks=None,
+                          states_at=None):
     """New tokens of n sequences from the raw gate pre-activation: the engine's decode and extend steps.
 
     q, k, f [N, H, K]; v [N, H, V]; beta_logit [N, H]; A_log [H]; dt_bias [H·K]; state: fp32 pool [P, H, K, V]
@@ -278,7 +300,15 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
     chunks: optional (tiles [NC, 2], first tile [n]) of the sequences' 16-token tiles, built on the device
     (`paged_cache.token_runs(..., first=True)`): on the Triton path, sequences of `EXTEND_CHUNKED_MIN_TOKENS`
     tokens or more on average then go through the chunked kernels (`kda_extend_triton`) rather than token by token.
+    states_at (with cu_seqlens; long [M] on the device, < 1 for an unused entry): packed token positions, each a
+    multiple of `STATES_AT_MULTIPLE` tokens into its sequence (or its end), whose states are returned too:
+    (o, states [M, H, K, V] fp32, zero for unused entries) — the prefix cache's checkpoints inside a prefill chunk
+    (on the Triton path this takes the chunked kernels, which need `chunks`).
     """
+    if states_at is not None and (cu_seqlens is None or states_at.dim() != 1):
+        raise ValueError(f"kda_decode_step_gated: states_at needs cu_seqlens and one dimension, got "
+                         f"{None if states_at is None else tuple(states_at.shape)} with cu_seqlens "
+                         f"{'missing' if cu_seqlens is None else 'given'}")
     if not _use_triton_decode("torch" if backend in ("torch", "reference") else backend, q, state,
                               q, k, v, f, beta_logit):
         g = kda_gate(f[None], A_log, dt_bias, lower_bound)[0]
@@ -289,14 +319,21 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
             return o
         m = int(cu_seqlens[-1])  # rows past it belong to no sequence: o = 0
         o = torch.zeros_like(v)
+        if states_at is not None:
+            return _steps_with_states(q, k, v, g, beta, state, state_indices, cu_seqlens, states_at, scale,
+                                      use_qk_l2norm_in_kernel, o)
         om, s = _fused_recurrent_torch(*(x[None, :m] for x in (q, k, v, g, beta)), scale, state[state_indices], True,
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         o[:m], state[state_indices] = om[0], s.to(state.dtype)  # empty sequences: their state, unchanged
         return o
-    if chunks is not None and cu_seqlens is not None and extend_in_chunks(q.shape[0], cu_seqlens.numel() - 1):
+    if chunks is not None and cu_seqlens is not None and (states_at is not None
+                                                          or extend_in_chunks(q.shape[0], cu_seqlens.numel() - 1)):
         from .triton import kda_extend_triton
         return kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, *chunks,
-                                 scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                 scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                 states_at=states_at)
+    if states_at is not None:
+        raise ValueError("kda_decode_step_gated: states_at on the Triton path needs the chunk tables (`chunks`)")
     from .triton import kda_decode_triton
     return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                              scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,

@@ -63,6 +63,12 @@ CFG = {
 }
 
 
+# extend steps fold Tb (`PRE`) below this many tokens per sequence on average: folded is faster for short chunks
+# (the extend graphs' tails), unfolded for long ones (`benchmarks/probe/kda_prefill_paths.py`, H200, one 8K
+# sequence, H 12: 1,525 µs unfolded against 2,038 folded)
+FOLD_BELOW_TOKENS = 1024
+
+
 @contextlib.contextmanager
 def cfg_override(**settings):
     """Temporarily replace CFG entries (launch-setting sweeps, tests); restored on exit."""
@@ -449,8 +455,20 @@ def _finish(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state, cu_seqlens
     return (o, ht) if states_at is None else (o, ht, hsel)
 
 
+def _chunk_slots(states_at, cu, chunk_off, NC):
+    """ON THE DEVICE: chunk -> checkpoint index table int32 [NC + 1] for packed token positions `states_at` [M]
+    (long; each a multiple of 16 tokens into its sequence, or < 1 for none: those map to the unused entry NC)."""
+    p = states_at.long()
+    used = p > 0
+    seq = torch.searchsorted(cu[1:].long(), (p - 1).clamp_min(0), right=True).clamp_max(chunk_off.numel() - 1)
+    c = torch.where(used, chunk_off.long()[seq] + (p - 1 - cu.long()[seq]) // C, NC)
+    slot = torch.full((NC + 1,), -1, dtype=torch.int32, device=p.device)
+    slot[c] = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
+    return slot
+
+
 def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, chunks, chunk_off,
-                      scale=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True):
+                      scale=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, states_at=None):
     """The engine's extend step in chunks: sequences of several new tokens each advanced from their pool slots
     by the chunked kernels (16-token tiles in parallel, one recurrence step per tile) instead of one token at a
     time, with every table on the device (a CUDA graph captures it).
@@ -460,6 +478,10 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     tokens cu[i]..cu[i+1] (empty allowed; rows past cu[n] belong to none and get o = 0); chunks [NC, 2]: (first
     token, valid tokens) of every 16-token tile of the sequences, unused entries (any, 0); chunk_off [n]: the index
     of each sequence's first tile (`paged_cache.token_runs(cu, T, 16, first=True)` builds both). Returns o [T, H, V].
+    states_at (long [M], device; < 1: unused): packed token positions, each a multiple of 16 tokens into its
+    sequence, whose states are also returned: (o, states [M, H, K, V] fp32; zero for unused entries).
+    Tb is folded into the tiles (`PRE`) for sequences shorter than `FOLD_BELOW_TOKENS` on average (measured faster
+    there), and as CFG["fold_tb"] says for longer ones (a cold prefill chunk captured in a graph).
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -477,9 +499,13 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     if state.dtype != torch.float32 or state[0].stride() != (K * V, V, 1) or state.stride(0) < H * K * V:
         raise ValueError(f"kda_extend_triton: state must be an fp32 pool [P, {H}, {K}, {V}] of contiguous, "
                          f"non-overlapping slots, got {state.dtype} {tuple(state.shape)} strides {state.stride()}")
+    pre = CFG["fold_tb"] or T < FOLD_BELOW_TOKENS * n
+    NC = chunks.shape[0]
     parts = _intra_fwd(qp, kp, vp, fp, bp, A_log.contiguous(), dt_bias.contiguous(),
-                       chunks.contiguous(), chunks.shape[0], scale, float(lower_bound), flags, pre=True)
+                       chunks.contiguous(), NC, scale, float(lower_bound), flags, pre=pre)
     o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
-    _recur_fwd(parts, state, cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K, V, v.dtype, o=o,
-               idx=state_indices.contiguous())
-    return o
+    slot = None if states_at is None else _chunk_slots(states_at, cu_seqlens, chunk_off, NC)
+    _, _, _, _, hsel = _recur_fwd(parts, state, cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K, V, v.dtype,
+                                  o=o, idx=state_indices.contiguous(), slot=slot,
+                                  nsel=0 if states_at is None else states_at.numel())
+    return o if states_at is None else (o, hsel)

@@ -1,0 +1,219 @@
+"""The engine's cold prefill graphs (`PrefillGraph`: a prompt's first chunk alone in a step, padded to a token
+bucket, every table built on the device): the conv's padding rows, the in-place chunked KDA with checkpoint states
+from device positions against the chunked oracle, the padded device-built `PackedBatch.for_prefill` against the
+host-built chunked batch, the engine with the graph paths on (run eagerly on the CPU) against the engine without,
+and (CUDA) replay against eager execution."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny, rel_rmse
+from k3.model.paged_cache import PackedBatch, token_runs
+from k3.ops.conv import CONV_TILE, conv_tiles, short_conv_step
+from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
+
+from test_decode_graphs import _gated_inputs, _pool, eager_then_replay, pages_differing, run_packed
+from test_extend_graphs import _cu, _triton_or_skip
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("lens", [[45], [70, 2, 33]], ids=["one", "several"])
+def test_short_conv_tiles_zero_the_padding_after_the_last_sequence(lens):
+    """The per-tile conv (a prefill chunk) with rows after the last sequence inside its last tiles (a captured
+    prefill's padding, extra tiles of the last sequence): those rows are 0 (the output is allocated uninitialised),
+    the others equal the reference, and the windows advance to the real end."""
+    dev = _triton_or_skip()
+    g = torch.Generator().manual_seed(21)
+    P, C, W = 6, 96, 4
+    m = sum(lens)
+    N = -(-(m + 40) // CONV_TILE) * CONV_TILE  # at least one whole padding tile
+    pool = torch.randn(P, 2, C, W - 1, generator=g).to(dev)
+    ref_pool = pool.clone()
+    w = torch.randn(C, 1, W, generator=g).to(dev)
+    x = torch.randn(N, C, generator=g).to(dev)
+    slots, cu = torch.tensor([4, 0, 2][:len(lens)], device=dev), _cu(lens, dev)
+    last = len(lens) - 1
+    tiles = conv_tiles(lens, dev)
+    pad = torch.tensor([(last, t) for t in range(int(tiles[-1, 1]) + CONV_TILE, N, CONV_TILE)],
+                       dtype=torch.int32, device=dev).reshape(-1, 2)
+    for _ in range(2):  # the second call reuses the allocator's block the first one filled
+        y = short_conv_step(x, w, pool[:, 1], slots, backend="triton", cu_seqlens=cu, tiles=torch.cat([tiles, pad]))
+        pool[:, 1] = ref_pool[:, 1]
+    y = short_conv_step(x, w, pool[:, 1], slots, backend="triton", cu_seqlens=cu, tiles=torch.cat([tiles, pad]))
+    ref = short_conv_step(x[:m], w, ref_pool[:, 1], slots, backend="reference", cu_seqlens=cu)
+    assert rel_rmse(ref, y[:m]) <= 1e-6 and torch.equal(y[m:], torch.zeros_like(y[m:]))
+    assert torch.equal(pool, ref_pool)
+
+
+def _states_inputs(lens, want, dtype, dev, seed):
+    g = torch.Generator().manual_seed(seed)
+    P, H, K = 9, 2, 32
+    N = sum(lens) + 5  # padding rows of no sequence
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, dtype, g, dev)
+    pool = torch.randn(P, 2, H, K, K, generator=g, dtype=dtype).to(dev) * 0.3
+    cu = _cu(lens, dev)
+    return (q, k, v, f, bl, A_log, dt_bias), pool, torch.tensor([4, 0, 6][:len(lens)], device=dev), cu, \
+        torch.tensor(want, device=dev)
+
+
+@pytest.mark.parametrize("lens,want", [([45], [16, 32, 0, 0]), ([40, 3, 37], [32, 0, 16, 40, 75])],
+                         ids=["one", "several"])
+def test_kda_step_states_at_equal_the_chunked_states(lens, want):
+    """kda_decode_step_gated with `states_at` (device positions, < 1 unused; a sequence end included): the PyTorch
+    token steps in pieces (fp64) against `chunk_kda_gated(states_at=)` from the same initial states: outputs, the
+    requested states (zero where unused), the final states in the pool."""
+    args, pool, slots, cu, pos = _states_inputs(lens, want, torch.float64, "cpu", 22)
+    before = pool.clone()
+    o, st = kda_decode_step_gated(*args, pool[:, 1], slots, -5.0, backend="torch", cu_seqlens=cu, states_at=pos)
+    m = int(cu[-1])
+    used = [i for i, p in enumerate(want) if p > 0]
+    ro, rs, rsel = chunk_kda_gated(*(x[None, :m] for x in args[:5]), *args[5:], initial_state=before[slots, 1],
+                                   output_final_state=True, cu_seqlens=cu.to(torch.int32),
+                                   use_qk_l2norm_in_kernel=True, lower_bound=-5.0, backend="reference",
+                                   states_at=pos[used])
+    # fp64; the outputs agree to 2.5e-9 here with or without states_at (one row at a chunk start; the states to 1e-16)
+    assert rel_rmse(ro[0], o[:m]) <= 1e-8 and not o[m:].any()
+    assert rel_rmse(rsel, st[used]) <= 1e-12 and not st[[i for i in range(len(want)) if i not in used]].any()
+    assert rel_rmse(rs, pool[slots, 1]) <= 1e-12
+
+
+@pytest.mark.parametrize("lens,want", [([45], [16, 32, 0, 0]), ([40, 3, 37], [32, 0, 16, 40, 75])],
+                         ids=["one", "several"])
+def test_kda_extend_states_at_triton_equals_torch(lens, want):
+    """The chunked Triton extend step with checkpoint states (its chunk → checkpoint table built on the device,
+    Tb unfolded and folded) against the PyTorch token steps: outputs, states, pool (fp32)."""
+    from k3.ops.kda.triton.chunk import cfg_override
+    dev = _triton_or_skip()
+    for fold in (False, True):
+        args, pool, slots, cu, pos = _states_inputs(lens, want, torch.float32, dev, 23)
+        ref_pool = pool.clone()
+        chunks = token_runs(cu, args[0].shape[0], 16, first=True)
+        with cfg_override(fold_tb=fold):
+            o, st = kda_decode_step_gated(*args, pool[:, 1], slots, -5.0, backend="auto" if dev == "cuda" else "triton",
+                                          cu_seqlens=cu, chunks=chunks, states_at=pos)
+        ro, rst = kda_decode_step_gated(*args, ref_pool[:, 1], slots, -5.0, backend="torch", cu_seqlens=cu,
+                                        states_at=pos)
+        m = int(cu[-1])
+        assert rel_rmse(ro[:m], o[:m]) <= 1e-5 and not o[m:].any()
+        assert rel_rmse(rst, st) <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5
+
+
+def test_kda_step_states_at_rejects_bad_calls():
+    args, pool, slots, cu, pos = _states_inputs([20], [16], torch.float32, "cpu", 24)
+    with pytest.raises(ValueError, match="states_at needs cu_seqlens"):
+        kda_decode_step_gated(*args, pool[:, 1], torch.arange(args[0].shape[0]), -5.0, states_at=pos)
+    with pytest.raises(ValueError, match="needs the chunk tables"):
+        if not torch.cuda.is_available():
+            from k3.ops.conv import triton_available
+            from k3.ops.moe_triton import interpreted
+            if not (triton_available() and interpreted()):
+                raise ValueError("needs the chunk tables")  # no Triton here: the check is unreachable
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        args, pool, slots, cu, pos = _states_inputs([20], [16], torch.float32, dev, 24)
+        kda_decode_step_gated(*args, pool[:, 1], slots, -5.0, backend="triton", cu_seqlens=cu, states_at=pos)
+
+
+@torch.no_grad()
+def test_padded_prefill_batch_equals_the_chunked_batch(one_thread):
+    """A fresh sequence's first 45 tokens with KDA checkpoints after 16 and 32, two ways: the host-built chunked
+    batch and the graph's device-built prefill batch, padded to 64 tokens and 4 checkpoints (two unused, on a
+    scratch slot) with the scratch slot and page holding garbage. Same logits, same pool (fp32) on every page and
+    slot but the scratch ones."""
+    model = make_tiny(seed=25)
+    lm, ps, W1 = model.language_model, 8, 3
+    rng = random.Random(25)
+    ids = [rng.randrange(4000) for _ in range(45)]
+    table, slot, ck = [10, 11, 12, 13, 14, 15], 1, [(16, 2), (32, 3)]
+    a = _pool(model, 40, ps)
+    for s in (a.state, a.conv):
+        s[[1, 2, 3]] = 0
+    b = _pool(model, 40, ps)
+    for src, dst in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        dst.copy_(src)
+    run = functools.partial(run_packed, lm)
+    ref = run(a, PackedBatch.build([45], [0], [slot], [table], [True], ps, W1, "cpu", [ck]), ids)
+    N, scratch_slot, scratch_page = 64, 39, 38
+    batch = PackedBatch.for_prefill(torch.tensor([45]), torch.tensor([slot]), torch.tensor(table + [scratch_page] * 2),
+                                    torch.tensor([16, 32, 0, 0]), torch.tensor([2, 3, scratch_slot, scratch_slot]),
+                                    N, ps, W1, scratch_page)
+    got = run(b, batch, ids + [0] * (N - 45))
+    # fp32, the chunked KDA (eager) against the token steps (the CPU form of the graph's in-place chunked kernels)
+    assert got.shape[0] == 1 and rel_rmse(ref, got) <= 1e-5
+    real = [1, 2, 3] + table
+    for x, y in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
+        assert rel_rmse(x[real], y[real]) <= 1e-5
+
+
+def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread):
+    """A fp32 CPU engine with its graph paths on (prefill graphs run eagerly here: the same padding, device-built
+    tables and pool updates as on the GPU) against the same engine without them: prompts of 130-250 tokens arriving
+    one at a time (each first chunk alone in its step, with prefix-cache checkpoints inside), some sharing a prefix
+    (later hits), a long one past the budget (its second chunk eager). Same tokens, logits within 1e-4, the
+    prefill graphs used."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+
+    model = make_tiny(seed=26)
+    rng = random.Random(26)
+    shared = [rng.randrange(4000) for _ in range(140)]
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(130, 250))] for _ in range(2)]
+    prompts += [shared + [rng.randrange(4000) for _ in range(rng.randrange(1, 20))] for _ in range(2)]
+    prompts += [[rng.randrange(4000) for _ in range(300)]]
+    runs = []
+    for graphs in (False, True):
+        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=160, max_num_batched_tokens=256,
+                                         max_num_seqs=4, record_logits=True))
+        if graphs:
+            assert eng.runner.enable_graphs()
+        outs = [eng.generate([p], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0] for p in prompts]
+        runs.append((outs, eng))
+        eng.check_pool()
+    (a, ea), (b, eb) = runs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    used = [k for k in eb.runner.graphs if k[0] == "prefill"]
+    assert used and all(k[2] >= 1 for k in used)
+    assert ea.stats()["checkpoints_saved"] == eb.stats()["checkpoints_saved"] > 0
+    for oa, ob in zip(a, b):
+        x, y = ea.recorded_logits[oa.request_id], eb.recorded_logits[ob.request_id]
+        assert len(x) == len(y) and all((u - v).abs().max() <= 1e-4 for u, v in zip(x, y))
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_prefill_graph_replay_equals_eager():
+    """bf16 engine: a cold prompt's first chunk (with checkpoints inside) through its prefill graph, replayed and run
+    eagerly on the same inputs and pool: logits and every pool byte but the scratch pages' bitwise equal; and
+    against the eager chunked forward within bf16 rounding; then the whole request served through it."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve.runner import SeqInput
+
+    model = make_tiny(seed=27).cuda().to(torch.bfloat16).eval()
+    eng = Engine(model, EngineConfig(block_size=64, hash_block_size=16, num_pages=128, max_num_batched_tokens=512))
+    assert eng.runner.use_graphs
+    rng = random.Random(27)
+    ids = [rng.randrange(4000) for _ in range(300)]
+    slot, ck = eng.pool.allocate(), [(eng.pool.allocate(), 16), (eng.pool.allocate(), 288)]
+    pages = [eng.pool.allocate() for _ in range(5)]
+    for p in [slot] + [c[0] for c in ck]:
+        eng.pool.zero_slot(p)
+    inputs = [SeqInput(tokens=ids, start=0, state_page=slot, mla_pages=pages, want_logits=True,
+                       checkpoints=[(o, p) for p, o in ck])]
+    g = eng.runner.graph_for(inputs)
+    assert g is not None and (g.tokens, g.ckpts) == (512, 2)
+    eager, replayed, after_eager, before = eager_then_replay(eng, g, inputs)
+    assert torch.equal(eager[:1], replayed) and torch.isfinite(replayed).all()
+    assert not pages_differing(eng, after_eager)
+    eng.pool.storage.copy_(before)
+    eng.runner.use_graphs = False
+    chunked = eng.runner.forward(inputs)
+    eng.runner.use_graphs = True
+    # bf16: the same kernels but for padding and the attention call; ≈ 1 % RMS over the tiny model's layers
+    assert rel_rmse(chunked, replayed) <= 4e-2
+    for p in [slot] + [c[0] for c in ck] + pages:
+        eng.pool.decref(p)
+    out = eng.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    eng.check_pool()
