@@ -200,8 +200,9 @@ class PackedBatch:
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
         `history` (static) bounds every pos + 1."""
         N, n = pos.shape[0], cu.shape[0] - 1
-        chunks = token_runs(cu, N, STATES_AT_MULTIPLE, first=True) if extend_in_chunks(N, n) else None
-        return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1, step_cu=cu,
+        chunks = _int32(token_runs(cu, N, STATES_AT_MULTIPLE, first=True)) if extend_in_chunks(N, n) else None
+        return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1,
+                               step_cu=cu.to(torch.int32),
                                dec_groups=token_runs(cu, N, GROUP_ROWS), step_chunks=chunks)
 
     @classmethod
@@ -223,8 +224,8 @@ class PackedBatch:
                    tok_page=torch.where(pos < length, table[pos // page_size], scratch_page), tok_off=pos % page_size,
                    conv_tiles=tiles, num_decode=0, dec_page=None, dec_off=None, dec_valid=None, dec_len=None,
                    hist_page=None, hist_off=None, hist_cu=[0], ckpt_pages=ckpt_pages,
-                   ckpt_win_rows=win.clamp_min(0), step_cu=cu, step_chunks=token_runs(cu, tokens, STATES_AT_MULTIPLE,
-                                                                                      first=True),
+                   ckpt_win_rows=win.clamp_min(0), step_cu=cu.to(torch.int32),
+                   step_chunks=_int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True)),
                    step_states_at=ckpt_pos, cold=True)
 
     @classmethod
@@ -242,6 +243,12 @@ class PackedBatch:
                    num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
                    dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu,
                    dec_groups=dec_groups, step_chunks=step_chunks)
+
+
+def _int32(tables):
+    """The kernels' index tables in int32: 64-bit bounds make the latency-bound recurrence loop do its address
+    arithmetic in 64 bits (H200, one 8K prefill: 8.6 ms of recurrence against 7.6 with int32 tables)."""
+    return tuple(t.to(torch.int32) for t in tables)
 
 
 def token_runs(cu: torch.Tensor, N: int, G: int, first: bool = False):
