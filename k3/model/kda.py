@@ -187,7 +187,7 @@ class KimiDeltaAttention(nn.Module):
         y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
         f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
-        if b.decode or b.cold:  # decode / extend / cold prefill: each slot's conv window and state advanced in place
+        if b.decode or b.graph_prefill:  # decode / extend / graph prefill: slots' conv windows and states in place
             if b.step_states_at is not None:  # the checkpoints' conv windows: the inputs before each
                 windows = y[b.ckpt_win_rows].transpose(1, 2)
             q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu,

@@ -192,12 +192,8 @@ class MLAttention(nn.Module):
         q, c, k_pe, gate = self._project_paged(x)
         q = q[0]  # [N, H, Dq]
         cache.write_latents(c[0], k_pe[0])
-        if b.cold:  # one sequence's first chunk (padded at its end): causal within the new tokens
-            dt = cache.mla_pool().dtype  # the values a read from the pages would give
-            k, v = self.expand_kv(c.to(dt).to(c.dtype), k_pe.to(dt).to(k_pe.dtype))
-            o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, scale=self.scale)
-            return self._finish(x, o.transpose(1, 2), gate, residual)
+        if b.graph_prefill:  # one sequence's chunk padded at its end (a prefill graph)
+            return self._finish(x, self._attend_chunk(q, c, k_pe, cache)[None], gate, residual)
         parts = []
         if nd:
             parts.append(self._decode_paged(q[:nd], cache))
@@ -214,6 +210,33 @@ class MLAttention(nn.Module):
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(x, o[None], gate, residual)
+
+    def _attend_chunk(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, cache: PagedLayerCache
+                      ) -> torch.Tensor:
+        """A prefill graph's chunk (`PackedBatch.for_prefill`), q [N, H, Dq] → [N, H, V]: causal within the new
+        tokens when nothing precedes them; else over the key rows read from the pages, the history right-aligned
+        after invalid rows. Those rows get a score of -2^14 / √d through one more query / key dimension (1 on the
+        queries, -2^14 on invalid keys, 0 on the others: the other scores are unchanged), so that one causal call
+        aligned to the last key, with static shapes, is each query's exact history and chunk prefix."""
+        b = cache.batch
+        if b.hist_page is None:
+            dt = cache.mla_pool().dtype  # the values a read from the pages would give
+            k, v = self.expand_kv(c.to(dt).to(c.dtype), k_pe.to(dt).to(k_pe.dtype))
+            o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, scale=self.scale)
+            return o[0].transpose(0, 1)
+        rows = cache.mla_pool()[b.hist_page, b.hist_off].to(c.dtype)  # [S, C + R]
+        k, v = self.expand_kv(*rows[None].split([self.kv_lora_rank, self.rope], dim=-1))
+        S, H = rows.shape[0], self.num_heads
+        extra = 8  # one dimension used, padded to a multiple of 8 for the fused kernels
+        qx = q.new_zeros(q.shape[0], H, extra)
+        qx[..., 0] = 1
+        kx = k.new_zeros(1, S, H, extra)
+        kx[..., 0] = torch.where(b.hist_valid, 0.0, -2.0 ** 14)[None, :, None].to(k.dtype)
+        o = F.scaled_dot_product_attention(torch.cat([q, qx], -1)[None].transpose(1, 2),
+                                           torch.cat([k, kx], -1).transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=causal_lower_right(q.shape[0], S), scale=self.scale)
+        return o[0].transpose(0, 1)
 
     def _project_paged(self, x: torch.Tensor):
         """x [1, N, D] → (q [1, N, H, Dq], c, k_pe, output-gate logits or None). Without autograd the projections

@@ -49,10 +49,12 @@ class PackedBatch:
     sequence through its tokens: `step_cu` [n + 1] bounds sequence i's tokens, `slots` [n] its KDA slots;
     `dec_groups` [NG, 2] runs of up to `GROUP_ROWS` tokens of one sequence for the MLA kernel (first, count);
     `step_chunks` (tiles [NC, 2], first tile [n]): the sequences' 16-token tiles for the chunked KDA kernels.
-    Cold prefill batches (`for_prefill`, a captured CUDA graph over one prompt's first chunk, padded): `cold`; KDA
-    and the conv advance the slot in place as in an extend batch (`step_cu`, `step_chunks`, `conv_tiles` built on
-    the device), with the checkpoints' positions `step_states_at` [M] on the device (< 1: padding, whose
-    `ckpt_pages` entry is the scratch slot); MLA attends causally within the new tokens (nothing before them).
+    Graph prefill batches (`for_prefill`, a captured CUDA graph over one sequence's prefill chunk, padded):
+    `graph_prefill`; KDA and the conv advance the slot in place as in an extend batch
+    (`step_cu`, `step_chunks`, `conv_tiles` built on the device), with the checkpoints' positions `step_states_at`
+    [M] on the device (< 1: padding, whose `ckpt_pages` entry is the scratch slot); MLA attends causally within
+    the new tokens (start 0), or with history over the key rows `hist_page`, `hist_off` ([history + tokens], the
+    history right-aligned after invalid rows: `hist_valid`).
     """
     lens: list[int]
     starts: list[int]
@@ -77,7 +79,8 @@ class PackedBatch:
     dec_groups: torch.Tensor | None = None
     step_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
     step_states_at: torch.Tensor | None = None
-    cold: bool = False
+    graph_prefill: bool = False
+    hist_valid: torch.Tensor | None = None
 
     @property
     def num_docs(self) -> int:
@@ -206,27 +209,38 @@ class PackedBatch:
                                dec_groups=token_runs(cu, N, GROUP_ROWS), step_chunks=chunks)
 
     @classmethod
-    def for_prefill(cls, length: torch.Tensor, slot: torch.Tensor, table: torch.Tensor, ckpt_pos: torch.Tensor,
-                    ckpt_pages: torch.Tensor, tokens: int, page_size: int, conv_width: int, scratch_page: int
-                    ) -> "PackedBatch":
-        """A cold prefill chunk built ON THE DEVICE for a captured CUDA graph: one sequence's first `length` tokens
-        ([1] long, ≤ `tokens`, the static padded row count) at positions 0 .. length - 1, KDA slot `slot` [1], MLA
-        page table `table` [ceil(tokens / page_size)] (long). Rows past `length` are padding: no KDA / conv state
-        reads them, their latents go to `scratch_page`. `ckpt_pos` [M]: offsets of KDA checkpoints (multiples of
-        `STATES_AT_MULTIPLE`, 0 < offset < length; 0: unused) whose state and conv window go to `ckpt_pages` [M]
-        (an unused one's to a scratch slot). Logits row: length - 1."""
+    def for_prefill(cls, start: torch.Tensor, length: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,
+                    ckpt_pos: torch.Tensor, ckpt_pages: torch.Tensor, tokens: int, history: int, page_size: int,
+                    conv_width: int, scratch_page: int) -> "PackedBatch":
+        """One sequence's prefill chunk built ON THE DEVICE for a captured CUDA graph: `length` new tokens ([1] long,
+        ≤ `tokens`, the static padded row count) at positions start .. start + length - 1 (`start` [1] long ≤
+        `history`, the static history bucket; 0: a cold chunk, start = 0), KDA slot `slot` [1], MLA page table
+        `table` [ceil((history + tokens) / page_size)] (long). Rows past `length` are padding: no KDA / conv state
+        reads them, their latents go to `scratch_page`. `ckpt_pos` [M]: offsets of KDA checkpoints into the chunk
+        (multiples of `STATES_AT_MULTIPLE`, 0 < offset < length; 0: unused) whose state and conv window go to
+        `ckpt_pages` [M] (an unused one's to a scratch slot). Logits row: length - 1.
+        With history, MLA's keys are `history + tokens` rows read from the pages (`hist_page`, `hist_off`): the
+        history right-aligned in the first `history` rows (rows before it invalid: `hist_valid`), then the
+        chunk's rows, so that causal attention aligned to the last key is each query's history and chunk prefix."""
         dev = length.device
-        pos = torch.arange(tokens, device=dev)
+        i = torch.arange(tokens, device=dev)
+        pos = start + i
         cu = torch.cat([length.new_zeros(1), length])
         win = ckpt_pos[:, None] - conv_width + torch.arange(conv_width, device=dev)
-        tiles = torch.stack([torch.zeros_like(pos[::CONV_TILE]), pos[::CONV_TILE]], 1).to(torch.int32)
+        tiles = torch.stack([torch.zeros_like(i[::CONV_TILE]), i[::CONV_TILE]], 1).to(torch.int32)
+        hist_page = hist_off = hist_valid = None
+        if history:
+            p = torch.arange(history + tokens, device=dev) - (history - start)  # the position of each key row
+            real = (p >= 0) & (p < start + length)
+            hist_page = torch.where(real, table[(p // page_size).clamp(0, table.shape[0] - 1)], scratch_page)
+            hist_off, hist_valid = p % page_size, p >= 0
         return cls(lens=[tokens], starts=[0], cu_seqlens=cu.to(torch.int32), slots=slot, rows=length - 1,
-                   tok_page=torch.where(pos < length, table[pos // page_size], scratch_page), tok_off=pos % page_size,
+                   tok_page=torch.where(i < length, table[pos // page_size], scratch_page), tok_off=pos % page_size,
                    conv_tiles=tiles, num_decode=0, dec_page=None, dec_off=None, dec_valid=None, dec_len=None,
-                   hist_page=None, hist_off=None, hist_cu=[0], ckpt_pages=ckpt_pages,
+                   hist_page=hist_page, hist_off=hist_off, hist_cu=[0], ckpt_pages=ckpt_pages,
                    ckpt_win_rows=win.clamp_min(0), step_cu=cu.to(torch.int32),
                    step_chunks=_int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True)),
-                   step_states_at=ckpt_pos, cold=True)
+                   step_states_at=ckpt_pos, graph_prefill=True, hist_valid=hist_valid)
 
     @classmethod
     def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None,

@@ -12,10 +12,10 @@ bucket): the batch is padded to the bucket with entries that point at two scratc
 and one host→device copy of that buffer is all a step sends. Steps of short chunks (prefix-hit tails, short
 prompts, decodes beside them) replay `ExtendGraph`s, captured per (token bucket, sequence bucket, history
 bucket): KDA steps through each chunk recurrently and MLA reads each token's history from the pages, so no
-shape depends on the chunk lengths. A prompt's first chunk alone in a step (a cold prefill, the
-common case of a new request on a quiet server) replays a `PrefillGraph`, captured per (token bucket, checkpoint
-bucket): the chunked KDA kernels and causal attention within the chunk, over device-built tables. Other steps
-(later chunks of long prompts, chunks beside other work, batches or histories past the largest bucket) run eagerly.
+shape depends on the chunk lengths. A longer prefill chunk alone in a step (a new request on a quiet
+server, each chunk of a long prompt) replays a `PrefillGraph`, captured per (token bucket, history bucket,
+checkpoint bucket): the chunked KDA kernels and causal attention over the history and the chunk, over device-built
+tables. Other steps (chunks beside other work, batches or histories past the largest bucket) run eagerly.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ MIN_HISTORY = 256          # smallest padded MLA history of a decode graph (then
 MAX_GRAPH_ROWS = 1 << 22   # batch × history above this decodes eagerly (the padded history gather grows with it)
 EXTEND_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # token buckets of the extend graphs
 EXTEND_MAX_LEN = 128       # longest chunk an extend graph steps through recurrently (longer: the chunked kernels)
-# token buckets of the prefill graphs (a prompt's first chunk alone in a step: longer chunks run eagerly) and their
+# token buckets of the prefill graphs (one sequence's chunk alone in a step: longer chunks run eagerly) and their
 # checkpoint buckets (more checkpoints in one chunk: eager)
-PREFILL_TOKENS = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+PREFILL_TOKENS = (256, 512) + tuple(range(1024, 16385, 1024))
 PREFILL_CKPTS = (2, 8, 32)
+PREFILL_HISTORY = (0,) + tuple(1 << i for i in range(10, 17))  # history buckets (cached tokens before the chunk)
 
 
 @dataclass
@@ -209,36 +210,38 @@ class ExtendGraph(_Graph):
 
 
 class PrefillGraph(_Graph):
-    """One captured forward of a prompt's first chunk (position 0 on, nothing cached before it) of up to `tokens`
-    tokens with up to `ckpts` KDA checkpoints inside (`PackedBatch.for_prefill`): the chunked kernels as in an
-    eager prefill, with every table built on the device; rows past the chunk are padding (no state reads them,
-    their latents go to the scratch page) → the logits of the chunk's last token.
-    Inputs: one int64 device buffer ids [N] | length [1] | slot [1] | page table [pages] | checkpoint offsets [M]
-    (0: unused) | checkpoint slots [M] (unused: the scratch slot)."""
+    """One captured forward of one sequence's prefill chunk alone in a step (`PackedBatch.for_prefill`): up to
+    `tokens` new tokens after up to `history` cached ones (0: a prompt's first chunk) with up to `ckpts` KDA
+    checkpoints inside; the chunked kernels as in an eager prefill, every table built on the device; rows past the
+    chunk are padding (no state reads them, their latents go to the scratch page) → the logits of its last token.
+    Inputs: one int64 device buffer ids [N] | start [1] | length [1] | slot [1] | page table [pages] | checkpoint
+    offsets [M] (0: unused) | checkpoint slots [M] (unused: the scratch slot)."""
 
-    def __init__(self, runner: "ModelRunner", tokens: int, ckpts: int, mempool):
+    def __init__(self, runner: "ModelRunner", tokens: int, history: int, ckpts: int, mempool):
         ps = runner.pool.layout.block_size
-        self.tokens, self.ckpts, self.pages = tokens, ckpts, -(-tokens // ps)
-        self.host = torch.empty(tokens + 2 + self.pages + 2 * ckpts, dtype=torch.long,
+        self.tokens, self.history, self.ckpts = tokens, history, ckpts
+        self.pages = -(-(history + tokens) // ps)
+        self.host = torch.empty(tokens + 3 + self.pages + 2 * ckpts, dtype=torch.long,
                                 pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
         self._capture(runner, mempool)
 
     def fields(self, t: torch.Tensor) -> dict:
         N, P, M = self.tokens, self.pages, self.ckpts
-        return dict(ids=t[:N], length=t[N:N + 1], slot=t[N + 1:N + 2], table=t[N + 2:N + 2 + P],
-                    ckpt_pos=t[N + 2 + P:N + 2 + P + M], ckpt_pages=t[N + 2 + P + M:])
+        return dict(ids=t[:N], start=t[N:N + 1], length=t[N + 1:N + 2], slot=t[N + 2:N + 3],
+                    table=t[N + 3:N + 3 + P], ckpt_pos=t[N + 3 + P:N + 3 + P + M], ckpt_pages=t[N + 3 + P + M:])
 
     def batch(self, f: dict) -> PackedBatch:
         lay = self.runner.pool.layout
-        return PackedBatch.for_prefill(f["length"], f["slot"], f["table"], f["ckpt_pos"], f["ckpt_pages"],
-                                       self.tokens, lay.block_size, lay.conv_width, self.runner.scratch[1])
+        return PackedBatch.for_prefill(f["start"], f["length"], f["slot"], f["table"], f["ckpt_pos"], f["ckpt_pages"],
+                                       self.tokens, self.history, lay.block_size, lay.conv_width,
+                                       self.runner.scratch[1])
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
         f = self.fields(self.host)
         s = seqs[0] if seqs else SeqInput(tokens=[], start=0, state_page=scratch[0], mla_pages=[], want_logits=True)
         m, c = len(s.tokens), list(s.checkpoints)
-        f["ids"][m:], f["length"][0], f["slot"][0] = 0, m, s.state_page
+        f["ids"][m:], f["start"][0], f["length"][0], f["slot"][0] = 0, s.start, m, s.state_page
         if m:
             f["ids"][:m] = torch.tensor(s.tokens)
         f["table"][:] = torch.tensor((s.mla_pages + [scratch[1]] * self.pages)[:self.pages])
@@ -271,7 +274,7 @@ class ModelRunner:
         self._mempool = None
         self.use_graphs = False  # set below when the scratch pages are reserved; benchmarks turn it off
         self.use_extend_graphs = True  # short chunks too (`ExtendGraph`), when use_graphs
-        self.use_prefill_graphs = True  # and a prompt's first chunk alone in a step (`PrefillGraph`)
+        self.use_prefill_graphs = True  # and one sequence's long chunk alone in a step (`PrefillGraph`)
         self.scratch: tuple[int, int] | None = None  # (KDA slot, MLA page) the graphs' padding entries use
         # capturable only where the MoE takes its sync-free grouped path (bf16 activations on CUDA); fp32 models
         # decode eagerly (the per-expert loop reads expert counts on the host)
@@ -319,9 +322,10 @@ class ModelRunner:
 
     def graph_for(self, seqs: list[SeqInput]) -> _Graph | None:
         """The captured graph for this step (captured on first use), or None when it must run eagerly: a
-        `DecodeGraph` for one token per sequence, a `PrefillGraph` for a prompt's first chunk alone in the step
-        (longer than `EXTEND_MAX_LEN`, up to `PREFILL_TOKENS[-1]` tokens), an `ExtendGraph` for short chunks (each
-        ≤ `EXTEND_MAX_LEN` tokens, no KDA checkpoint inside, ≤ `EXTEND_TOKENS[-1]` tokens in all)."""
+        `DecodeGraph` for one token per sequence, a `PrefillGraph` for one sequence's chunk alone in the step
+        (longer than `EXTEND_MAX_LEN`, up to `PREFILL_TOKENS[-1]` tokens after up to `PREFILL_HISTORY[-1]`), an
+        `ExtendGraph` for short chunks (each ≤ `EXTEND_MAX_LEN` tokens, no KDA checkpoint inside, ≤
+        `EXTEND_TOKENS[-1]` tokens in all)."""
         if not self.use_graphs:
             return None
         i = bisect.bisect_left(BATCH_BUCKETS, len(seqs))
@@ -332,13 +336,15 @@ class ModelRunner:
         S = max(MIN_HISTORY, 1 << last.bit_length())  # > every position
         if all(len(s.tokens) == 1 and s.want_logits for s in seqs):
             rows, key, make = n, (n, S), lambda: DecodeGraph(self, n, S, self._mempool)
-        elif len(seqs) == 1 and seqs[0].start == 0 and len(seqs[0].tokens) > EXTEND_MAX_LEN:
+        elif len(seqs) == 1 and len(seqs[0].tokens) > EXTEND_MAX_LEN:
             s = seqs[0]
             j, k = bisect.bisect_left(PREFILL_TOKENS, len(s.tokens)), bisect.bisect_left(PREFILL_CKPTS, len(s.checkpoints))
-            if not self.use_prefill_graphs or s.src >= 0 or j == len(PREFILL_TOKENS) or k == len(PREFILL_CKPTS):
+            h = bisect.bisect_left(PREFILL_HISTORY, s.start)
+            if (not self.use_prefill_graphs or s.src >= 0 or j == len(PREFILL_TOKENS) or k == len(PREFILL_CKPTS)
+                    or h == len(PREFILL_HISTORY)):
                 return None
-            N, M = PREFILL_TOKENS[j], PREFILL_CKPTS[k]
-            rows, S, key, make = 1, 1, ("prefill", N, M), lambda: PrefillGraph(self, N, M, self._mempool)
+            N, M, Hb = PREFILL_TOKENS[j], PREFILL_CKPTS[k], PREFILL_HISTORY[h]
+            rows, S, key, make = 1, 1, ("prefill", N, Hb, M), lambda: PrefillGraph(self, N, Hb, M, self._mempool)
         else:
             m = sum(len(s.tokens) for s in seqs)
             j = bisect.bisect_left(EXTEND_TOKENS, m)
