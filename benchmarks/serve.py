@@ -243,7 +243,7 @@ def run(a) -> dict:
     # computes everything; the second hits if the first's end-of-prompt checkpoint falls inside the shared prefix
     # (tail < hash block), else it stores the junction checkpoint; the third restores the prefix in any case.
     # Each figure is the median over the rounds (a single ~10 ms hit moves with the host's hiccups).
-    rounds = {"cold": [], "junction": [], "prefix_hit": [], "prefix_hit_eager_tail": []}
+    rounds = {"cold": [], "junction": [], "prefix_hit": [], "prefix_hit_eager_tail": [], "cold_eager_prefill": []}
     for rep in range(a.ttft_reps):
         eng.reset_prefix_cache()
         prefix = rand_prompts(1, shared, V, 8 + 100 * rep)[0]
@@ -256,6 +256,14 @@ def run(a) -> dict:
             with no_extend_graphs(eng), Clock(cuda) as c:
                 out = eng.generate([prefix + tails[3]], one)[0]
             rounds["prefix_hit_eager_tail"].append((c.s, out.num_cached_tokens))
+            eng.reset_prefix_cache()  # and the cold prompt with its chunks run eagerly (no prefill graph)
+            eng.runner.use_prefill_graphs = False
+            try:
+                with Clock(cuda) as c:
+                    out = eng.generate([prefix + tails[0]], one)[0]
+            finally:
+                eng.runner.use_prefill_graphs = True
+            rounds["cold_eager_prefill"].append((c.s, out.num_cached_tokens))
     ttft = {name: dict(seconds=statistics.median(t for t, _ in r), all_seconds=[t for t, _ in r],
                        cached_tokens=min(n for _, n in r), prompt_tokens=shared + 64)
             for name, r in rounds.items() if r}
@@ -328,6 +336,9 @@ def table(res: dict) -> str:
         lines.append(f"  prefix hit with the tail run eagerly: {1e3 * e['seconds']:.1f} ms "
                      f"({100 * e['seconds'] / t['cold']['seconds']:.1f}% of cold; with its graph "
                      f"{100 * t['prefix_hit']['seconds'] / t['cold']['seconds']:.1f}%)")
+    if "cold_eager_prefill" in t:
+        lines.append(f"  cold with its chunks run eagerly (no prefill graph): "
+                     f"{1e3 * t['cold_eager_prefill']['seconds']:.1f} ms")
     g = res["vs_generate"]
     lines.append(f"batch {g['batch']} x {g['new_tokens']} greedy tokens: engine {g['engine_tokens_per_s']:.0f} tok/s, "
                  f"model.generate {g['generate_tokens_per_s']:.0f} tok/s ({g['speedup']:.2f}x), "
