@@ -61,12 +61,31 @@ def main():
             return lambda: F.scaled_dot_product_attention(qq, kk, v, attn_mask=causal_lower_right(T, S), scale=scale)
 
         fbias = torch.zeros(T, S, device="cuda", dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        # varlen kernels: the keys packed from position 0 (no front padding), garbage after start + T up to S rows;
+        # the key length is a device tensor, the shapes static
+        qt, kt, vt = (x[0].transpose(0, 1).contiguous() for x in (q, torch.cat([kr, k[:, :, :pad]], 2),
+                                                                   torch.cat([vr, v[:, :, :pad]], 2)))
+        vt192 = F.pad(vt, (0, DQ - DV))
+        cq = torch.tensor([0, T], device="cuda", dtype=torch.int32)
+        ck = torch.tensor([0, start + T], device="cuda", dtype=torch.int32)
+
+        def flash_varlen():  # FA2 needs one head dim: v zero-padded to 192
+            o = torch.ops.aten._flash_attention_forward(qt, kt, vt192, cq, ck, T, S, 0.0, True, False, scale=scale)[0]
+            return o[..., :DV].transpose(0, 1)[None]
+
+        def efficient_varlen():  # causal from the bottom right (custom_mask_type 2)
+            o = torch.ops.aten._efficient_attention_forward(qt[None], kt[None], vt[None], None, cq, ck, T, S, 0.0, 2,
+                                                            scale=scale)[0]
+            return o[0].transpose(0, 1)[None]
+
         variants = {
             "exact history, causal lower-right (eager)": exact,
             "bias dimension, 200": bias_dim(8),
             "bias dimension, 256": bias_dim(64),
             "bool mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale),
             "bf16 additive mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=fbias, scale=scale),
+            "varlen flash (v padded to 192)": flash_varlen,
+            "varlen memory-efficient": efficient_varlen,
         }
         ref = exact().float()
         for name, fn in variants.items():
