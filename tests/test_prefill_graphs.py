@@ -118,6 +118,36 @@ def test_kda_step_states_at_rejects_bad_calls():
         kda_decode_step_gated(*args, pool[:, 1], slots, -5.0, backend="triton", cu_seqlens=cu, states_at=pos)
 
 
+def _chunk_reference(q, k, v, L, scale):
+    """Dense masked attention (fp64): query i of N attends keys j <= i + L - N."""
+    N = q.shape[0]
+    s = torch.einsum("nhd,shd->hns", q.double(), k[:L].double()) * scale
+    s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(N)[:, None] + L - N, float("-inf"))
+    return torch.einsum("hns,shd->nhd", s.softmax(-1), v[:L].double())
+
+
+def test_chunk_attention_equals_masked_attention():
+    """`chunk_attention` (keys counted by a device tensor; rows past it hold garbage) against dense masked
+    attention: the sdpa backend in fp64, and on CUDA the flash backend (varlen kernel, v zero-padded) in bf16."""
+    from k3.ops.attention import chunk_attention
+    g = torch.Generator().manual_seed(28)
+    N, S, H, D, Dv, L = 20, 50, 3, 24, 16, 37
+    q, k = torch.randn(N, H, D, generator=g, dtype=torch.float64), torch.randn(S, H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(S, H, Dv, generator=g, dtype=torch.float64)
+    k[L:], v[L:] = 1e6, float("nan")  # never read
+    ref = _chunk_reference(q, k, v, L, 0.3)
+    got = chunk_attention(q, k, v, torch.tensor([L]), 0.3, backend="sdpa")
+    assert rel_rmse(ref, got) <= 1e-12
+    with pytest.raises(ValueError, match="key_len 19 must lie"):
+        chunk_attention(q, k, v, torch.tensor([19]), 0.3, backend="sdpa")
+    with pytest.raises(ValueError, match="unknown backend"):
+        chunk_attention(q, k, v, torch.tensor([L]), 0.3, backend="fa3")
+    if torch.cuda.is_available():
+        x = [t.cuda().to(torch.bfloat16) for t in (q, k, v)]
+        got = chunk_attention(*x, torch.tensor([L], device="cuda"), 0.3, backend="flash")
+        assert rel_rmse(ref, got.double().cpu()) <= 1e-2  # bf16 inputs and output
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("start", [0, 21], ids=["cold", "after-history"])
 def test_padded_prefill_batch_equals_the_chunked_batch(one_thread, start):

@@ -87,6 +87,12 @@ def main():
             "varlen flash (v padded to 192)": flash_varlen,
             "varlen memory-efficient": efficient_varlen,
         }
+        if hasattr(torch.ops.aten, "_cudnn_attention_forward"):  # ragged cuDNN (its causal alignment: the error says)
+            def cudnn_varlen():
+                o = torch.ops.aten._cudnn_attention_forward(qt, kt, vt, None, cq, ck, T, S, False, 0.0, True,
+                                                            scale=scale)[0]
+                return o.transpose(0, 1)[None]
+            variants["varlen cuDNN"] = cudnn_varlen
         ref = exact().float()
         for name, fn in variants.items():
             try:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from ..config import K3TextConfig
-from ..ops.attention import doc_causal_attention
+from ..ops.attention import chunk_attention, doc_causal_attention
 from ..ops.gemv import linear
 from ..ops.mla_decode import paged_mla_decode, triton_reason
 from ..ops.varlen import doc_ids
@@ -214,10 +214,8 @@ class MLAttention(nn.Module):
     def _attend_chunk(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, cache: PagedLayerCache
                       ) -> torch.Tensor:
         """A prefill graph's chunk (`PackedBatch.for_prefill`), q [N, H, Dq] → [N, H, V]: causal within the new
-        tokens when nothing precedes them; else over the key rows read from the pages, the history right-aligned
-        after invalid rows. Those rows get a score of -2^14 / √d through one more query / key dimension (1 on the
-        queries, -2^14 on invalid keys, 0 on the others: the other scores are unchanged), so that one causal call
-        aligned to the last key, with static shapes, is each query's exact history and chunk prefix."""
+        tokens when nothing precedes them; else over the key rows read from the pages, positions from 0, of which
+        the first `key_len` (a device tensor: static shapes) are attended, causal aligned to the last of them."""
         b = cache.batch
         if b.hist_page is None:
             dt = cache.mla_pool().dtype  # the values a read from the pages would give
@@ -227,16 +225,7 @@ class MLAttention(nn.Module):
             return o[0].transpose(0, 1)
         rows = cache.mla_pool()[b.hist_page, b.hist_off].to(c.dtype)  # [S, C + R]
         k, v = self.expand_kv(*rows[None].split([self.kv_lora_rank, self.rope], dim=-1))
-        S, H = rows.shape[0], self.num_heads
-        extra = 8  # one dimension used, padded to a multiple of 8 for the fused kernels
-        qx = q.new_zeros(q.shape[0], H, extra)
-        qx[..., 0] = 1
-        kx = k.new_zeros(1, S, H, extra)
-        kx[..., 0] = torch.where(b.hist_valid, 0.0, -2.0 ** 14)[None, :, None].to(k.dtype)
-        o = F.scaled_dot_product_attention(torch.cat([q, qx], -1)[None].transpose(1, 2),
-                                           torch.cat([k, kx], -1).transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=causal_lower_right(q.shape[0], S), scale=self.scale)
-        return o[0].transpose(0, 1)
+        return chunk_attention(q, k[0], v[0], b.key_len, self.scale)
 
     def _project_paged(self, x: torch.Tensor):
         """x [1, N, D] → (q [1, N, H, Dq], c, k_pe, output-gate logits or None). Without autograd the projections

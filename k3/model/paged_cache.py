@@ -53,8 +53,8 @@ class PackedBatch:
     `graph_prefill`; KDA and the conv advance the slot in place as in an extend batch
     (`step_cu`, `step_chunks`, `conv_tiles` built on the device), with the checkpoints' positions `step_states_at`
     [M] on the device (< 1: padding, whose `ckpt_pages` entry is the scratch slot); MLA attends causally within
-    the new tokens (start 0), or with history over the key rows `hist_page`, `hist_off` ([history + tokens], the
-    history right-aligned after invalid rows: `hist_valid`).
+    the new tokens (start 0), or with history over the key rows `hist_page`, `hist_off` ([history + tokens]:
+    positions from 0, the first `key_len` [1] of them attended).
     """
     lens: list[int]
     starts: list[int]
@@ -80,7 +80,7 @@ class PackedBatch:
     step_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
     step_states_at: torch.Tensor | None = None
     graph_prefill: bool = False
-    hist_valid: torch.Tensor | None = None
+    key_len: torch.Tensor | None = None
 
     @property
     def num_docs(self) -> int:
@@ -219,28 +219,28 @@ class PackedBatch:
         reads them, their latents go to `scratch_page`. `ckpt_pos` [M]: offsets of KDA checkpoints into the chunk
         (multiples of `STATES_AT_MULTIPLE`, 0 < offset < length; 0: unused) whose state and conv window go to
         `ckpt_pages` [M] (an unused one's to a scratch slot). Logits row: length - 1.
-        With history, MLA's keys are `history + tokens` rows read from the pages (`hist_page`, `hist_off`): the
-        history right-aligned in the first `history` rows (rows before it invalid: `hist_valid`), then the
-        chunk's rows, so that causal attention aligned to the last key is each query's history and chunk prefix."""
+        With history, MLA's keys are `history + tokens` rows read from the pages (`hist_page`, `hist_off`):
+        positions 0 .. start + tokens - 1 (past start + length: the scratch page), then unused rows; `key_len`
+        [1] = start + tokens, so that causal attention aligned to the last key is each query's history and chunk
+        prefix (a padding row's too, over scratch rows)."""
         dev = length.device
         i = torch.arange(tokens, device=dev)
         pos = start + i
         cu = torch.cat([length.new_zeros(1), length])
         win = ckpt_pos[:, None] - conv_width + torch.arange(conv_width, device=dev)
         tiles = torch.stack([torch.zeros_like(i[::CONV_TILE]), i[::CONV_TILE]], 1).to(torch.int32)
-        hist_page = hist_off = hist_valid = None
+        hist_page = hist_off = key_len = None
         if history:
-            p = torch.arange(history + tokens, device=dev) - (history - start)  # the position of each key row
-            real = (p >= 0) & (p < start + length)
-            hist_page = torch.where(real, table[(p // page_size).clamp(0, table.shape[0] - 1)], scratch_page)
-            hist_off, hist_valid = p % page_size, p >= 0
+            p = torch.arange(history + tokens, device=dev)  # the position of each key row
+            hist_page = torch.where(p < start + length, table[p // page_size], scratch_page)
+            hist_off, key_len = p % page_size, start + tokens
         return cls(lens=[tokens], starts=[0], cu_seqlens=cu.to(torch.int32), slots=slot, rows=length - 1,
                    tok_page=torch.where(i < length, table[pos // page_size], scratch_page), tok_off=pos % page_size,
                    conv_tiles=tiles, num_decode=0, dec_page=None, dec_off=None, dec_valid=None, dec_len=None,
                    hist_page=hist_page, hist_off=hist_off, hist_cu=[0], ckpt_pages=ckpt_pages,
                    ckpt_win_rows=win.clamp_min(0), step_cu=cu.to(torch.int32),
                    step_chunks=_int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True)),
-                   step_states_at=ckpt_pos, graph_prefill=True, hist_valid=hist_valid)
+                   step_states_at=ckpt_pos, graph_prefill=True, key_len=key_len)
 
     @classmethod
     def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None,

@@ -8,6 +8,8 @@ Backends: "flex" (torch's flex_attention, compiled once, with a BlockMask derive
 CUDA for training: torch's flex has no CPU backward), "sdpa" (one causal SDPA call per document, any device;
 reads the document bounds to the host), "reference" (dense masked SDPA, the oracle). "auto": flex on CUDA
 when T is a multiple of 128, else sdpa.
+`chunk_attention` (chunk.py): one chunk of queries after cached keys whose count is a device tensor (the serving
+engine's prefill graphs).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import functools
 import torch
 
 from .._compile import eager_op
+from .chunk import CHUNK_BACKENDS, chunk_attention
 from .flex import doc_block_mask, doc_block_tables, flex_doc_attention
 from .reference import doc_attention_mask, masked_max_logit, reference_doc_attention, token_docs
 from .sdpa import doc_segments, sdpa_doc_attention, segment_max_logit
 
 __all__ = ["doc_causal_attention", "BACKENDS", "flex_available", "reference_doc_attention", "sdpa_doc_attention",
            "flex_doc_attention", "doc_block_mask", "doc_block_tables", "doc_attention_mask", "doc_segments",
-           "token_docs", "masked_max_logit", "segment_max_logit"]
+           "token_docs", "masked_max_logit", "segment_max_logit", "chunk_attention", "CHUNK_BACKENDS"]
 
 BACKENDS = ("auto", "flex", "sdpa", "reference")
 
