@@ -50,10 +50,10 @@ def test_short_conv_tiles_zero_the_padding_after_the_last_sequence(lens):
     assert torch.equal(pool, ref_pool)
 
 
-def _states_inputs(lens, want, dtype, dev, seed):
+def _states_inputs(lens, want, dtype, dev, seed, rows=None):
     g = torch.Generator().manual_seed(seed)
     P, H, K = 9, 2, 32
-    N = sum(lens) + 5  # padding rows of no sequence
+    N = rows or sum(lens) + 5  # padding rows of no sequence
     q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, dtype, g, dev)
     pool = torch.randn(P, 2, H, K, K, generator=g, dtype=dtype).to(dev) * 0.3
     cu = _cu(lens, dev)
@@ -101,6 +101,32 @@ def test_kda_extend_states_at_triton_equals_torch(lens, want):
         m = int(cu[-1])
         assert rel_rmse(ro[:m], o[:m]) <= 1e-5 and not o[m:].any()
         assert rel_rmse(rst, st) <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("length,want", [(100, [16, 48, 96, 0]), (40, [16, 32, 0, 0])], ids=["all-segments", "empty-tail"])
+def test_kda_extend_split_equals_unsplit(length, want):
+    """A one-sequence extend chunk (a prefill graph's) in 4 static segments — summaries, fp32 combine, segments
+    from their states — against the unsplit recurrence, both from a pool slot: outputs, checkpoint states, the
+    slot's final state (fp32); segments past the chunk's end are empty."""
+    from k3.ops.kda.triton import chunk as CH
+    dev = _triton_or_skip()
+    T = 128
+    args, pool, slots, cu, pos = _states_inputs([length], want, torch.float32, dev, 29, rows=T)
+    # slow decay (g ≈ -0.01 per token): a segment's state still carries its incoming state, so the combine counts
+    args = args[:6] + (torch.full_like(args[6], -6.0),)
+    chunks = token_runs(cu, T, 16, first=True)
+    out = []
+    for split in (0, 4):
+        p = pool.clone()
+        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
+                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy:
+            o, st = kda_decode_step_gated(*args, p[:, 1], slots, -5.0, backend="auto" if dev == "cuda" else "triton",
+                                          cu_seqlens=cu, chunks=chunks, states_at=pos)
+        assert spy.call_count == (split > 1)
+        out.append((o, st, p))
+    (o0, s0, p0), (o1, s1, p1) = out
+    assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
+    assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
 
 
 def test_kda_step_states_at_rejects_bad_calls():

@@ -3,6 +3,8 @@ tokens, an initial state, states kept every 512 tokens as the engine's prefix ca
 and kg (`pre`) or not, and q, k, v, beta read in place as row slices of the conv / projection outputs or as
 contiguous copies made first (the copies timed too). CUDA events, median of 30; outputs against the first.
 
+Then the engine's prefill-graph form captured in a CUDA graph, unsplit and in 2-16 static segments.
+
     python benchmarks/probe/kda_prefill_paths.py
 """
 
@@ -48,6 +50,36 @@ def main():
             how = "in place" if inplace else "copies  "
             print(f"pre {pre!s:5} {how}: {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
     CH._intra_fwd = intra
+    in_graph_split(T, H, K, conv, proj, f, A_log, dtb)
+
+
+def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
+    """The engine's prefill-graph form (`kda_decode_step_gated` with device chunk tables, the state in a pool slot,
+    a checkpoint) captured in a CUDA graph, unsplit and cut into P static segments (`CFG["extend_split"]`)."""
+    from k3.model.paged_cache import _int32, token_runs
+    from k3.ops.kda import kda_decode_step_gated
+    from timing import graphed
+    q, k, v = (t.view(T, H, K) for t in conv.split(H * K, -1))
+    beta = proj[:, 4 * H * K + K:4 * H * K + K + H]
+    pool = torch.randn(4, 2, H, K, K, device="cuda") * 0.1
+    slots = torch.tensor([2], device="cuda")
+    cu = torch.tensor([0, T], device="cuda", dtype=torch.int32)
+    chunks = _int32(token_runs(cu.long(), T, 16, first=True))
+    pos = torch.tensor([T - 512], device="cuda")
+    ref = None
+    for P in (0, 2, 4, 8, 16):
+        def run():
+            with torch.no_grad(), CH.cfg_override(extend_split=P):
+                return kda_decode_step_gated(q, k, v, f[0], beta, A_log, dtb, pool[:, 1], slots, -5.0, cu_seqlens=cu,
+                                             chunks=chunks, states_at=pos)
+        before = pool.clone()
+        o = run()[0].float()
+        pool.copy_(before)
+        ref = o if ref is None else ref
+        rel = ((o - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        ms = median_ms(graphed(run), 5, 30)
+        pool.copy_(before)
+        print(f"in a graph, {P or 1:2d} segment(s): {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
 
 
 if __name__ == "__main__":

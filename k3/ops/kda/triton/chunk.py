@@ -60,7 +60,12 @@ CFG = {
     "seq_split": int(os.environ.get("K3_KDA_SEQ_SPLIT", "8")),
     "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "100")),
     "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "256")),
+    # the engine's one-sequence prefill chunks (`kda_extend_triton`, a captured graph): cut the chunk's tokens into
+    # this many static segments (0/1: off) from EXTEND_SPLIT_MIN_TOKENS padded tokens on, summarised in parallel,
+    # combined, then run in parallel from their incoming states
+    "extend_split": int(os.environ.get("K3_KDA_EXTEND_SPLIT", "0")),
 }
+EXTEND_SPLIT_MIN_TOKENS = 2048
 
 
 # extend steps fold Tb (`PRE`) below this many tokens per sequence on average: folded is faster for short chunks
@@ -505,7 +510,33 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
                        chunks.contiguous(), NC, scale, float(lower_bound), flags, pre=pre)
     o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
     slot = None if states_at is None else _chunk_slots(states_at, cu_seqlens, chunk_off, NC)
-    _, _, _, _, hsel = _recur_fwd(parts, state, cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K, V, v.dtype,
-                                  o=o, idx=state_indices.contiguous(), slot=slot,
-                                  nsel=0 if states_at is None else states_at.numel())
+    nsel = 0 if states_at is None else states_at.numel()
+    P = CFG["extend_split"]
+    if n == 1 and P > 1 and T >= EXTEND_SPLIT_MIN_TOKENS and T % (C * P) == 0:
+        hsel = _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, nsel)
+    else:
+        hsel = _recur_fwd(parts, state, cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K, V, v.dtype, o=o,
+                          idx=state_indices.contiguous(), slot=slot, nsel=nsel)[4]
     return o if states_at is None else (o, hsel)
+
+
+def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, nsel):
+    """One sequence's extend chunk (tokens 0 .. cu[1] of T padded rows) in P static segments of T / P tokens:
+    each segment's summary from a zero state (its contribution and K x K transition, in parallel), the incoming
+    states in fp32 from the slot's state, then every segment from its state in parallel (o, checkpoint states);
+    the last segment's final state (the state after cu[1]: later segments are empty) goes back to the slot.
+    Device tables only: a captured graph replays it for any length."""
+    T, dev = parts[0].shape[0], o.device
+    seg = T // P
+    b = (torch.arange(P + 1, device=dev, dtype=torch.int32) * seg).minimum(cu_seqlens[1].to(torch.int32))
+    pairs = torch.stack([b[:-1], b[1:]], 1).reshape(-1)
+    first = torch.arange(P, device=dev, dtype=torch.int32) * (seg // C)  # each segment's first chunk
+    summ = _summaries(parts, pairs, first, P, H, K, V)
+    S_loc, M = summ[..., :V], summ[..., V:]
+    h0v = torch.empty(P, H, K, V, device=dev, dtype=torch.float32)
+    h0v[0] = state[state_indices[0]]
+    for j in range(1, P):
+        h0v[j] = torch.matmul(M[j - 1], h0v[j - 1]) + S_loc[j - 1]
+    _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel)
+    state[state_indices[0]] = htv[P - 1]
+    return hsel
