@@ -77,7 +77,11 @@ def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
         pool.copy_(before)
         ref = o if ref is None else ref
         rel = ((o - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
-        ms = median_ms(graphed(run), 5, 30)
+        try:
+            ms = median_ms(graphed(run), 5, 30)
+        except Exception as e:  # report and go on with the next setting
+            print(f"in a graph, {P or 1:2d} segment(s): {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return
         pool.copy_(before)
         print(f"in a graph, {P or 1:2d} segment(s): {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
 
