@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ..config import K3TextConfig
 from ..ops.attention import chunk_attention, doc_causal_attention
@@ -203,10 +202,13 @@ class MLAttention(nn.Module):
             for j in range(nd, b.num_docs):
                 T, (h0, h1) = b.lens[j], b.hist_cu[j - nd:j - nd + 2]
                 k, v = self.expand_kv(*hist[None, h0:h1].split([self.kv_lora_rank, self.rope], dim=-1))
-                o = F.scaled_dot_product_attention(q[None, off:off + T].transpose(1, 2), k.transpose(1, 2),
-                                                   v.transpose(1, 2), attn_mask=causal_lower_right(T, h1 - h0),
-                                                   scale=self.scale)
-                parts.append(o[0].transpose(0, 1))
+                if h1 - h0 == T:  # nothing cached before the chunk: plain causal (cuDNN's fused kernel on the H200)
+                    o = F.scaled_dot_product_attention(q[None, off:off + T].transpose(1, 2), k.transpose(1, 2),
+                                                       v.transpose(1, 2), is_causal=True, scale=self.scale)
+                    parts.append(o[0].transpose(0, 1))
+                else:  # after history (SDPA's lower-right causal mask takes the slower memory-efficient kernel)
+                    n_keys = torch.full((1,), h1 - h0, dtype=torch.int32, device=q.device)
+                    parts.append(chunk_attention(q[off:off + T], k[0], v[0], n_keys, self.scale))
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(x, o[None], gate, residual)
