@@ -67,6 +67,7 @@ def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
     chunks = _int32(token_runs(cu.long(), T, 16, first=True))
     pos = torch.tensor([T - 512], device="cuda")
     ref = None
+    CH.EXTEND_SPLIT_MIN_TOKENS = 1024  # no cap on the segment count below (segments of >= 256 tokens)
     for P in (0, 2, 4, 8, 16):
         def run():
             with torch.no_grad(), CH.cfg_override(extend_split=P):

@@ -61,11 +61,12 @@ CFG = {
     "split_below_programs": int(os.environ.get("K3_KDA_SPLIT_BELOW", "100")),
     "split_min_chunks": int(os.environ.get("K3_KDA_SPLIT_MIN_CHUNKS", "256")),
     # the engine's one-sequence prefill chunks (`kda_extend_triton`, a captured graph): cut the chunk's tokens into
-    # this many static segments (0/1: off) from EXTEND_SPLIT_MIN_TOKENS padded tokens on, summarised in parallel,
-    # combined, then run in parallel from their incoming states
-    "extend_split": int(os.environ.get("K3_KDA_EXTEND_SPLIT", "0")),
+    # up to this many static segments of >= EXTEND_SPLIT_MIN_TOKENS / 4 tokens (0/1: off), summarised in parallel,
+    # combined, then run in parallel from their incoming states. H200, one 8K chunk, H 12, in a graph
+    # (`benchmarks/probe/kda_prefill_paths.py`): 1 / 2 / 4 / 8 / 16 segments 795 / 708 / 490 / 420 / 524 us
+    "extend_split": int(os.environ.get("K3_KDA_EXTEND_SPLIT", "8")),
 }
-EXTEND_SPLIT_MIN_TOKENS = 2048
+EXTEND_SPLIT_MIN_TOKENS = 4096
 
 
 # extend steps fold Tb (`PRE`) below this many tokens per sequence on average: folded is faster for short chunks
@@ -511,7 +512,7 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
     slot = None if states_at is None else _chunk_slots(states_at, cu_seqlens, chunk_off, NC)
     nsel = 0 if states_at is None else states_at.numel()
-    P = CFG["extend_split"]
+    P = min(CFG["extend_split"], 4 * T // EXTEND_SPLIT_MIN_TOKENS)  # segments of >= 1,024 tokens
     if n == 1 and P > 1 and T >= EXTEND_SPLIT_MIN_TOKENS and T % (C * P) == 0:
         hsel = _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, nsel)
     else:
