@@ -212,30 +212,26 @@ def run(a) -> dict:
     # and a prefix hit of the timed shape (a 64-token tail after `shared` cached tokens: its extend graph is
     # captured here, as a server captures its graphs before taking requests)
     eng.generate([rand_prompts(1, shared, V, 71)[0] + rand_prompts(1, 64, V, 72)[0]], one)
-    times = []
-    for rep in range(3):
-        eng.reset_prefix_cache()
-        p = rand_prompts(1, long_prefill, V, 7 + rep)[0]
-        with Clock(cuda) as c:
-            eng.generate([p], one)
-        times.append(c.s)
-    c.s = statistics.median(times)
-    res["prefill"] = dict(tokens=long_prefill, seconds=c.s, tokens_per_s=long_prefill / c.s)
-    if eng.runner.use_graphs:  # the same prefills without the prefill graph (eager forward), in the same run
-        eng.runner.use_prefill_graphs, times = False, []
+    def cold_prefills() -> float:  # median seconds of three cold prompts of `long_prefill` tokens
+        times = []
         for rep in range(3):
             eng.reset_prefix_cache()
-            p = rand_prompts(1, long_prefill, V, 7 + rep)[0]
-            with Clock(cuda) as ce:
-                eng.generate([p], one)
-            times.append(ce.s)
+            with Clock(cuda) as c:
+                eng.generate([rand_prompts(1, long_prefill, V, 7 + rep)[0]], one)
+            times.append(c.s)
+        return statistics.median(times)
+
+    sec = cold_prefills()
+    res["prefill"] = dict(tokens=long_prefill, seconds=sec, tokens_per_s=long_prefill / sec)
+    if eng.runner.use_graphs:  # the same prefills without the prefill graph (eager forward), in the same run
+        eng.runner.use_prefill_graphs = False
+        eager = cold_prefills()
         eng.runner.use_prefill_graphs = True
-        res["prefill"].update(eager_seconds=statistics.median(times),
-                              graph_speedup=statistics.median(times) / c.s)
+        res["prefill"].update(eager_seconds=eager, graph_speedup=eager / sec)
     if cuda:
         fl = prefill_flops_per_token(model.config, long_prefill)
-        res["prefill"].update(flops_per_token=fl, tflops=fl * long_prefill / c.s / 1e12,
-                              mfu=fl * long_prefill / c.s / PEAK_BF16)
+        res["prefill"].update(flops_per_token=fl, tflops=fl * long_prefill / sec / 1e12,
+                              mfu=fl * long_prefill / sec / PEAK_BF16)
         if "eager_seconds" in res["prefill"]:
             res["prefill"]["eager_mfu"] = fl * long_prefill / res["prefill"]["eager_seconds"] / PEAK_BF16
 

@@ -247,12 +247,18 @@ def test_engine_with_graph_paths_equals_the_engine_without(one_thread):
                     m.decode_backend = "auto"
         runs.append((outs, eng))
         eng.check_pool()
+    assert_same_outputs(runs)
+    eb = runs[1][1]
+    assert any(k[0] == "extend" for k in eb.runner.graphs) and any(k[0] != "extend" for k in eb.runner.graphs)
+
+
+def assert_same_outputs(runs, tol: float = 1e-4) -> None:
+    """Two engines' (outputs, engine) on the same requests: the same tokens, recorded logits within `tol`."""
     (a, ea), (b, eb) = runs
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert any(k[0] == "extend" for k in eb.runner.graphs) and any(k[0] != "extend" for k in eb.runner.graphs)
     for oa, ob in zip(a, b):
         x, y = ea.recorded_logits[oa.request_id], eb.recorded_logits[ob.request_id]
-        assert len(x) == len(y) and all((u - v).abs().max() <= 1e-4 for u, v in zip(x, y))
+        assert len(x) == len(y) and all((u - v).abs().max() <= tol for u, v in zip(x, y))
 
 
 @cuda

@@ -17,7 +17,7 @@ from k3.ops.conv import CONV_TILE, conv_tiles, short_conv_step
 from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
 
 from test_decode_graphs import _gated_inputs, _pool, eager_then_replay, pages_differing, run_packed
-from test_extend_graphs import _cu, _triton_or_skip
+from test_extend_graphs import _cu, _triton_or_skip, assert_same_outputs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -238,14 +238,11 @@ def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread):
                     for p in prompts]
         runs.append((outs, eng))
         eng.check_pool()
-    (a, ea), (b, eb) = runs
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    (_, ea), (_, eb) = runs
+    assert_same_outputs(runs)
     steps = [(h, c[0]) for h, c in filled if c]  # the steps run through a prefill graph (not its capture's fill)
     assert any(h == 0 and n for h, n in steps) and any(h > 0 for h, _ in steps), steps
     assert ea.stats()["checkpoints_saved"] == eb.stats()["checkpoints_saved"] > 0
-    for oa, ob in zip(a, b):
-        x, y = ea.recorded_logits[oa.request_id], eb.recorded_logits[ob.request_id]
-        assert len(x) == len(y) and all((u - v).abs().max() <= 1e-4 for u, v in zip(x, y))
 
 
 @cuda
