@@ -168,6 +168,8 @@ def test_chunk_attention_equals_masked_attention():
         chunk_attention(q, k, v, torch.tensor([19]), 0.3, backend="sdpa")
     with pytest.raises(ValueError, match="unknown backend"):
         chunk_attention(q, k, v, torch.tensor([L]), 0.3, backend="fa3")
+    with pytest.raises(ValueError, match="flash backend needs"):  # fp64 (and, here, maybe no GPU)
+        chunk_attention(q, k, v, torch.tensor([L]), 0.3, backend="flash")
     if torch.cuda.is_available():
         x = [t.cuda().to(torch.bfloat16) for t in (q, k, v)]
         got = chunk_attention(*x, torch.tensor([L], device="cuda"), 0.3, backend="flash")

@@ -9,6 +9,8 @@ slices the keys: the oracle, and the CPU path)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -16,9 +18,16 @@ from torch.nn.attention.bias import causal_lower_right
 CHUNK_BACKENDS = ("auto", "flash", "sdpa")
 
 
+@functools.lru_cache(maxsize=None)
+def _flash_device(index: int) -> bool:
+    """FlashAttention-2 in this torch build and an Ampere-or-newer GPU."""
+    return (hasattr(torch.ops.aten, "_flash_attention_forward") and torch.version.hip is None
+            and torch.cuda.get_device_capability(index) >= (8, 0))
+
+
 def _flash_ok(q: torch.Tensor) -> bool:
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
-            and hasattr(torch.ops.aten, "_flash_attention_forward"))
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+            and _flash_device(q.device.index if q.device.index is not None else torch.cuda.current_device()))
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: torch.Tensor, scale: float,
