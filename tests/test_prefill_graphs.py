@@ -247,6 +247,28 @@ def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread):
     assert ea.stats()["checkpoints_saved"] == eb.stats()["checkpoints_saved"] > 0
 
 
+def test_engine_warm_up_captures_the_first_requests_graphs(one_thread):
+    """`Engine.warm_up` captures the graphs a first long prompt and first decode steps replay (none without graph
+    paths: an fp32 CPU engine); a request of those shapes then captures nothing new; bad sizes are refused."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve.runner import SeqInput
+
+    eng = Engine(make_tiny(seed=30), EngineConfig(block_size=32, hash_block_size=16, num_pages=96,
+                                                  max_num_batched_tokens=512, max_num_seqs=4))
+    assert eng.warm_up() == []
+    assert eng.runner.enable_graphs()
+    keys = eng.warm_up([300], [1, 3])
+    assert ("prefill", 512, 0, 2) in keys and (1, 256) in keys and (4, 256) in keys
+    rng = random.Random(30)
+    eng.generate([[rng.randrange(4000) for _ in range(300)]], SamplingParams(max_tokens=1, temperature=0,
+                                                                             ignore_eos=True))
+    assert sorted(eng.runner.graphs, key=str) == keys  # its prefill replayed the warm graph
+    dec = SeqInput(tokens=[5], start=100, state_page=eng.runner.scratch[0], mla_pages=[0], want_logits=True)
+    assert eng.runner.graph_for([dec]) is eng.runner.graphs[(1, 256)]
+    with pytest.raises(ValueError, match="positive ints"):
+        eng.warm_up([0])
+
+
 @cuda
 @pytest.mark.cuda
 def test_cuda_prefill_graph_replay_equals_eager():

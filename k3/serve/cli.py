@@ -39,6 +39,7 @@ def build_app(args):
                        host_cache_bytes=int(args.host_cache_gb * (1 << 30)),
                        gpu_memory_fraction=args.gpu_memory_fraction, gc_freeze=True)
     engine = Engine.from_pretrained(ckpt, cfg, device=args.device, dtype=args.dtype)
+    engine.warm_up()  # the first long prompt and the first decode step replay graphs captured now
     tok = load_tokenizer(ckpt, engine.text_config)
     vocab = engine.text_config.vocab_size
     if tok.vocab_size > vocab:

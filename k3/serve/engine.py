@@ -322,6 +322,15 @@ class Engine:
             if self.cache is not None:
                 self.cache.clear()
 
+    def warm_up(self, prefill_tokens: list[int] | None = None, decode_batches: list[int] | None = None) -> list:
+        """Capture the CUDA graphs the first requests would otherwise capture (and compile their kernels for):
+        by default a prompt's first chunk of `max_num_batched_tokens` tokens and a batch-1 decode step (see
+        `ModelRunner.warm_up`). Returns the runner's graph keys; none without graphs (CPU, fp32)."""
+        budget = self.config.max_num_batched_tokens
+        prefill = [budget] if prefill_tokens is None else list(prefill_tokens)
+        with self._lock:
+            return self.runner.warm_up(prefill, [1] if decode_batches is None else list(decode_batches))
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (device and host tier). Call after changing the model's weights
         (e.g. an RL update): cached latents and KDA states were computed with the old ones. Pages held by

@@ -361,6 +361,23 @@ class ModelRunner:
                 self._mempool = self.graphs[key].graph.pool()
         return self.graphs[key]
 
+    def warm_up(self, prefill_tokens=(), decode_batches=()) -> list[tuple]:
+        """Capture now (a server before it takes requests) the graphs that a prompt's first chunk of each
+        `prefill_tokens` length and a decode step of each `decode_batches` size (histories up to `MIN_HISTORY`)
+        replay, so that no request pays their capture and kernel compilation. Returns the graph keys present."""
+        if not self.use_graphs:
+            return []
+        bad = [n for n in (*prefill_tokens, *decode_batches) if not isinstance(n, int) or n < 1]
+        if bad:
+            raise ValueError(f"warm_up: token counts and batch sizes must be positive ints, got {bad[:4]}")
+        probe = lambda n: SeqInput(tokens=[0] * n, start=0, state_page=self.scratch[0], mla_pages=[],  # noqa: E731
+                                   want_logits=True)
+        for n in prefill_tokens:
+            self.graph_for([probe(n)])
+        for b in decode_batches:
+            self.graph_for([probe(1)] * b)
+        return sorted(self.graphs, key=str)
+
     def publish(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled ids [n] (device) for the next forward's `SeqInput.src` rows (a failed row's -1
         becomes 0: the sequence is dropped when the host sees it, and an id must stay a valid index)."""
