@@ -174,6 +174,11 @@ def run(a) -> dict:
     res = dict(preset=preset, device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
                hash_block_size=blocks[0], block_size=blocks[1], pool_pages=eng.pool.num_pages,
                page_mib=eng.pool.layout.page_bytes / 2 ** 20)
+    # what `k3 serve` does before taking requests: capture the first long prompt's and first decode step's graphs
+    # (Triton compilation and autotuning included), timed
+    t0 = time.perf_counter()
+    res["warm_up"] = dict(graphs=len(eng.warm_up()))
+    res["warm_up"]["seconds"] = time.perf_counter() - t0
     # warm-up (kernels, autotuning)
     eng.generate(rand_prompts(2, prompt_len, V, 99), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     eng.reset_prefix_cache()
@@ -315,6 +320,8 @@ def table(res: dict) -> str:
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")
+    w = res["warm_up"]
+    lines.append(f"engine warm-up (graphs captured before requests): {w['graphs']} graphs in {w['seconds']:.1f} s")
     p = res["prefill"]
     mfu = f", {p['tflops']:.0f} TFLOP/s, MFU {100 * p['mfu']:.1f}%" if "mfu" in p else ""
     lines.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s{mfu}")
