@@ -537,8 +537,8 @@ def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, 
     h0v = torch.empty(P, H, K, V, device=dev, dtype=torch.float32)
     slot0 = state_indices[:1]  # a one-element index tensor (a 0-d one would be read to the host)
     h0v[0] = state.index_select(0, slot0)[0]
-    for j in range(1, P):
-        h0v[j] = torch.matmul(M[j - 1], h0v[j - 1]) + S_loc[j - 1]
+    for j in range(1, P):  # one batched GEMM with the add per step, written in place (no add / copy kernels)
+        torch.baddbmm(S_loc[j - 1], M[j - 1], h0v[j - 1], out=h0v[j])
     _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel)
     state[slot0] = htv[P - 1:]
     return hsel
