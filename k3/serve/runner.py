@@ -338,7 +338,8 @@ class ModelRunner:
             rows, key, make = n, (n, S), lambda: DecodeGraph(self, n, S, self._mempool)
         elif len(seqs) == 1 and len(seqs[0].tokens) > EXTEND_MAX_LEN:
             s = seqs[0]
-            j, k = bisect.bisect_left(PREFILL_TOKENS, len(s.tokens)), bisect.bisect_left(PREFILL_CKPTS, len(s.checkpoints))
+            j = bisect.bisect_left(PREFILL_TOKENS, len(s.tokens))
+            k = bisect.bisect_left(PREFILL_CKPTS, len(s.checkpoints))
             h = bisect.bisect_left(PREFILL_HISTORY, s.start)
             if (not self.use_prefill_graphs or s.src >= 0 or j == len(PREFILL_TOKENS) or k == len(PREFILL_CKPTS)
                     or h == len(PREFILL_HISTORY)):

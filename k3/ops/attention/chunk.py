@@ -34,7 +34,8 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: 
                     backend: str = "auto") -> torch.Tensor:
     """o [N, H, Dv] in q's dtype (see the module docstring); key_len: int tensor [1] on q's device."""
     if backend not in CHUNK_BACKENDS:
-        raise ValueError(f"chunk_attention: unknown backend {backend!r}; valid backends are {', '.join(CHUNK_BACKENDS)}")
+        raise ValueError(f"chunk_attention: unknown backend {backend!r}; valid backends are "
+                         f"{', '.join(CHUNK_BACKENDS)}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2] or k.shape[1:] != q.shape[1:]:
         raise ValueError(f"chunk_attention: expected q [N, H, D], k [S, H, D], v [S, H, Dv]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -54,6 +55,6 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: 
     L = int(key_len.reshape(-1)[0])
     if not N <= L <= S:
         raise ValueError(f"chunk_attention: key_len {L} must lie in [N={N}, S={S}]")
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[:L].transpose(0, 1)[None], v[:L].transpose(0, 1)[None],
-                                       attn_mask=causal_lower_right(N, L), scale=scale)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[:L].transpose(0, 1)[None],
+                                       v[:L].transpose(0, 1)[None], attn_mask=causal_lower_right(N, L), scale=scale)
     return o[0].transpose(0, 1)
