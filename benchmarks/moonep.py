@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3.parallel.moonep import MoonEPRuntime, grouped_situ_ffn, plan, plan_counts  # noqa: E402
+from timing import graphed  # noqa: E402
 
 TARGETS = (0.2, 1.0, 5.0, 10.0, 20.0)
 
@@ -300,19 +301,12 @@ def planner_timing(a, device) -> list[dict]:
             row["eager_us"] = statistics.median(ts) * 1e3
             if cuda:
                 try:
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        fn()
-                    torch.cuda.current_stream().wait_stream(s)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        fn()
+                    replay = graphed(fn)
                     ts = []
                     for _ in range(a.reps * 2):
                         sw = Stopwatch(True)
                         sw.mark("a")
-                        graph.replay()
+                        replay()
                         sw.mark("graph")
                         ts.append(sw.read()["graph"])
                     row["graph_us"] = statistics.median(ts) * 1e3
