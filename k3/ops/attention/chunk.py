@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from .._compile import eager_op
+
 CHUNK_BACKENDS = ("auto", "flash", "sdpa")
 
 
@@ -30,6 +32,7 @@ def _flash_ok(q: torch.Tensor) -> bool:
             and _flash_device(q.device.index if q.device.index is not None else torch.cuda.current_device()))
 
 
+@eager_op
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: torch.Tensor, scale: float,
                     backend: str = "auto") -> torch.Tensor:
     """o [N, H, Dv] in q's dtype (see the module docstring); key_len: int tensor [1] on q's device."""
@@ -44,8 +47,8 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: 
     N, S, Dv = q.shape[0], k.shape[0], v.shape[-1]
     if backend == "flash" or (backend == "auto" and _flash_ok(q)):
         if not _flash_ok(q):
-            raise ValueError(f"chunk_attention: the flash backend needs CUDA bf16 / fp16 and head dims <= 256, got "
-                             f"{q.device.type} {q.dtype} head dim {q.shape[-1]}")
+            raise ValueError(f"chunk_attention: the flash backend needs an sm80+ GPU, bf16 / fp16 and a head dim "
+                             f"<= 256 divisible by 8, got {q.device.type} {q.dtype} head dim {q.shape[-1]}")
         vp = F.pad(v, (0, q.shape[-1] - Dv)) if Dv < q.shape[-1] else v
         cq = torch.arange(2, dtype=torch.int32, device=q.device) * N  # no host→device copy (graph capture)
         ck = torch.cat([cq[:1], key_len.reshape(1).to(torch.int32)])
