@@ -195,7 +195,7 @@ class KimiDeltaAttention(nn.Module):
             o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
                                       backend=_step_backend(backend), cu_seqlens=b.step_cu, chunks=b.step_chunks,
-                                      states_at=b.step_states_at)
+                                      states_at=b.step_states_at, state_slots=b.step_state_slots)
             if b.step_states_at is not None:
                 o, states = o
                 cache.write_checkpoints(windows, states)

@@ -25,7 +25,7 @@ import torch
 
 from ..ops._host import to_device
 from ..ops.conv import CONV_TILE, conv_tiles
-from ..ops.kda import STATES_AT_MULTIPLE, extend_in_chunks
+from ..ops.kda import STATES_AT_MULTIPLE, chunk_slots, extend_in_chunks
 from ..ops.mla_decode import GROUP_ROWS
 
 
@@ -52,7 +52,8 @@ class PackedBatch:
     Graph prefill batches (`for_prefill`, a captured CUDA graph over one sequence's prefill chunk, padded):
     `graph_prefill`; KDA and the conv advance the slot in place as in an extend batch
     (`step_cu`, `step_chunks`, `conv_tiles` built on the device), with the checkpoints' positions `step_states_at`
-    [M] on the device (< 1: padding, whose `ckpt_pages` entry is the scratch slot); MLA attends causally within
+    [M] on the device (< 1: padding, whose `ckpt_pages` entry is the scratch slot) and their chunk table
+    `step_state_slots` (built once here for every layer); MLA attends causally within
     the new tokens (start 0), or with history over the key rows `hist_page`, `hist_off` ([history + tokens]:
     positions from 0, the first `key_len` [1] of them attended).
     """
@@ -79,6 +80,7 @@ class PackedBatch:
     dec_groups: torch.Tensor | None = None
     step_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
     step_states_at: torch.Tensor | None = None
+    step_state_slots: torch.Tensor | None = None
     graph_prefill: bool = False
     key_len: torch.Tensor | None = None
 
@@ -227,6 +229,8 @@ class PackedBatch:
         i = torch.arange(tokens, device=dev)
         pos = start + i
         cu = torch.cat([length.new_zeros(1), length])
+        chunks = _int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True))
+        cu = cu.to(torch.int32)  # the kernels' bounds (one conversion for every use below)
         win = ckpt_pos[:, None] - conv_width + torch.arange(conv_width, device=dev)
         tiles = torch.stack([torch.zeros_like(i[::CONV_TILE]), i[::CONV_TILE]], 1).to(torch.int32)
         hist_page = hist_off = key_len = None
@@ -234,13 +238,13 @@ class PackedBatch:
             p = torch.arange(history + tokens, device=dev)  # the position of each key row
             hist_page = torch.where(p < start + length, table[p // page_size], scratch_page)
             hist_off, key_len = p % page_size, start + tokens
-        return cls(lens=[tokens], starts=[0], cu_seqlens=cu.to(torch.int32), slots=slot, rows=length - 1,
+        return cls(lens=[tokens], starts=[0], cu_seqlens=cu, slots=slot, rows=length - 1,
                    tok_page=torch.where(i < length, table[pos // page_size], scratch_page), tok_off=pos % page_size,
                    conv_tiles=tiles, num_decode=0, dec_page=None, dec_off=None, dec_valid=None, dec_len=None,
                    hist_page=hist_page, hist_off=hist_off, hist_cu=[0], ckpt_pages=ckpt_pages,
-                   ckpt_win_rows=win.clamp_min(0), step_cu=cu.to(torch.int32),
-                   step_chunks=_int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True)),
-                   step_states_at=ckpt_pos, graph_prefill=True, key_len=key_len)
+                   ckpt_win_rows=win.clamp_min(0), step_cu=cu, step_chunks=chunks, step_states_at=ckpt_pos,
+                   step_state_slots=chunk_slots(ckpt_pos, cu, chunks[1], chunks[0].shape[0]), graph_prefill=True,
+                   key_len=key_len)
 
     @classmethod
     def _token_rows(cls, pos, table, history, page_size, slots, rows, step_cu=None, dec_groups=None,

@@ -26,11 +26,11 @@ from .decode import fused_recurrent_kda as _fused_recurrent_torch
 from .decode import kda_decode_step as _decode_step_torch
 from .gate import kda_gate, l2norm
 from .reference import recurrent_kda
-from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces
+from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces, chunk_slots
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
            "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS",
-           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks"]
+           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks", "chunk_slots"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # extend steps (a few new tokens per sequence, `kda_decode_step_gated` with cu_seqlens) take the chunked kernels
@@ -286,7 +286,7 @@ def _steps_with_states(q, k, v, g, beta, state, slots, cu_seqlens, states_at, sc
 @eager_op
 def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, lower_bound,
                           scale=None, use_qk_l2norm_in_kernel=True, backend="auto", cu_seqlens=None, chunks=None,
-                          states_at=None):
+                          states_at=None, state_slots=None):
     """New tokens of n sequences from the raw gate pre-activation: the engine's decode and extend steps.
 
     q, k, f [N, H, K]; v [N, H, V]; beta_logit [N, H]; A_log [H]; dt_bias [H·K]; state: fp32 pool [P, H, K, V]
@@ -303,7 +303,8 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
     states_at (with cu_seqlens; long [M] on the device, < 1 for an unused entry): packed token positions, each a
     multiple of `STATES_AT_MULTIPLE` tokens into its sequence (or its end), whose states are returned too:
     (o, states [M, H, K, V] fp32, zero for unused entries) — the prefix cache's checkpoints inside a prefill chunk
-    (on the Triton path this takes the chunked kernels, which need `chunks`).
+    (on the Triton path this takes the chunked kernels, which need `chunks`). state_slots: their chunk table
+    (`chunk_slots(states_at, cu_seqlens, chunks[1], NC)`) when a caller builds it once for all layers.
     """
     if states_at is not None and (cu_seqlens is None or states_at.dim() != 1):
         raise ValueError(f"kda_decode_step_gated: states_at needs cu_seqlens and one dimension, got "
@@ -331,7 +332,7 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
         from .triton import kda_extend_triton
         return kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, *chunks,
                                  scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                 states_at=states_at)
+                                 states_at=states_at, state_slots=state_slots)
     if states_at is not None:
         raise ValueError("kda_decode_step_gated: states_at on the Triton path needs the chunk tables (`chunks`)")
     from .triton import kda_decode_triton

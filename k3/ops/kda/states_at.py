@@ -13,6 +13,19 @@ import torch
 STATES_AT_MULTIPLE = 16  # the Triton kernels' chunk: states exist at chunk ends only
 
 
+def chunk_slots(states_at: torch.Tensor, cu: torch.Tensor, chunk_off: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """ON THE DEVICE (no host read: a captured graph builds it): the chunk → checkpoint index table int32
+    [num_chunks + 1] of the Triton recurrence for packed token positions `states_at` [M], each a multiple of
+    `STATES_AT_MULTIPLE` tokens into its sequence (or its end), < 1 for an unused entry (mapped to the spare entry
+    num_chunks). cu [n + 1]: the sequences' bounds; chunk_off [n]: each sequence's first chunk."""
+    p = states_at.long()
+    seq = torch.searchsorted(cu[1:].long(), (p - 1).clamp_min(0), right=True).clamp_max(chunk_off.numel() - 1)
+    c = torch.where(p > 0, chunk_off.long()[seq] + (p - 1 - cu.long()[seq]) // STATES_AT_MULTIPLE, num_chunks)
+    slot = torch.full((num_chunks + 1,), -1, dtype=torch.int32, device=p.device)
+    slot[c] = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
+    return slot
+
+
 def positions(states_at, cu: list[int]) -> list[int]:
     """The requested packed positions as ints, checked against the sequences' bounds `cu` (host ints)."""
     pos = [int(p) for p in torch.as_tensor(states_at).reshape(-1).tolist()]

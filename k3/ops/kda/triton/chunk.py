@@ -17,6 +17,7 @@ import torch
 import triton
 
 from ..._host import to_device
+from ..states_at import chunk_slots
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
@@ -461,20 +462,8 @@ def _finish(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state, cu_seqlens
     return (o, ht) if states_at is None else (o, ht, hsel)
 
 
-def _chunk_slots(states_at, cu, chunk_off, NC):
-    """ON THE DEVICE: chunk -> checkpoint index table int32 [NC + 1] for packed token positions `states_at` [M]
-    (long; each a multiple of 16 tokens into its sequence, or < 1 for none: those map to the unused entry NC)."""
-    p = states_at.long()
-    used = p > 0
-    seq = torch.searchsorted(cu[1:].long(), (p - 1).clamp_min(0), right=True).clamp_max(chunk_off.numel() - 1)
-    c = torch.where(used, chunk_off.long()[seq] + (p - 1 - cu.long()[seq]) // C, NC)
-    slot = torch.full((NC + 1,), -1, dtype=torch.int32, device=p.device)
-    slot[c] = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
-    return slot
-
-
 def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indices, cu_seqlens, chunks, chunk_off,
-                      scale=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, states_at=None):
+                      scale=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, states_at=None, state_slots=None):
     """The engine's extend step in chunks: sequences of several new tokens each advanced from their pool slots
     by the chunked kernels (16-token tiles in parallel, one recurrence step per tile) instead of one token at a
     time, with every table on the device (a CUDA graph captures it).
@@ -486,6 +475,8 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     of each sequence's first tile (`paged_cache.token_runs(cu, T, 16, first=True)` builds both). Returns o [T, H, V].
     states_at (long [M], device; < 1: unused): packed token positions, each a multiple of 16 tokens into its
     sequence, whose states are also returned: (o, states [M, H, K, V] fp32; zero for unused entries).
+    state_slots: their chunk → checkpoint table (`states_at.chunk_slots`) when the caller built it once for many
+    layers; else built here.
     Tb is folded into the tiles (`PRE`) for sequences shorter than `FOLD_BELOW_TOKENS` on average (measured faster
     there), and as CFG["fold_tb"] says for longer ones (a cold prefill chunk captured in a graph).
     """
@@ -510,7 +501,8 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     parts = _intra_fwd(qp, kp, vp, fp, bp, A_log.contiguous(), dt_bias.contiguous(),
                        chunks.contiguous(), NC, scale, float(lower_bound), flags, pre=pre)
     o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
-    slot = None if states_at is None else _chunk_slots(states_at, cu_seqlens, chunk_off, NC)
+    slot = None if states_at is None else (state_slots if state_slots is not None
+                                           else chunk_slots(states_at, cu_seqlens, chunk_off, NC))
     nsel = 0 if states_at is None else states_at.numel()
     P = min(CFG["extend_split"], 4 * T // EXTEND_SPLIT_MIN_TOKENS)  # segments of >= 1,024 tokens
     if n == 1 and P > 1 and T >= EXTEND_SPLIT_MIN_TOKENS and T % (C * P) == 0:
