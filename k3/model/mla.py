@@ -202,16 +202,21 @@ class MLAttention(nn.Module):
             for j in range(nd, b.num_docs):
                 T, (h0, h1) = b.lens[j], b.hist_cu[j - nd:j - nd + 2]
                 k, v = self.expand_kv(*hist[None, h0:h1].split([self.kv_lora_rank, self.rope], dim=-1))
-                if h1 - h0 == T:  # nothing cached before the chunk: plain causal (cuDNN's fused kernel on the H200)
-                    o = F.scaled_dot_product_attention(q[None, off:off + T].transpose(1, 2), k.transpose(1, 2),
-                                                       v.transpose(1, 2), is_causal=True, scale=self.scale)
-                    parts.append(o[0].transpose(0, 1))
-                else:  # after history (SDPA's lower-right causal mask takes the slower memory-efficient kernel)
+                if h1 - h0 == T:  # nothing cached before the chunk
+                    parts.append(self._causal(q[off:off + T], k[0], v[0]))
+                else:  # after history
                     n_keys = torch.full((1,), h1 - h0, dtype=torch.int32, device=q.device)
                     parts.append(chunk_attention(q[off:off + T], k[0], v[0], n_keys, self.scale))
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(x, o[None], gate, residual)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One chunk with nothing before it, q, k [T, H, Dq], v [T, H, V] → [T, H, V]: plain causal SDPA (cuDNN's
+        fused kernel on the H200; a lower-right causal mask would take the slower memory-efficient one)."""
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, scale=self.scale)
+        return o[0].transpose(0, 1)
 
     def _attend_chunk(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, cache: PagedLayerCache
                       ) -> torch.Tensor:
@@ -222,9 +227,7 @@ class MLAttention(nn.Module):
         if b.hist_page is None:
             dt = cache.mla_pool().dtype  # the values a read from the pages would give
             k, v = self.expand_kv(c.to(dt).to(c.dtype), k_pe.to(dt).to(k_pe.dtype))
-            o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, scale=self.scale)
-            return o[0].transpose(0, 1)
+            return self._causal(q, k[0], v[0])
         rows = cache.mla_pool()[b.hist_page, b.hist_off].to(c.dtype)  # [S, C + R]
         k, v = self.expand_kv(*rows[None].split([self.kv_lora_rank, self.rope], dim=-1))
         return chunk_attention(q, k[0], v[0], b.key_len, self.scale)

@@ -371,8 +371,9 @@ class ModelRunner:
         bad = [n for n in (*prefill_tokens, *decode_batches) if not isinstance(n, int) or n < 1]
         if bad:
             raise ValueError(f"warm_up: token counts and batch sizes must be positive ints, got {bad[:4]}")
-        probe = lambda n: SeqInput(tokens=[0] * n, start=0, state_page=self.scratch[0], mla_pages=[],  # noqa: E731
-                                   want_logits=True)
+        def probe(n: int) -> SeqInput:  # only its shape matters: graph_for captures, nothing runs on it
+            return SeqInput(tokens=[0] * n, start=0, state_page=self.scratch[0], mla_pages=[], want_logits=True)
+
         for n in prefill_tokens:
             self.graph_for([probe(n)])
         for b in decode_batches:
