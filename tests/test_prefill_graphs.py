@@ -133,14 +133,12 @@ def test_kda_step_states_at_rejects_bad_calls():
     args, pool, slots, cu, pos = _states_inputs([20], [16], torch.float32, "cpu", 24)
     with pytest.raises(ValueError, match="states_at needs cu_seqlens"):
         kda_decode_step_gated(*args, pool[:, 1], torch.arange(args[0].shape[0]), -5.0, states_at=pos)
+
+
+def test_kda_step_states_at_on_triton_needs_the_chunk_tables():
+    dev = _triton_or_skip()
+    args, pool, slots, cu, pos = _states_inputs([20], [16], torch.float32, dev, 24)
     with pytest.raises(ValueError, match="needs the chunk tables"):
-        if not torch.cuda.is_available():
-            from k3.ops.conv import triton_available
-            from k3.ops.moe_triton import interpreted
-            if not (triton_available() and interpreted()):
-                raise ValueError("needs the chunk tables")  # no Triton here: the check is unreachable
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        args, pool, slots, cu, pos = _states_inputs([20], [16], torch.float32, dev, 24)
         kda_decode_step_gated(*args, pool[:, 1], slots, -5.0, backend="triton", cu_seqlens=cu, states_at=pos)
 
 
