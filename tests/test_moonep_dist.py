@@ -225,9 +225,9 @@ def _worker(rank: int, R: int, port: int, cases: list, out_dir: str) -> None:
                   "autocast": _check_autocast}[kind]
             res[(kind, arg)] = fn(rank, R, arg)
         torch.save(res, os.path.join(out_dir, f"r{rank}.pt"))
-        # every rank is past its last collective before any tears gloo down: a rank that destroyed its group while
-        # a peer's gloo thread still finished the last transfer aborted that peer ("terminate called without an
-        # active exception", SIGABRT; once in a 2-core CI run of the whole suite)
+        # every rank is past its last collective before any tears gloo down (once in a 2-core run of the whole
+        # suite a rank aborted with "terminate called without an active exception"; the likely cause: a peer
+        # destroyed its group while this rank's gloo thread still finished the last transfer)
         dist.barrier()
     finally:
         dist.destroy_process_group()
