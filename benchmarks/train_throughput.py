@@ -133,18 +133,22 @@ def bench(cfg, args, device) -> dict:
 
     def step(i, sync=False):
         ids, cu = batches[i % len(batches)]
+        rf = torch.profiler.record_function  # phase ranges for --trace (no cost outside a profiler)
         t = time.perf_counter()
-        with amp:
+        with rf("phase:forward"), amp:
             out = model(ids, labels=ids, cu_seqlens=cu)
         t = mark("forward", t, sync)
-        (out.loss + 0.1 * out.mtp_loss).backward()
+        with rf("phase:backward"):
+            (out.loss + 0.1 * out.mtp_loss).backward()
         t = mark("backward", t, sync)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with rf("phase:optimizer"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         t = mark("optimizer", t, sync)
-        clip.step()
-        bal.step()
+        with rf("phase:qk-clip+qb"):
+            clip.step()
+            bal.step()
         mark("qk-clip+qb", t, sync)
         return out.loss
 
@@ -177,10 +181,13 @@ def bench(cfg, args, device) -> dict:
     kernels = None
     if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.trace else [])
+        with profile(activities=acts, record_shapes=bool(args.trace)) as prof:
             step(0)
             torch.cuda.synchronize()
         kernels = top_kernels(prof, args.top)
+        if args.trace:  # a Chrome trace for benchmarks/probe/trace_breakdown.py (per phase, per op and shape)
+            prof.export_chrome_trace(args.trace)
     med = statistics.median(times)
     tokens = args.batch * args.seq_len
     f = flops_per_token(cfg, ctx)
@@ -224,6 +231,7 @@ def main() -> None:
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional compile)")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
+    ap.add_argument("--trace", default=None, help="with --profile: also write a Chrome trace (CPU ops with shapes)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on CPU, 2 steps")
     ap.add_argument("--out", default=None)
