@@ -1,0 +1,107 @@
+"""GPU time of a profiled training step by phase, by kernel and by the CPU op (with input shapes) that launched it.
+
+Reads the Chrome trace that `train_throughput.py --profile --trace F` writes (plain or .gz). Each GPU event
+(kernel, memcpy, memset) is tied to its launching runtime call by the correlation id, then to the innermost
+CPU op that encloses that call on the same thread (the op with its shapes) and to the outermost one (in the
+backward: the autograd node), and to the `phase:*` range that encloses it in time.
+Usage: python benchmarks/probe/trace_breakdown.py trace.json.gz [--top 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import re
+
+
+def load(path: str) -> list[dict]:
+    op = gzip.open if path.endswith(".gz") else open
+    with op(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def enclosing(intervals: list[tuple[float, float, dict]], queries: list[tuple[float, int]]) -> dict[int, list[dict]]:
+    """For each query (ts, key): the stack of intervals (outermost first) that contain ts. One sweep."""
+    items = sorted([(s, 0, -(e - s), i) for i, (s, e, _) in enumerate(intervals)]
+                   + [(ts, 1, 0, k) for ts, k in queries])
+    stack: list[int] = []
+    out = {}
+    for ts, kind, _, ref in items:
+        while stack and intervals[stack[-1]][1] <= ts:
+            stack.pop()
+        if kind == 0:
+            stack.append(ref)
+        else:
+            out[ref] = [intervals[i][2] for i in stack]
+    return out
+
+
+def short(name: str) -> str:
+    name = re.sub(r"<.*", "", name)
+    return name[:70]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    ev = [e for e in load(args.trace) if e.get("ph") == "X"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launch = {e["args"]["correlation"]: e for e in ev if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in ev
+                    if e.get("cat") == "user_annotation" and e["name"].startswith("phase:"))
+    ops_by_tid: dict = collections.defaultdict(list)
+    for e in ev:
+        if e.get("cat") == "cpu_op":
+            ops_by_tid[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e))
+    q_by_tid: dict = collections.defaultdict(list)
+    for i, k in enumerate(gpu):
+        r = launch.get(k.get("args", {}).get("correlation"))
+        if r is not None:
+            q_by_tid[r["tid"]].append((r["ts"], i))
+    stacks: dict[int, list[dict]] = {}
+    for tid, qs in q_by_tid.items():
+        stacks.update(enclosing(ops_by_tid.get(tid, []), qs))
+    starts = [p[0] for p in phases]
+
+    def phase_of(i: int) -> str:
+        r = launch.get(gpu[i].get("args", {}).get("correlation"))
+        ts = r["ts"] if r else gpu[i]["ts"]
+        j = bisect.bisect_right(starts, ts) - 1
+        return phases[j][2] if j >= 0 and ts <= phases[j][1] else "(none)"
+
+    by_phase = collections.Counter()
+    by_kernel = collections.defaultdict(lambda: [0.0, 0])
+    by_op = collections.defaultdict(lambda: [0.0, 0])
+    for i, k in enumerate(gpu):
+        ph, ms = phase_of(i), k["dur"] / 1e3
+        by_phase[ph] += ms
+        st = stacks.get(i, [])
+        outer = short(st[0]["name"]) if st else "-"
+        inner = st[-1] if st else None
+        shapes = str(inner["args"].get("Input Dims", ""))[:80] if inner else ""
+        kk = by_kernel[(ph, short(k["name"]))]
+        kk[0] += ms
+        kk[1] += 1
+        oo = by_op[(ph, outer, short(inner["name"]) if inner else "-", shapes, short(k["name"])[:40])]
+        oo[0] += ms
+        oo[1] += 1
+    total = sum(by_phase.values())
+    span = (max(k["ts"] + k["dur"] for k in gpu) - min(k["ts"] for k in gpu)) / 1e3
+    print(f"GPU busy {total:.1f} ms over a {span:.1f} ms span, {len(gpu)} GPU events")
+    for ph, ms in by_phase.most_common():
+        print(f"  {ph:14s} {ms:8.1f} ms")
+    print(f"\ntop kernels per phase (ms, calls)")
+    for (ph, name), (ms, n) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:args.top]:
+        print(f"  {ms:8.2f} {n:5d}  {ph:10s} {name}")
+    print(f"\ntop (phase, outer op, inner op, shapes, kernel) groups")
+    for (ph, outer, inner, shapes, kn), (ms, n) in sorted(by_op.items(), key=lambda x: -x[1][0])[:args.top * 2]:
+        print(f"  {ms:8.2f} {n:5d}  {ph:9s} {outer[:40]:40s} {inner[:28]:28s} {shapes} | {kn}")
+
+
+if __name__ == "__main__":
+    main()
