@@ -38,7 +38,7 @@ from k3.config import K3Config  # noqa: E402
 from k3.info import model_info  # noqa: E402
 from k3.model import K3ForConditionalGeneration  # noqa: E402
 from k3.train.balance import BalanceController  # noqa: E402
-from k3.train.optim import OptimConfig, build_optimizer  # noqa: E402
+from k3.train.optim import OptimConfig, build_optimizer, grad_clip_scale  # noqa: E402
 from k3.train.qkclip import QKClip  # noqa: E402
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}
@@ -142,8 +142,11 @@ def bench(cfg, args, device) -> dict:
             (out.loss + 0.1 * out.mtp_loss).backward()
         t = mark("backward", t, sync)
         with rf("phase:optimizer"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            if args.clip == "fold":  # the trainer's way: the coefficient applied inside the optimizer's kernels
+                opt.step(grad_scale=grad_clip_scale(model.parameters(), 1.0)[1])
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
             opt.zero_grad(set_to_none=True)
         t = mark("optimizer", t, sync)
         with rf("phase:qk-clip+qb"):
@@ -230,6 +233,8 @@ def main() -> None:
     ap.add_argument("--phase-steps", type=int, default=2, help="extra synced steps for the per-phase breakdown")
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional compile)")
+    ap.add_argument("--clip", choices=("fold", "torch"), default="fold",
+                    help="gradient clipping: folded into the optimizer step (as k3 train) or clip_grad_norm_ first")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
     ap.add_argument("--trace", default=None, help="with --profile: also write a Chrome trace (CPU ops with shapes)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")

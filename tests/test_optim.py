@@ -11,7 +11,7 @@ from conftest import make_tiny, rel_rmse
 from k3.config import K3Config
 from k3.model.mla import MLAttention, causal_mask
 from k3.train.optim import (NS_QUINTIC, CosineWarmup, MuonAdamW, OptimConfig, build_optimizer, build_scheduler,
-                            classify_parameters, newton_schulz)
+                            classify_parameters, grad_clip_scale, newton_schulz)
 from k3.train.qkclip import QKClip, clip_heads
 
 CUBIC = (1.5, -0.5, 0.0)  # classic Newton–Schulz: converges to the exact polar factor U Vᵀ
@@ -417,7 +417,10 @@ def toy_groups(m: nn.Module) -> list[dict]:
             dict(params=[m.vec, m.query], kind="adamw", weight_decay=0.0)]
 
 
-def run_toy(impl, steps=3, nesterov=True, ns_dtype="float32", device="cpu", dtype=torch.float32, start=None):
+def run_toy(impl, steps=3, nesterov=True, ns_dtype="float32", device="cpu", dtype=torch.float32, start=None,
+            clip=None, max_norm=4.0):
+    """clip: None, "torch" (clip_grad_norm_ before each step) or "scale" (step(grad_scale=) with the coefficient
+    of grad_clip_scale)."""
     m = toy_model(dtype).to(device)
     opt = MuonAdamW(toy_groups(m), OptimConfig(impl=impl, nesterov=nesterov, ns_dtype=ns_dtype, lr=0.02))
     if start is not None:
@@ -427,7 +430,14 @@ def run_toy(impl, steps=3, nesterov=True, ns_dtype="float32", device="cpu", dtyp
         for n, p in m.named_parameters():
             grad = torch.randn(p.shape, generator=g).to(device, dtype)
             p.grad = None if n == "unused" or (n == "vec" and s == 0) else grad  # vec: a step behind
-        opt.step()
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+            opt.step()
+        elif clip == "scale":
+            _, c = grad_clip_scale(m.parameters(), max_norm)
+            opt.step(grad_scale=c)
+        else:
+            opt.step()
     state = {f"{n}.{k}": v for n, p in m.named_parameters() for k, v in opt.state[p].items()}
     return {n: p.detach().clone() for n, p in m.named_parameters()}, state, opt
 
@@ -447,6 +457,36 @@ def test_impls_match_loop_on_every_parameter_kind(impl, nesterov):
     assert s_new["vec.step"].device.type == "cpu" and s_new["vec.step"].dtype == torch.float32  # checkpoint format
     assert _max_err(p_ref, p_new) <= 1e-6, {n: rel_rmse(p_ref[n], p_new[n]) for n in p_ref}
     assert _max_err(s_ref, s_new) <= 1e-6, {n: rel_rmse(s_ref[n], s_new[n]) for n in s_ref}
+
+
+@pytest.mark.usefixtures("exact_fp32_matmul")
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused"])
+def test_grad_scale_equals_clipping_the_gradients_first(impl):
+    """step(grad_scale=c) with (norm, c) from grad_clip_scale gives bitwise the parameters and state of
+    clip_grad_norm_ followed by step(), for every impl (the gradients' norm is ~9, max_norm 4: c < 1, applied);
+    grad_clip_scale's norm and coefficient are clip_grad_norm_'s."""
+    dev = "cuda" if CUDA else "cpu"
+    p_ref, s_ref, _ = run_toy(impl, device=dev, clip="torch")
+    p_new, s_new, _ = run_toy(impl, device=dev, clip="scale")
+    p_off, _, _ = run_toy(impl, device=dev)
+    assert max(rel_rmse(p_ref[n], p_off[n]) for n in p_ref) > 1e-5  # the clip changes the result (2e-4: Muon and
+    # Adam are nearly scale-invariant; the momentum mixes steps of different scales)
+    for n in p_ref:
+        assert torch.equal(p_ref[n], p_new[n]), n
+    for k in s_ref:
+        assert torch.equal(s_ref[k], s_new[k]), k
+    m = toy_model().to(dev)
+    g = torch.Generator().manual_seed(3)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(dev)
+    norm, c = grad_clip_scale(m.parameters(), 4.0)
+    before = [p.grad.clone() for p in m.parameters()]
+    ref = torch.nn.utils.clip_grad_norm_(m.parameters(), 4.0)
+    assert torch.equal(norm, ref) and norm > 4.0
+    for b, p in zip(before, m.parameters()):
+        assert torch.equal(b * c, p.grad)
+    with pytest.raises(ValueError, match="grad_scale"):
+        MuonAdamW(toy_groups(m), OptimConfig()).step(grad_scale=torch.ones(2))
 
 
 @pytest.mark.usefixtures("exact_fp32_matmul")

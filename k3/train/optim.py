@@ -24,6 +24,10 @@ Implementations (`OptimConfig.impl`), all the same arithmetic and the same state
   Nesterov blend written straight into the bf16 Newton–Schulz input, Muon decay + update read from the bf16
   Newton–Schulz output, and the whole AdamW update — one launch per block shape / group, the tensors
   addressed through a table of data pointers. Same arithmetic as "loop" in fp32 (to rounding).
+Gradient clipping folds into the step: `grad_clip_scale` gives the global norm and the clip coefficient (as
+`torch.nn.utils.clip_grad_norm_` computes them), and `step(grad_scale=c)` multiplies every gradient by c as it
+reads it: the fused kernels in registers (no extra pass over the fp32 gradients, which clip_grad_norm_'s
+in-place multiply is), the other paths with one in-place multiply first. Same values either way.
 No path reads a value back to the host: AdamW's step count stays a 0-dim fp32 CPU tensor per parameter (the
 checkpointed state), so its bias corrections are host floats without a device sync.
 """
@@ -159,9 +163,11 @@ if triton is not None:
         return t, start, numel
 
     @triton.jit
-    def _muon_momentum_kernel(tab, n_tab, chunks, n_chunks, mu, g_like, buf_like, u_like, NESTEROV: tl.constexpr,
-                              ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        """buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf, stored in u's dtype (the Newton–Schulz input)."""
+    def _muon_momentum_kernel(tab, n_tab, chunks, n_chunks, mu, scale_ptr, g_like, buf_like, u_like,
+                              NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
+                              BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf, stored in u's dtype (the Newton–Schulz input).
+        HAS_SCALE: g is the gradient times the fp32 scalar at scale_ptr (the clip coefficient)."""
         t, start, numel = _chunk_of(tab, 3, n_tab, chunks, n_chunks, ALIGNED)
         g_ptr = _table_ptr(tab, 0, n_tab, t, g_like, ALIGNED)
         b_ptr = _table_ptr(tab, 1, n_tab, t, buf_like, ALIGNED)
@@ -170,6 +176,8 @@ if triton is not None:
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             m = offs < numel
             g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                g = g * tl.load(scale_ptr)
             b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
             b = b * mu
             b = b + g
@@ -197,10 +205,10 @@ if triton is not None:
             tl.store(p_ptr + offs, p.to(p_like.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _adamw_kernel(tab, n_tab, chunks, n_chunks, w1, b2, w2, bc2, eps, decay, step_size, p_like, g_like,
-                      ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    def _adamw_kernel(tab, n_tab, chunks, n_chunks, w1, b2, w2, bc2, eps, decay, step_size, scale_ptr, p_like, g_like,
+                      HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         """The "loop" AdamW, op for op: m.lerp_(g, w1); v·b2 + (w2·g)·g; d = √(v / bc2) + eps; p·decay;
-        p + (step_size·m) / d. Moments in the parameter's dtype."""
+        p + (step_size·m) / d. Moments in the parameter's dtype. HAS_SCALE: g times the scalar at scale_ptr."""
         t, start, numel = _chunk_of(tab, 4, n_tab, chunks, n_chunks, ALIGNED)
         p_ptr = _table_ptr(tab, 0, n_tab, t, p_like, ALIGNED)
         g_ptr = _table_ptr(tab, 1, n_tab, t, g_like, ALIGNED)
@@ -210,6 +218,8 @@ if triton is not None:
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             msk = offs < numel
             g = tl.load(g_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                g = g * tl.load(scale_ptr)
             m = tl.load(m_ptr + offs, mask=msk, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offs, mask=msk, other=0.0).to(tl.float32)
             p = tl.load(p_ptr + offs, mask=msk, other=0.0).to(tl.float32)
@@ -247,6 +257,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.impl = cfg.impl  # not a group key: a checkpoint's param groups must not carry it across runs
         self._chunks: dict = {}
+        self._scale, self._scales = None, {}  # the running step's grad_scale, and its per-device copies
         for g in self.param_groups:
             if g["kind"] not in ("muon", "adamw"):
                 raise ValueError(f"param group kind={g['kind']!r}: expected 'muon' or 'adamw'")
@@ -261,21 +272,55 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("impl", "auto")
         self.__dict__.setdefault("_chunks", {})
+        self.__dict__.setdefault("_scale", None)
+        self.__dict__.setdefault("_scales", {})
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: torch.Tensor | float | None = None):
+        """One update of every parameter with a gradient. `grad_scale` (a 0-dim tensor, e.g. the clip coefficient
+        of `grad_clip_scale`, or a float): every gradient is multiplied by it first. The fused kernels apply it
+        as they read the gradient (left unscaled in .grad); the other paths scale .grad in place, as
+        `clip_grad_norm_` would."""
+        if grad_scale is not None and not (isinstance(grad_scale, (int, float)) or (
+                isinstance(grad_scale, torch.Tensor) and grad_scale.numel() == 1 and grad_scale.is_floating_point())):
+            raise ValueError(f"grad_scale must be a float or a one-element float tensor, got {grad_scale!r}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g in self.param_groups:
-            if any(_is_dtensor(p) for p in g["params"]):
-                (self._muon_dtensor if g["kind"] == "muon" else self._adamw_dtensor)(g)
-            elif self.impl == "loop":
-                (self._muon_loop if g["kind"] == "muon" else self._adamw_loop)(g)
-            else:
-                (self._muon if g["kind"] == "muon" else self._adamw)(g)
+        self._scale, self._scales = grad_scale, {}
+        try:
+            for g in self.param_groups:
+                if any(_is_dtensor(p) for p in g["params"]):
+                    self._prescale([_local(p.grad) for p in g["params"] if p.grad is not None])
+                    (self._muon_dtensor if g["kind"] == "muon" else self._adamw_dtensor)(g)
+                elif self.impl == "loop":
+                    self._prescale([p.grad for p in g["params"] if p.grad is not None])
+                    (self._muon_loop if g["kind"] == "muon" else self._adamw_loop)(g)
+                else:
+                    (self._muon if g["kind"] == "muon" else self._adamw)(g)
+        finally:
+            self._scale, self._scales = None, {}
         return loss
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor | None:
+        """The step's grad_scale as a 0-dim fp32 tensor on `device` (made once per step and device), or None."""
+        if self._scale is None:
+            return None
+        t = self._scales.get(device)
+        if t is None:
+            s = self._scale
+            t = (s.detach().reshape(()).to(device=device, dtype=torch.float32) if isinstance(s, torch.Tensor)
+                 else torch.full((), float(s), device=device, dtype=torch.float32))
+            self._scales[device] = t
+        return t
+
+    def _prescale(self, grads: list[torch.Tensor]) -> None:
+        """grads *= grad_scale in place (the paths without fused kernels), per device and dtype."""
+        if self._scale is None or not grads:
+            return
+        for (dev, dt), gs in self._by_device_dtype(grads).items():
+            torch._foreach_mul_(gs, self._scale_on(dev).to(dt))
 
     # ---- FSDP2 (DTensor) parameters ------------------------------------------------------------------------
     def _adamw_dtensor(self, g: dict) -> None:
@@ -384,6 +429,9 @@ class MuonAdamW(torch.optim.Optimizer):
             bufs = [self.state[p]["momentum_buffer"] for p in ps]
             fused = self._fused_ok(dev, ps + bufs + [p.grad for p in ps], n_written=2 * len(ps))
             grads = [p.grad.contiguous() if fused else p.grad for p in ps]
+            if not fused:
+                self._prescale(grads)
+            scale = self._scale_on(dev) if fused else None
             ns_dtype = self._ns_dtype(g, dev)
             buckets: dict[tuple[int, int], list[int]] = {}
             for i, p in enumerate(ps):
@@ -400,20 +448,20 @@ class MuonAdamW(torch.optim.Optimizer):
                     offs = [0, *itertools.accumulate(sizes[:-1])]
                     ptrs = [[grads[i].data_ptr() for i in idx], [bufs[i].data_ptr() for i in idx],
                             [x.data_ptr() + o * x.element_size() for o in offs]]
-                    self._launch(_muon_momentum_kernel, dev, ptrs, sizes, float(mu), grads[idx[0]], bufs[idx[0]], x,
-                                 NESTEROV=bool(nesterov))
+                    self._launch(_muon_momentum_kernel, dev, ptrs, sizes, float(mu), scale, grads[idx[0]],
+                                 bufs[idx[0]], x, NESTEROV=bool(nesterov), HAS_SCALE=scale is not None)
                 else:
                     torch.cat([us[i].reshape(-1, A, B) for i in idx], out=x)
                 o = newton_schulz(x, g["ns_steps"], g["ns_coefficients"], dtype=ns_dtype,
                                   out_dtype=ns_dtype if fused else ps[idx[0]].dtype)
-                scale = g["rms_scale"] * math.sqrt(max(A, B))
+                rms = g["rms_scale"] * math.sqrt(max(A, B))
                 bp, obs = [ps[i] for i in idx], o.split(blocks)
                 if fused:  # decay + update read from the Newton–Schulz output
                     self._launch(_muon_update_kernel, dev, [[p.data_ptr() for p in bp], [ob.data_ptr() for ob in obs]],
-                                 sizes, float(1 - lr * wd), float(-lr * scale), bp[0], o)
+                                 sizes, float(1 - lr * wd), float(-lr * rms), bp[0], o)
                 else:
                     torch._foreach_mul_(bp, 1 - lr * wd)
-                    torch._foreach_add_(bp, [ob.view(p.shape) for p, ob in zip(bp, obs)], alpha=-lr * scale)
+                    torch._foreach_add_(bp, [ob.view(p.shape) for p, ob in zip(bp, obs)], alpha=-lr * rms)
 
     def _muon_loop(self, g: dict) -> None:
         """Reference: per parameter momentum, then one batched Newton–Schulz per block shape (all heads /
@@ -468,8 +516,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 ptrs = [[p.data_ptr() for p in ps], [x.data_ptr() for x in grads], [m.data_ptr() for m in ms],
                         [v.data_ptr() for v in vs]]
                 scalars = (1 - b1, b2, 1 - b2, bc2, eps, 1 - lr * wd, -lr / bc1)
-                self._launch(_adamw_kernel, dev, ptrs, [p.numel() for p in ps], *map(float, scalars), ps[0], grads[0])
+                scale = self._scale_on(dev)
+                self._launch(_adamw_kernel, dev, ptrs, [p.numel() for p in ps], *map(float, scalars), scale, ps[0],
+                             grads[0], HAS_SCALE=scale is not None)
                 continue
+            self._prescale(grads)
             for part in _numel_chunks(ps, 1 << 26):  # bound the fp32 temporaries (denominators)
                 pp, gg, mm, vv = ([lst[i] for i in part] for lst in (ps, grads, ms, vs))
                 torch._foreach_lerp_(mm, gg, 1 - b1)
@@ -555,6 +606,18 @@ def _numel_chunks(ts: list[torch.Tensor], cap: int) -> list[list[int]]:
     if cur:
         out.append(cur)
     return out
+
+
+def grad_clip_scale(params, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total L2 norm of the gradients, clip coefficient min(1, max_norm / (norm + 1e-6))) as 0-dim device
+    tensors, the two numbers `torch.nn.utils.clip_grad_norm_` computes, without its in-place multiply: pass the
+    coefficient to `MuonAdamW.step(grad_scale=...)`, which applies it as it reads each gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        z = torch.zeros(())
+        return z, torch.ones(())
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def muon_blocks(shape: torch.Size | tuple[int, ...], head_rows: int) -> tuple[int, int, int]:

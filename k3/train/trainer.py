@@ -128,6 +128,7 @@ class Trainer:
                              f"{self.text_config.vocab_size}")
 
         ocfg = OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self._fold_clip = cfg.optimizer == "muon"  # MuonAdamW applies the clip coefficient as it reads gradients
         if cfg.optimizer == "muon":
             self.opt = build_optimizer(self.model, ocfg)
         else:
@@ -554,6 +555,7 @@ class Trainer:
                         tot_mtp += out.mtp_loss.detach() / cfg.grad_accum
                     ntok += b["input_ids"].numel()
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+                gscale = None  # the clip coefficient, when the optimizer applies it (MuonAdamW, one process)
                 if self.world > 1:  # gradients: FSDP2 reduced them (mean over the batch ranks); losses likewise
                     both = torch.stack([tot_loss, tot_mtp])  # a stage's ranks (under pp all hold the same)
                     dist.all_reduce(both, group=self.mesh.fsdp.get_group())
@@ -565,6 +567,9 @@ class Trainer:
                     else:
                         from ..parallel.fsdp import clip_grad_norm_
                         gnorm = clip_grad_norm_(params, max_norm)  # global norm over every shard
+                elif self._fold_clip:  # MuonAdamW: clipping folded into the step's gradient reads
+                    from .optim import grad_clip_scale
+                    gnorm, gscale = grad_clip_scale(params, max_norm)
                 else:
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
                 lv, gv, mv = torch.stack([tot_loss, gnorm.to(tot_loss), tot_mtp]).tolist()  # one host sync
@@ -573,7 +578,7 @@ class Trainer:
                         f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(lv) else 'gradient norm'} "
                         f"(loss={lv}, grad_norm={gv}); the last good checkpoint is kept "
                         f"({latest_checkpoint(self.run_dir) or 'none written yet'})")
-                self.opt.step()
+                self.opt.step() if gscale is None else self.opt.step(grad_scale=gscale)
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
                 clip = self.qkclip.step() if self.qkclip else {}
