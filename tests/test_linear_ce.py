@@ -112,6 +112,9 @@ def test_bad_arguments_named():
 def test_default_chunk_size():
     assert default_chunk_size(163840, torch.bfloat16) * 163840 * 4 <= 2 ** 31
     assert default_chunk_size(163840, torch.bfloat16) % 128 == 0
+    n = default_chunk_size(163840, torch.bfloat16, in_place=True)  # the Triton row pass: bf16 buffer only
+    assert n * 163840 * 2 <= 2 ** 31 < (n + 128) * 163840 * 2 and n % 128 == 0
+    assert default_chunk_size(163840, torch.float32, in_place=True) == default_chunk_size(163840, torch.float32)
     assert default_chunk_size(10 ** 10, torch.float32) == 1
 
 

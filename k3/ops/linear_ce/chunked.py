@@ -18,11 +18,15 @@ import torch
 RowsFn = Callable[[torch.Tensor, torch.Tensor, int, bool, torch.Tensor], None]
 
 
-def default_chunk_size(vocab: int, dtype: torch.dtype, budget: int = 2 ** 31) -> int:
-    """Rows per chunk so that one chunk of logits (in max(dtype, fp32): the torch path's working copy) is
-    about `budget` bytes (2 GiB: GEMMs of thousands of rows on a GPU; the CPU path passes 256 MiB, since the
-    chunk is alive at the forward's memory peak); a multiple of 128 when larger than 128 (GEMM-friendly)."""
-    item = max(torch.empty((), dtype=dtype).element_size(), 4)
+def default_chunk_size(vocab: int, dtype: torch.dtype, budget: int = 2 ** 31, in_place: bool = False) -> int:
+    """Rows per chunk so that the memory one chunk of logits takes is about `budget` bytes (2 GiB: GEMMs of
+    thousands of rows on a GPU; the CPU path passes 256 MiB, since the chunk is alive at the forward's memory
+    peak): the logits in max(dtype, fp32) (the torch row pass's working copy), or with `in_place` (the Triton
+    row pass, which works in the logits buffer) in dtype. A multiple of 128 when larger than 128 (GEMM-friendly).
+    Larger chunks mean fewer passes of the fp32 dW accumulator (1 GiB at K3's vocabulary and k3-small's width)
+    through the dW GEMM's epilogue."""
+    item = torch.empty((), dtype=dtype).element_size()
+    item = item if in_place else max(item, 4)
     n = max(1, budget // (max(vocab, 1) * item))
     return n - n % 128 if n > 128 else n
 
@@ -134,7 +138,8 @@ def linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, tar
     """The fused loss (see the module docstring) with the row-wise step `rows`. hidden [N, D] and weight
     [V, D] of one float dtype (autocast already applied by the caller), target int64 [N]."""
     if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0], hidden.dtype, 2 ** 31 if hidden.is_cuda else 2 ** 28)
+        chunk_size = default_chunk_size(weight.shape[0], hidden.dtype, 2 ** 31 if hidden.is_cuda else 2 ** 28,
+                                        in_place=rows is not ce_rows_torch)
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
     return _LinearCrossEntropy.apply(hidden, weight, target, ignore_index, int(chunk_size), rows,
