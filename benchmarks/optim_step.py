@@ -3,7 +3,8 @@
 Builds a preset (default k3-small on CUDA, k3-tiny on CPU) with fp32 master weights and random gradients, then
 times, as the median of --reps calls after --warmup (CUDA events; perf_counter on CPU):
 
-- clip_grad_norm_ (torch's foreach path, as the trainer calls it; the same for every implementation),
+- clip_grad_norm_ (torch's foreach path) and `grad_clip_scale` (its norm and coefficient only: `k3 train` passes the
+  coefficient to the fused step, `step(grad_scale=)`, timed after the plain fused step),
 - `MuonAdamW.step()` for each --impls: "loop" (the per-parameter reference, today's optimizer), "foreach",
   "fused" (the Triton kernels; CUDA only),
 - `QKClip.step()` vs its `_step_reference()` on planted per-head maxima (about half of the heads above τ),
@@ -35,7 +36,7 @@ from timing import median_ms  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model import K3ForConditionalGeneration  # noqa: E402
 from k3.train.balance import BalanceController, qb_margins  # noqa: E402
-from k3.train.optim import OptimConfig, build_optimizer  # noqa: E402
+from k3.train.optim import OptimConfig, build_optimizer, grad_clip_scale  # noqa: E402
 from k3.train.qkclip import QKClip  # noqa: E402
 
 
@@ -140,13 +141,18 @@ def main() -> None:
         print(f"  {phase:<18} {impl:<10} {r['ms']:10.3f} ms  {sp}  launches {r['launches']:6d}  syncs {sy}")
 
     # ---- optimizer phase ------------------------------------------------------------------------------------
-    report("clip_grad_norm_", "foreach", measure(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), args, cuda))
+    clip = measure(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), args, cuda)
+    report("clip_grad_norm_", "foreach", clip)
+    report("grad_clip_scale", "foreach", measure(lambda: grad_clip_scale(params, 1.0), args, cuda), clip)
     base = None
     for impl in impls:
         opt = build_optimizer(model, OptimConfig(impl=impl))
         r = measure(opt.step, args, cuda)
         report("optimizer.step", impl, r, base)
         base = base or r
+        if impl == "fused":  # clipping folded in: the coefficient read by the kernels (what k3 train runs)
+            c = grad_clip_scale(params, 1.0)[1]
+            report("step(grad_scale)", impl, measure(lambda: opt.step(grad_scale=c), args, cuda), base)
         if args.profile and cuda and impl == impls[-1]:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
