@@ -463,7 +463,7 @@ def test_impls_match_loop_on_every_parameter_kind(impl, nesterov):
 @pytest.mark.parametrize("impl", ["loop", "foreach", "fused"])
 def test_grad_scale_equals_clipping_the_gradients_first(impl):
     """step(grad_scale=c) with (norm, c) from grad_clip_scale gives bitwise the parameters and state of
-    clip_grad_norm_ followed by step(), for every impl (the gradients' norm is ~9, max_norm 4: c < 1, applied);
+    clip_grad_norm_ followed by step(), for every impl (fused compiled for CUDA: to 1e-6, FMA contraction) (the gradients' norm is ~9, max_norm 4: c < 1, applied);
     grad_clip_scale's norm and coefficient are clip_grad_norm_'s."""
     dev = "cuda" if CUDA else "cpu"
     p_ref, s_ref, _ = run_toy(impl, device=dev, clip="torch")
@@ -471,10 +471,13 @@ def test_grad_scale_equals_clipping_the_gradients_first(impl):
     p_off, _, _ = run_toy(impl, device=dev)
     assert max(rel_rmse(p_ref[n], p_off[n]) for n in p_ref) > 1e-5  # the clip changes the result (2e-4: Muon and
     # Adam are nearly scale-invariant; the momentum mixes steps of different scales)
-    for n in p_ref:
-        assert torch.equal(p_ref[n], p_new[n]), n
-    for k in s_ref:
-        assert torch.equal(s_ref[k], s_new[k]), k
+    if impl == "fused" and dev == "cuda":  # compiled kernels may contract g·c into an FMA with the next op
+        assert _max_err(p_ref, p_new) <= 1e-6 and _max_err(s_ref, s_new) <= 1e-6
+    else:
+        for n in p_ref:
+            assert torch.equal(p_ref[n], p_new[n]), n
+        for k in s_ref:
+            assert torch.equal(s_ref[k], s_new[k]), k
     m = toy_model().to(dev)
     g = torch.Generator().manual_seed(3)
     for p in m.parameters():

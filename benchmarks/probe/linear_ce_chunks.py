@@ -4,8 +4,7 @@ k3-small's LM head: N = 32,768 rows (8 x 4,096), D = 1,536, V = 163,840, bf16. P
 backward time (CUDA events, median), the GEMM rate it implies (6·N·D·V FLOPs) and the peak memory above the
 inputs. Fewer, larger chunks accumulate the fp32 dW [V, D] (1 GiB) fewer times; larger chunks hold a larger
 bf16 logits buffer. Then the row pass alone (`ce_rows_triton`, softmax - onehot in place) on one chunk of bf16
-logits for launch settings (block_v, num_warps, programs; programs = None: one per row, no L2 hints; = rows: one
-per row with the hints): HBM bytes are 3 passes
+logits for launch settings (block_v, num_warps, programs; programs = None: one per row): HBM bytes are 3 passes
 over the chunk (read, read, write) or 2 when pass 2 hits L2.
 Usage: python benchmarks/probe/linear_ce_chunks.py [--chunks 1024,3200,...] [--rows 6400]
 """
@@ -67,7 +66,7 @@ def main() -> None:
     ce_rows_triton(ref, tt, -100, True, loss)
     nbytes = x0.numel() * 2
     sweep = []
-    for block, warps, progs in [(4096, 8, None), (4096, 8, n), (4096, 8, sms), (4096, 8, 2 * sms), (4096, 8, 4 * sms),
+    for block, warps, progs in [(4096, 8, None), (4096, 8, sms), (4096, 8, 2 * sms), (4096, 8, 4 * sms),
                                 (8192, 8, sms), (8192, 16, sms), (8192, 16, 2 * sms), (16384, 16, sms),
                                 (16384, 32, sms), (8192, 8, 2 * sms), (4096, 4, 4 * sms)]:
         def rows_call():

@@ -98,9 +98,10 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
 
     Each matrix is divided by its Frobenius norm (singular values ≤ 1), then iterated
     X ← a·X + (b·S + c·S²)·X with S = XXᵀ on the wide orientation, in `dtype`. Each iteration is three batched
-    products, two of them with the sums fused in (baddbmm: one rounding, no elementwise kernels); a tall matrix
+    products, b·S + c·S² as one baddbmm (one rounding, no elementwise kernels); a tall matrix
     is iterated on its transpose (strided views, no copies) and the last product is written back in g's
-    orientation. Returns out_dtype (default g's dtype)."""
+    orientation. The a·X term rides on the product as a·I added to the [A, A] polynomial's diagonal (no copy of
+    X per iteration). Returns out_dtype (default g's dtype)."""
     a, b, c = coefficients
     *_, A, B = g.shape
     x = g.to(dtype).reshape(-1, A, B)
@@ -111,10 +112,13 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
     for i in range(steps):
         s = torch.bmm(x, x.mT)
         poly = torch.baddbmm(s, s, s, beta=b, alpha=c)  # b·S + c·S²
-        if tall and i == steps - 1:  # (a·X + P·X)ᵀ = a·Xᵀ + Xᵀ·Pᵀ: the result lands in the tall layout
-            x = torch.baddbmm(x.mT, x.mT, poly.mT, beta=a)
+        # a·X + P·X = (P + a·I)·X: a on P's diagonal ([A] elements) and a plain product, rather than a baddbmm
+        # with beta = a, which first copies X (the largest tensor) into its output
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        if tall and i == steps - 1:  # ((P + aI)·X)ᵀ = Xᵀ·(P + aI)ᵀ: the result lands in the tall layout
+            x = torch.bmm(x.mT, poly.mT)
         else:
-            x = torch.baddbmm(x, poly, x, beta=a)
+            x = torch.bmm(poly, x)
     if tall and steps == 0:
         x = x.mT
     return x.reshape(g.shape).to(out_dtype or g.dtype)

@@ -12,13 +12,11 @@ from .._triton import interpreted as _interpreted
 
 
 @triton.jit
-def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, n, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.constexpr,
-                   HINTS: tl.constexpr):
+def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, n, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.constexpr):
     """Rows pid, pid + P, ... of x [n, V] (bf16/fp16/fp32; P programs). Pass 1: per-lane online max / sum-exp
     in fp32 over V in BLOCK-wide steps -> lse, loss = lse - x[target] (0 when target == ignore_index). Pass 2
-    (GRAD): x <- exp(x - lse) - [j == target] in x's dtype, in place (0 on an ignored row). HINTS: pass 1 asks
-    L2 to keep the row and pass 2 to let it go; with few programs (one row each in flight) the rows in flight
-    fit in L2, so pass 2 can re-read from L2 instead of HBM."""
+    (GRAD): x <- exp(x - lse) - [j == target] in x's dtype, in place (0 on an ignored row). Pass 1 asks
+    L2 to keep the row and pass 2 to let it go, so pass 2 re-reads more of it from L2 instead of HBM."""
     P = tl.num_programs(0)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -31,11 +29,7 @@ def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, n, V, ignore_index, BLOCK: 
         s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
-            if HINTS:
-                x = tl.load(base + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_last")
-            else:
-                x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
-            x = x.to(tl.float32)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
             m_new = tl.maximum(m, x)
             s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
@@ -48,16 +42,10 @@ def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, n, V, ignore_index, BLOCK: 
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 cm = cols < V
-                if HINTS:
-                    x = tl.load(base + cols, mask=cm, other=0.0, eviction_policy="evict_first")
-                else:
-                    x = tl.load(base + cols, mask=cm, other=0.0)
+                x = tl.load(base + cols, mask=cm, other=0.0, eviction_policy="evict_first")
                 p = tl.exp(x.to(tl.float32) - lse) - tl.where(cols == safe, 1.0, 0.0)
                 p = tl.where(valid, p, 0.0).to(x_ptr.dtype.element_ty)
-                if HINTS:
-                    tl.store(base + cols, p, mask=cm, eviction_policy="evict_first")
-                else:
-                    tl.store(base + cols, p, mask=cm)
+                tl.store(base + cols, p, mask=cm, eviction_policy="evict_first")
 
 
 def interpreted() -> bool:
@@ -71,7 +59,8 @@ def ce_rows_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int
     """`chunked.ce_rows_torch`'s contract in Triton: logits [n, V] bf16/fp16/fp32 with unit column stride, target
     int64 [n], loss_out fp32 [n] (written); with grad, logits becomes softmax - onehot IN PLACE. Launch
     settings: block_v (columns per step), num_warps, programs (each takes every programs-th row; default: one
-    program per row; given, the loads carry L2 eviction hints, see the kernel)."""
+    program per row). The loads carry L2 eviction hints (see the kernel): at one program per row they took a
+    3,200 x 163,840 bf16 chunk from 0.987 to 0.915 ms on the H200 (`benchmarks/probe/linear_ce_chunks.py`)."""
     n, V = logits.shape
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32) or logits.stride(1) != 1:
         raise ValueError(f"ce_rows_triton: logits must be bf16/fp16/fp32 with unit column stride, got "
@@ -85,5 +74,4 @@ def ce_rows_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int
     if programs is not None and programs < 1:
         raise ValueError(f"ce_rows_triton: programs must be >= 1, got {programs}")
     ce_rows_kernel[(min(n, programs or n),)](logits, target.contiguous(), loss_out, logits.stride(0), n, V,
-                                             ignore_index, BLOCK=block, GRAD=grad, HINTS=programs is not None,
-                                             num_warps=warps)
+                                             ignore_index, BLOCK=block, GRAD=grad, num_warps=warps)
