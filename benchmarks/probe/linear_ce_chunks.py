@@ -4,7 +4,7 @@ k3-small's LM head: N = 32,768 rows (8 x 4,096), D = 1,536, V = 163,840, bf16. P
 backward time (CUDA events, median), the GEMM rate it implies (6·N·D·V FLOPs) and the peak memory above the
 inputs. Fewer, larger chunks accumulate the fp32 dW [V, D] (1 GiB) fewer times; larger chunks hold a larger
 bf16 logits buffer. Then the row pass alone (`ce_rows_triton`, softmax - onehot in place) on one chunk of bf16
-logits for launch settings (block_v, num_warps, programs; programs = None: one per row): HBM bytes are 3 passes
+logits for launch settings (block_v, num_warps): HBM bytes are 3 passes
 over the chunk (read, read, write) or 2 when pass 2 hits L2.
 Usage: python benchmarks/probe/linear_ce_chunks.py [--chunks 1024,3200,...] [--rows 6400]
 """
@@ -58,7 +58,6 @@ def main() -> None:
               f"dh rel diff vs first {err:.1e}", flush=True)
     del h, w
     from k3.ops.linear_ce.triton import ce_rows_triton
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = a.row_chunk
     x0 = torch.randn(n, a.vocab, device="cuda", generator=g).bfloat16()
     x, tt, loss = x0.clone(), t[:n], torch.empty(n, device="cuda")
@@ -66,19 +65,17 @@ def main() -> None:
     ce_rows_triton(ref, tt, -100, True, loss)
     nbytes = x0.numel() * 2
     sweep = []
-    for block, warps, progs in [(4096, 8, None), (4096, 8, sms), (4096, 8, 2 * sms), (4096, 8, 4 * sms),
-                                (8192, 8, sms), (8192, 16, sms), (8192, 16, 2 * sms), (16384, 16, sms),
-                                (16384, 32, sms), (8192, 8, 2 * sms), (4096, 4, 4 * sms)]:
+    for block, warps in [(4096, 8), (4096, 4), (8192, 8), (8192, 16), (16384, 16), (16384, 32)]:
         def rows_call():
             x.copy_(x0)
-            ce_rows_triton(x, tt, -100, True, loss, block_v=block, num_warps=warps, programs=progs)
+            ce_rows_triton(x, tt, -100, True, loss, block_v=block, num_warps=warps)
         rows_call()
         same = torch.equal(x, ref)
         copy_ms = median_ms(lambda: x.copy_(x0), 2, a.reps)
         ms = median_ms(rows_call, 2, a.reps) - copy_ms
-        sweep.append(dict(block_v=block, num_warps=warps, programs=progs, ms=ms, equal_to_default=same,
+        sweep.append(dict(block_v=block, num_warps=warps, ms=ms, equal_to_default=same,
                           tbps_3pass=3 * nbytes / ms / 1e9))
-        print(f"rows {n} x {a.vocab}: block {block:5d} warps {warps:2d} programs {str(progs):5s}: {ms:6.3f} ms "
+        print(f"rows {n} x {a.vocab}: block {block:5d} warps {warps:2d}: {ms:6.3f} ms "
               f"({3 * nbytes / ms / 1e9:5.2f} TB/s as 3 passes)  same result: {same}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(dict(args=vars(a), rows=rows, rows_sweep=sweep), indent=2))

@@ -12,40 +12,37 @@ from .._triton import interpreted as _interpreted
 
 
 @triton.jit
-def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, n, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.constexpr):
-    """Rows pid, pid + P, ... of x [n, V] (bf16/fp16/fp32; P programs). Pass 1: per-lane online max / sum-exp
-    in fp32 over V in BLOCK-wide steps -> lse, loss = lse - x[target] (0 when target == ignore_index). Pass 2
-    (GRAD): x <- exp(x - lse) - [j == target] in x's dtype, in place (0 on an ignored row). Pass 1 asks
-    L2 to keep the row and pass 2 to let it go, so pass 2 re-reads more of it from L2 instead of HBM."""
-    P = tl.num_programs(0)
-    pid = tl.program_id(0)
+def ce_rows_kernel(x_ptr, tgt_ptr, loss_ptr, stride, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.constexpr):
+    """Program r: row r of x [n, V] (bf16/fp16/fp32). Pass 1: per-lane online max / sum-exp in fp32 over V
+    in BLOCK-wide steps -> lse, loss = lse - x[target] (0 when target == ignore_index). Pass 2 (GRAD):
+    x <- exp(x - lse) - [j == target] in x's dtype, in place (0 on an ignored row). Pass 1 asks L2 to keep
+    the row and pass 2 to let it go, so pass 2 re-reads more of it from L2 instead of HBM."""
+    r = tl.program_id(0)
+    base = x_ptr + r.to(tl.int64) * stride
+    tgt = tl.load(tgt_ptr + r)
+    valid = tgt != ignore_index
     offs = tl.arange(0, BLOCK)
-    for i in range(0, tl.cdiv(n - pid, P)):
-        r = pid + i * P
-        base = x_ptr + r.to(tl.int64) * stride
-        tgt = tl.load(tgt_ptr + r)
-        valid = tgt != ignore_index
-        m = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a lane that only sees masked -inf keeps s = 0, no NaN
-        s = tl.zeros([BLOCK], tl.float32)
+    m = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a lane that only sees masked -inf keeps s = 0, no NaN
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+    mx = tl.max(m, 0)
+    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
+    safe = tl.where(valid, tgt, 0)
+    xt = tl.load(base + safe).to(tl.float32)
+    tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
+    if GRAD:
         for start in range(0, V, BLOCK):
             cols = start + offs
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
-            m_new = tl.maximum(m, x)
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
-        mx = tl.max(m, 0)
-        lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
-        safe = tl.where(valid, tgt, 0)
-        xt = tl.load(base + safe).to(tl.float32)
-        tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
-        if GRAD:
-            for start in range(0, V, BLOCK):
-                cols = start + offs
-                cm = cols < V
-                x = tl.load(base + cols, mask=cm, other=0.0, eviction_policy="evict_first")
-                p = tl.exp(x.to(tl.float32) - lse) - tl.where(cols == safe, 1.0, 0.0)
-                p = tl.where(valid, p, 0.0).to(x_ptr.dtype.element_ty)
-                tl.store(base + cols, p, mask=cm, eviction_policy="evict_first")
+            cm = cols < V
+            x = tl.load(base + cols, mask=cm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            p = tl.exp(x - lse) - tl.where(cols == safe, 1.0, 0.0)
+            p = tl.where(valid, p, 0.0)
+            tl.store(base + cols, p.to(x_ptr.dtype.element_ty), mask=cm, eviction_policy="evict_first")
 
 
 def interpreted() -> bool:
@@ -54,13 +51,12 @@ def interpreted() -> bool:
 
 
 def ce_rows_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, grad: bool,
-                   loss_out: torch.Tensor, block_v: int | None = None, num_warps: int | None = None,
-                   programs: int | None = None) -> None:
-    """`chunked.ce_rows_torch`'s contract in Triton: logits [n, V] bf16/fp16/fp32 with unit column stride, target
-    int64 [n], loss_out fp32 [n] (written); with grad, logits becomes softmax - onehot IN PLACE. Launch
-    settings: block_v (columns per step), num_warps, programs (each takes every programs-th row; default: one
-    program per row). The loads carry L2 eviction hints (see the kernel): at one program per row they took a
-    3,200 x 163,840 bf16 chunk from 0.987 to 0.915 ms on the H200 (`benchmarks/probe/linear_ce_chunks.py`)."""
+                   loss_out: torch.Tensor, block_v: int | None = None, num_warps: int | None = None) -> None:
+    """`chunked.ce_rows_torch`'s contract with one Triton program per row: logits [n, V] bf16/fp16/fp32 with
+    unit column stride, target int64 [n], loss_out fp32 [n] (written); with grad, logits becomes
+    softmax - onehot IN PLACE. block_v / num_warps: launch settings (columns per step, warps per program).
+    The L2 hints (see the kernel) took a 3,200 x 163,840 bf16 chunk from 0.987 to 0.915 ms on the H200
+    (`benchmarks/probe/linear_ce_chunks.py`)."""
     n, V = logits.shape
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32) or logits.stride(1) != 1:
         raise ValueError(f"ce_rows_triton: logits must be bf16/fp16/fp32 with unit column stride, got "
@@ -71,7 +67,5 @@ def ce_rows_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int
         return
     block = block_v or min(4096, triton.next_power_of_2(V))
     warps = num_warps or (8 if block >= 2048 else 4)
-    if programs is not None and programs < 1:
-        raise ValueError(f"ce_rows_triton: programs must be >= 1, got {programs}")
-    ce_rows_kernel[(min(n, programs or n),)](logits, target.contiguous(), loss_out, logits.stride(0), n, V,
-                                             ignore_index, BLOCK=block, GRAD=grad, num_warps=warps)
+    ce_rows_kernel[(n,)](logits, target.contiguous(), loss_out, logits.stride(0), V, ignore_index,
+                         BLOCK=block, GRAD=grad, num_warps=warps)
