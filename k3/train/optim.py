@@ -320,11 +320,12 @@ class MuonAdamW(torch.optim.Optimizer):
         return t
 
     def _prescale(self, grads: list[torch.Tensor]) -> None:
-        """grads *= grad_scale in place (the paths without fused kernels), per device and dtype."""
+        """grads *= grad_scale in place (the paths without fused kernels), per device, with the fp32 scalar as
+        `clip_grad_norm_` multiplies."""
         if self._scale is None or not grads:
             return
-        for (dev, dt), gs in self._by_device_dtype(grads).items():
-            torch._foreach_mul_(gs, self._scale_on(dev).to(dt))
+        for (dev, _), gs in self._by_device_dtype(grads).items():
+            torch._foreach_mul_(gs, self._scale_on(dev))
 
     # ---- FSDP2 (DTensor) parameters ------------------------------------------------------------------------
     def _adamw_dtensor(self, g: dict) -> None:
