@@ -462,8 +462,9 @@ def test_impls_match_loop_on_every_parameter_kind(impl, nesterov):
 @pytest.mark.usefixtures("exact_fp32_matmul")
 @pytest.mark.parametrize("impl", ["loop", "foreach", "fused"])
 def test_grad_scale_equals_clipping_the_gradients_first(impl):
-    """step(grad_scale=c) with (norm, c) from grad_clip_scale gives bitwise the parameters and state of
-    clip_grad_norm_ followed by step(), for every impl (fused compiled for CUDA: to 1e-6, FMA contraction) (the gradients' norm is ~9, max_norm 4: c < 1, applied);
+    """step(grad_scale=c) with (norm, c) from grad_clip_scale gives the parameters and state of clip_grad_norm_
+    followed by step(), for every impl: bitwise, except the fused kernels compiled for CUDA (1e-6: FMA
+    contraction of g·c with the next operation). The gradients' norm is ~9 and max_norm 4, so c < 1 applies;
     grad_clip_scale's norm and coefficient are clip_grad_norm_'s."""
     dev = "cuda" if CUDA else "cpu"
     p_ref, s_ref, _ = run_toy(impl, device=dev, clip="torch")

@@ -82,7 +82,8 @@ def main() -> None:
         rows.append(r)
         tot_bf, tot_f8, tot_f8q = tot_bf + t_bf, tot_f8 + t8, tot_f8q + t8q
         print(f"{name:40s} bf16 {t_bf:7.3f} ms ({r['bf16_tflops']:5.0f} TF/s)  fp8 {t8:7.3f} ms "
-              f"({r['fp8_tflops']:5.0f} TF/s) x{r['speedup']:.2f}  with quant {t8q:7.3f} ms x{r['speedup_with_quant']:.2f}"
+              f"({r['fp8_tflops']:5.0f} TF/s) x{r['speedup']:.2f}  with quant {t8q:7.3f} ms "
+              f"x{r['speedup_with_quant']:.2f}"
               f"  err {err:.1e}", flush=True)
     print(f"sum over shapes: bf16 {tot_bf:.2f} ms, fp8 {tot_f8:.2f} ms, fp8 + quantisation {tot_f8q:.2f} ms")
     if a.out:
