@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     ev = [e for e in load(args.trace) if e.get("ph") == "X"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    launch = {e["args"]["correlation"]: e for e in ev  # runtime (cudaLaunchKernel) or driver (cuLaunchKernel: Triton, cuBLAS)
+    launch = {e["args"]["correlation"]: e for e in ev  # runtime or driver API (Triton, cuBLAS)
               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in ev
                     if e.get("cat") == "user_annotation" and e["name"].startswith("phase:"))
