@@ -117,17 +117,19 @@ def no_extend_graphs(engine: Engine):
         engine.runner.use_extend_graphs = True
 
 
-def without_gemv(engine: Engine, fn):
-    """fn() with `k3.ops.gemv` off (every projection through cuBLAS), its graphs captured afresh, and the
-    engine's graphs restored after (the before / after of the GEMV kernel in one run)."""
-    from k3.ops import gemv
-    old_rows, old_graphs = gemv.MAX_ROWS, engine.runner.graphs
-    gemv.MAX_ROWS, engine.runner.graphs = 0, {}
+def with_setting(engine: Engine, module, name: str, value, fn):
+    """fn() with `module.name` set to value and the engine's graphs captured afresh, the setting and the
+    engine's graphs restored after (a before / after in one run): `k3.ops.gemv.MAX_ROWS = 0` (every projection
+    through cuBLAS), `k3.ops._triton.PDL = False` (no programmatic dependent launch)."""
+    old, old_graphs = getattr(module, name), engine.runner.graphs
+    setattr(module, name, value)
+    engine.runner.graphs = {}
     try:
         engine.reset_prefix_cache()
         return fn()
     finally:
-        gemv.MAX_ROWS, engine.runner.graphs = old_rows, old_graphs
+        setattr(module, name, old)
+        engine.runner.graphs = old_graphs
 
 
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
@@ -199,9 +201,11 @@ def run(a) -> dict:
             eng.runner.use_graphs = True
             r["eager_step_ms"], r["eager_tokens_per_s"] = e["step_ms"], e["tokens_per_s"]
             r["graph_speedup"] = e["step_ms"] / r["step_ms"]
-        if b == 1 and eng.runner.use_graphs:  # the projections through cuBLAS instead of the GEMV kernel
-            r["no_gemv_step_ms"] = without_gemv(eng, lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b),
-                                                                         steps, cuda))["step_ms"]
+        if b == 1 and eng.runner.use_graphs:  # the projections through cuBLAS; no programmatic dependent launch
+            from k3.ops import _triton, gemv
+            again = lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)  # noqa: E731
+            r["no_gemv_step_ms"] = with_setting(eng, gemv, "MAX_ROWS", 0, again)["step_ms"]
+            r["no_pdl_step_ms"] = with_setting(eng, _triton, "PDL", False, again)["step_ms"]
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -317,6 +321,8 @@ def table(res: dict) -> str:
             extra += f"   (synchronous {r['sync_step_ms']:.2f} ms)"
         if "no_gemv_step_ms" in r:
             extra += f"   (projections by cuBLAS {r['no_gemv_step_ms']:.2f} ms)"
+        if "no_pdl_step_ms" in r:
+            extra += f"   (without PDL {r['no_pdl_step_ms']:.2f} ms)"
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")

@@ -197,12 +197,19 @@ def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
 
 
 def eager_then_replay(eng, g, inputs):
-    """Run graph g's work eagerly on `inputs`, restore the pool, then replay it: (eager logits of every row,
-    replayed logits as the runner returns them, the pool after the eager run, the pool before)."""
+    """Run graph g's work eagerly on `inputs` (without programmatic dependent launch: each kernel starts after the
+    one before it has finished, the reference for the graph's PDL edges), restore the pool, then replay it:
+    (eager logits of every row, replayed logits as the runner returns them, the pool after the eager run, the
+    pool before)."""
+    from k3.ops import _triton
     before = eng.pool.storage.clone()
     g.fill(inputs, eng.runner.scratch)
     g.buf.copy_(g.host)
-    eager = g.run().clone()
+    old, _triton.PDL = _triton.PDL, False
+    try:
+        eager = g.run().clone()
+    finally:
+        _triton.PDL = old
     after_eager = eng.pool.storage.clone()
     eng.pool.storage.copy_(before)
     replayed = g(inputs, eng.runner.scratch).clone()
@@ -216,13 +223,28 @@ def pages_differing(eng, other):
     return [p for p in keep if not torch.equal(other[p], eng.pool.storage[p])]
 
 
+def test_pdl_launch_keywords(monkeypatch):
+    """`k3.ops._triton.pdl`: the launch keywords of programmatic dependent launch only for sm90+ CUDA tensors
+    with the switch on; nothing for CPU tensors (the interpreter has no griddepcontrol) or with it off."""
+    from k3.ops import _triton
+    assert _triton.pdl(torch.zeros(1)) == {}
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        on = torch.cuda.get_device_capability()[0] >= 9
+        assert _triton.pdl(x) == ({"PDL": True, "launch_pdl": True} if on and _triton.PDL else {})
+        monkeypatch.setattr(_triton, "PDL", False)
+        assert _triton.pdl(x) == {}
+
+
 @cuda
 @pytest.mark.cuda
 def test_cuda_graph_replay_equals_eager():
     """A bf16 engine (the graphs need the MoE's sync-free grouped path): sequences of several lengths are
     prefilled, then each decode step's graph is replayed and also run eagerly on the same inputs and pool
     (restored in between): logits and every pool byte bitwise equal (but the scratch pages' garbage). Several
-    batch and history buckets; the eager run with autograd on (the caller's mode must not change the path)."""
+    batch and history buckets; the eager run with autograd on (the caller's mode must not change the path) and
+    without programmatic dependent launch (the graph's kernels overlap their starts: a missing wait would read
+    a buffer before its producer finished)."""
 
     model = make_tiny(seed=6).cuda().to(torch.bfloat16).eval()
     for in_chunk in (True, False):  # with in-chunk checkpoints the engine's own steps capture the first graph

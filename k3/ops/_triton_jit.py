@@ -15,3 +15,14 @@ def token_range(cu_ptr, n, HAS_CU: tl.constexpr):
         bos = n
         eos = n + 1
     return bos, eos
+
+
+@triton.jit
+def pdl_sync(PDL: tl.constexpr):
+    """A kernel's first statement under programmatic dependent launch (`k3.ops._triton.pdl`): wait until the
+    kernel before it in the stream has completed and flushed its writes (before ANY global read or write: the
+    caching allocator may hand this kernel a buffer that one still reads), then let the next kernel launch.
+    Every program runs it, so a kernel completes only after its predecessor did (the chain stays ordered)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

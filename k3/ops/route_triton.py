@@ -8,12 +8,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton import pdl
+from ._triton_jit import pdl_sync
+
 
 @triton.jit
 def route_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, E, scale,
-                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program n: scores = sigmoid(logits[n]); choose the K largest of scores + bias (ties: lowest expert), in
     descending order; weights = the chosen scores (÷ their sum + 1e-20 with RENORM) × scale."""
+    pdl_sync(PDL)
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     m = e < E
@@ -53,5 +58,6 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
     if N:
         route_topk_kernel[(N,)](logits, logits if bias is None else bias.float().contiguous(), scores, idx, w, E,
                                 float(scaling_factor), K=top_k, BE=max(16, triton.next_power_of_2(E)),
-                                HAS_BIAS=bias is not None, RENORM=renormalize, num_warps=4 if E <= 1024 else 8)
+                                HAS_BIAS=bias is not None, RENORM=renormalize, num_warps=4 if E <= 1024 else 8,
+                                **pdl(w))
     return idx, w, scores

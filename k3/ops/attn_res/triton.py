@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import pdl
+from .._triton_jit import pdl_sync
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Launch settings per kernel: block_r x block_d, the register tile of one source (powers of two; block_d is
@@ -138,12 +141,14 @@ def attn_res_fwd_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr
 
 @triton.jit
 def attn_res_rows_kernel(src_tab, w_ptr, q_ptr, h_ptr, nw_ptr, D, N, eps, out_eps,
-                         NP: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, FOLD: tl.constexpr):
+                         NP: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, FOLD: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Inference, few rows (a decode or extend step): program r holds row r of ALL N sources as one [NP, BD]
     register tile, read once; statistics, softmax, the mix and (NORM) its RMSNorm come from registers. The
     block kernel above instead walks sources and D tiles with dependent loads in three passes, which at one
     row is a chain of ~15 memory latencies. Same math and precision (fp32; the norm reads the mix as rounded
     to its dtype); α, rstd and s are not kept (no backward)."""
+    pdl_sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     d = tl.arange(0, BD)
@@ -191,7 +196,7 @@ def attn_res_rows_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, 
     attn_res_rows_kernel[(R,)](_table([t.data_ptr() for t in flat], dev), w.reshape(-1).contiguous(), q, h,
                                None if nw is None else nw.contiguous(), D, N, float(eps), float(out_eps), NP=NP,
                                BD=BD, NORM=norm is not None, FOLD=query is not None,
-                               num_warps=8 if NP * BD >= 8192 else 4)
+                               num_warps=8 if NP * BD >= 8192 else 4, **pdl(h))
     return h
 
 

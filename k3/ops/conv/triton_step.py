@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 
 from . import CONV_TILE  # tokens per tile of the extend and tiles kernels
+from .._triton import pdl
+from .._triton_jit import pdl_sync
 
 # channels per program and warps of `short_conv_tiles_kernel` (`benchmarks/probe/prefill_kernels.py`, H200, 8,192
 # tokens x 4,608 channels bf16: 64 / 2 warps 191 us, 64 / 4 264 us, 128 / 4 226 us, 256 / 4 277 us)
@@ -19,9 +21,10 @@ TILES_LAUNCH = {"bc": 64, "warps": 2}
 
 @triton.jit
 def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot,
-                           W1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+                           W1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n, channel block): the one new token x of sequence n, y = silu(Σ_j w[:, j]·win[:, j] + w[:, W1]·x)
     in fp32, then win ← (win[:, 1:], x) written back to slot[n]."""
+    pdl_sync(PDL)
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     j = tl.arange(0, WP)
@@ -130,7 +133,8 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     if cu_seqlens is None:  # decode: one token per sequence
         BC = 128
         short_conv_step_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots.contiguous(), y, C, x.stride(0),
-                                                        windows.stride(0), W1=W1, WP=WP, BC=BC, num_warps=4)
+                                                        windows.stride(0), W1=W1, WP=WP, BC=BC, num_warps=4,
+                                                        **pdl(y))
         return y
     BC = 64  # more programs: an extend step often holds one or two sequences
     slots, cu = slots.contiguous(), cu_seqlens.contiguous()

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted
+from .._triton import pdl
+from .._triton_jit import pdl_sync
 
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
 # program for the narrow projections (many programs), 64 for the wide ones and the head
@@ -21,9 +23,10 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, M, N, K, sx, sw, sy, sa, sg, BN: tl.constexpr, CH: tl.constexpr,
-                IEEE: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr):
+                IEEE: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. HAS_GATE: x ⊙ σ(gate) is the input (the MLA
     output gate, applied as x is loaded); HAS_ADD: + add [M, N] (a residual, the shared experts' output)."""
+    pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
     m = tl.arange(0, 16)
@@ -82,7 +85,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         gemv_kernel[(triton.cdiv(N, bn),)](
             x2, w, y, a, g, M, N, K, x2.stride(0), w.stride(0), y.stride(0), a.stride(0), g.stride(0), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **pdl(x2))
     return y.view(*x.shape[:-1], N)
 
 

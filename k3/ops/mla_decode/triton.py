@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted
+from .._triton import pdl
+from .._triton_jit import pdl_sync
 from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the dots' M is GROUP_ROWS x BH
 
 # Launch settings: bh heads per program (with the rows of a token run, the dots' M = rows x bh), bs history
@@ -41,9 +43,10 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
                       s_qlh, s_qpn, s_qph, s_on, s_oh,
                       C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
                       G: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr,
-                      DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_GRP: tl.constexpr):
+                      DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_GRP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (group j, head block, split): rows GRP[j] = (row0, count) (row j alone without groups) x BH heads
     as the dots' M; the rows of a group share the page table of its last row and each masks past its length."""
+    pdl_sync(PDL)
     j = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -139,7 +142,7 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     CP, RP = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
     warps = cfg["warps"] or (8 if CP * G >= 512 else 4)
     meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=cfg["bs"], SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
-                HAS_GRP=groups is not None, num_warps=warps)
+                HAS_GRP=groups is not None, num_warps=warps, **pdl(q_lat))
     if cfg["stages"]:
         meta["num_stages"] = cfg["stages"]
     if NS == 1:

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted
+from .._triton import pdl
+from .._triton_jit import pdl_sync
 
 MAX_D = 8192
 CFG = {
@@ -44,8 +46,10 @@ def _store_rows(ptr, val, rows, cols, M, D, stride):
 
 @triton.jit
 def rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, M, D, sx, sg, sy, eps, gG, sg_in,
-                        HAS_W: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                        HAS_W: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """BR rows: y = x * rsqrt(mean(x²) + eps) [* w] [* sigmoid(g)]; g's rows by (sg, gG, sg_in) (`_load_rows`)."""
+    pdl_sync(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     x = _load_rows(x_ptr, rows, cols, M, D, sx)
@@ -129,7 +133,7 @@ class _RMSNorm(torch.autograd.Function):
             rms_norm_fwd_kernel[(triton.cdiv(M, BR),)](
                 x2, weight if weight is not None else x2, g2 if g2 is not None else x2, y, M, D, x2.stride(0),
                 sg, y.stride(0), eps, gG, sg_in,
-                HAS_W=weight is not None, GATED=g2 is not None, BR=BR, BD=BD, num_warps=warps)
+                HAS_W=weight is not None, GATED=g2 is not None, BR=BR, BD=BD, num_warps=warps, **pdl(y))
         ctx.save_for_backward(x2, weight, g2)
         ctx.meta = (eps, x.shape, None if gate is None else gate.shape, sg, gG, sg_in)
         return y.view(x.shape)

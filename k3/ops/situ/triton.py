@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted
+from .._triton import pdl
+from .._triton_jit import pdl_sync
 
 # Launch parameters (env-overridable for sweeps on the GPU): elements per program tile (a power of two; at most
 # 256 columns wide) and warps. 1024 elements at 4 warps: 8 values per thread, <= 56 registers on sm_90 with
@@ -60,8 +62,9 @@ def situ_glu_value(g, u, beta, linear_beta):
 
 @triton.jit
 def situ_fwd_kernel(g_ptr, u_ptr, o_ptr, M, I, s_g, s_u, s_o, beta, linear_beta,
-                    BM: tl.constexpr, BI: tl.constexpr):
+                    BM: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr = False):
     """Program (i, j): rows i*BM.., columns j*BI.. of o = β₁·tanh(g/β₁)·σ(g)·β₂·tanh(u/β₂)."""
+    pdl_sync(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = (rows < M)[:, None] & (cols < I)[None, :]
@@ -117,7 +120,7 @@ def situ_fwd(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
         BM, BI = _blocks(I)
         situ_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(I, BI))](
             g, u, o, M, I, g.stride(0), u.stride(0), o.stride(0), float(beta), float(linear_beta),
-            BM=BM, BI=BI, num_warps=CFG["warps"])
+            BM=BM, BI=BI, num_warps=CFG["warps"], **pdl(o))
     return o
 
 

@@ -6,6 +6,8 @@ import triton
 import triton.language as tl
 
 from ..._triton_jit import token_range
+from ..._triton import pdl
+from ..._triton_jit import pdl_sync
 
 from .._common import check_token_shapes
 
@@ -27,9 +29,11 @@ def _token_inputs(q_ptr, k_ptr, g_ptr, v_ptr, b_ptr, t, eos, sq, sk, sg, sv, sb,
 def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, idx_ptr, cu_ptr,
                       H, K, V, slot_stride, sq, sk, sv, sg, sb, scale, lower_bound,
                       BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
-                      L2: tl.constexpr, HAS_IDX: tl.constexpr, HAS_CU: tl.constexpr, HAS_DTB: tl.constexpr):
+                      L2: tl.constexpr, HAS_IDX: tl.constexpr, HAS_CU: tl.constexpr, HAS_DTB: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program (n, h, iv): tokens cu[n]..cu[n+1] of sequence n (token n alone without cu), state slot idx[n]
     (or n), columns iv*BV.."""
+    pdl_sync(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -136,5 +140,6 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
         o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, state.stride(0),
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), scale, float(lower_bound),
         BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
-        HAS_IDX=state_indices is not None, HAS_CU=cu_seqlens is not None, HAS_DTB=has_dtb, num_warps=num_warps)
+        HAS_IDX=state_indices is not None, HAS_CU=cu_seqlens is not None, HAS_DTB=has_dtb, num_warps=num_warps,
+        **pdl(o))
     return o
