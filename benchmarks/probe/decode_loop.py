@@ -9,7 +9,10 @@ every projection through cuBLAS and with programmatic dependent launch off (grap
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -23,17 +26,31 @@ from serve import build, rand_prompts  # noqa: E402
 from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
-def loop(eng, steps: int) -> tuple[float, float]:
-    """(ms per step of the whole loop, ms of host time inside step() per step)."""
+WAITED = [0.0]  # seconds the host spent in torch.cuda.Event.synchronize (waiting for the GPU)
+_sync = torch.cuda.Event.synchronize
+
+
+def _timed_sync(self):
+    t = time.perf_counter()
+    _sync(self)
+    WAITED[0] += time.perf_counter() - t
+
+
+torch.cuda.Event.synchronize = _timed_sync
+
+
+def loop(eng, steps: int) -> tuple[float, float, float]:
+    """(ms per step of the whole loop, ms of host time inside step() per step, of which waiting on events)."""
     host = 0.0
     torch.cuda.synchronize()
+    WAITED[0] = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
         eng.step()
         host += time.perf_counter() - t
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps, host * 1e3 / steps
+    return (time.perf_counter() - t0) * 1e3 / steps, host * 1e3 / steps, WAITED[0] * 1e3 / steps
 
 
 def timeline(prof, steps: int) -> dict:
@@ -64,15 +81,25 @@ def timeline(prof, steps: int) -> dict:
 
 def measure(eng, prompt, steps: int, label: str) -> dict:
     rid = eng.submit(prompt, SamplingParams(max_tokens=10 * steps, temperature=0, ignore_eos=True))
-    while not eng.requests[rid].output:
+    while not eng.requests[rid].output:  # a KeyError here: the request failed (see the engine's log)
         eng.step()
     loop(eng, 5)  # graphs captured, steady state
-    ms, host = loop(eng, steps)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    ms, host, waited = loop(eng, steps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         loop(eng, steps)
+    if label == "default":  # the host's own work per step, by function (own time)
+        pr = cProfile.Profile()
+        pr.enable()
+        loop(eng, steps)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+        print(buf.getvalue()[-4000:])
     eng.abort(rid)
-    r = dict(label=label, step_ms=ms, host_ms_in_step=host, **timeline(prof, steps))
-    print(f"== {label}: {ms:.3f} ms per step, host in step() {host:.3f} ms; GPU busy {r['busy_us_per_step']:.1f} us, "
+    eng.flush()
+    r = dict(label=label, step_ms=ms, host_ms_in_step=host, host_wait_ms=waited, **timeline(prof, steps))
+    print(f"== {label}: {ms:.3f} ms per step, host in step() {host:.3f} ms of which {waited:.3f} waiting on the GPU; "
+          f"(profiled, CUDA only:) GPU busy {r['busy_us_per_step']:.1f} us, "
           f"span {r['span_us_per_step']:.1f} us, {r['kernels_per_step']:.0f} kernels and copies, "
           f"{r['gaps_over_5us_per_step']:.1f} gaps > 5 us = {r['gap_us_per_step']:.1f} us per step", flush=True)
     for k, c, t in r["top"]:
@@ -90,6 +117,7 @@ def main():
     eng = Engine(model, EngineConfig(block_size=6144, hash_block_size=512, max_num_seqs=8, gpu_memory_fraction=0.5))
     from k3.ops import _triton, gemv
     res = [measure(eng, rand_prompts(1, 128, V, 1)[0], a.steps, "default")]
+    kept = [eng.runner.graphs]  # graphs stay referenced: freeing every graph of the shared pool breaks a capture
     for mod, name, value, label in ((_triton, "PDL", False, "no PDL"), (gemv, "MAX_ROWS", 0, "cuBLAS projections")):
         old = getattr(mod, name)
         setattr(mod, name, value)
@@ -98,7 +126,8 @@ def main():
             res.append(measure(eng, rand_prompts(1, 128, V, 2)[0], a.steps, label))
         finally:
             setattr(mod, name, old)
-            eng.runner.graphs = {}
+            kept.append(eng.runner.graphs)
+            eng.runner.graphs = kept[0]
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

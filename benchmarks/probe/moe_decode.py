@@ -51,7 +51,26 @@ def main():
         print(f"tokens {N:3d} ({used:2d} experts, {gb * 1e3:5.1f} MB): gemv {res['gemv'][0]:6.1f} us "
               f"({gb / res['gemv'][0] * 1e6 / 1e3:5.2f} TB/s), grouped {res['grouped'][0]:6.1f} us, "
               f"{res['grouped'][0] / res['gemv'][0]:.2f}x, rel {rel:.1e}")
-    Path(a.out).write_text(json.dumps(rows, indent=1))
+    # launch settings of the GEMV kernels at 1 and 8 tokens (µs per replay; the default first)
+    sweep = []
+    default = dict(moe_decode.LAUNCH)
+    moe_decode.MAX_ENTRIES = 10 ** 9
+    for N in (1, 8):
+        idx = torch.rand(N, E, device="cuda", generator=gen).topk(K, dim=-1).indices
+        x = torch.randn(N, L, device="cuda", generator=gen).bfloat16()
+        w = torch.rand(N, K, device="cuda", generator=gen)
+        for cfg in [default] + [dict(bi=bi, bl=bl, chunk=ch, warps=wp) for bi in (8, 16) for bl in (4, 8, 16)
+                                for ch in (128, 256) for wp in (2, 4)]:
+            moe_decode.LAUNCH.update(cfg)
+            with torch.no_grad():
+                us = median_ms(graphed(lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])), 10, 100) * 1e3
+            sweep.append(dict(tokens=N, **cfg, us=us))
+        moe_decode.LAUNCH.update(default)
+    for N in (1, 8):
+        best = sorted((r for r in sweep if r["tokens"] == N), key=lambda r: r["us"])[:6]
+        print(f"launch sweep, {N} tokens: default {sweep[[r['tokens'] for r in sweep].index(N)]['us']:.1f} us; "
+              "best " + "; ".join(f"{r['bi']}/{r['bl']}/{r['chunk']}/{r['warps']} {r['us']:.1f}" for r in best))
+    Path(a.out).write_text(json.dumps(dict(rows=rows, sweep=sweep), indent=1))
 
 
 if __name__ == "__main__":
