@@ -160,7 +160,9 @@ class Engine:
         self._inflight: _Inflight | None = None  # the step whose tokens are still on the device
         self._stash: list[RequestOutput] = []     # outputs completed outside step() (pause, weight updates)
         pin = self.device.type == "cuda"
-        self._host_ids = [torch.empty(2, cfg.max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        # flat, so that the first 2·n values are a contiguous [2, n]: a copy into a strided slice of pinned memory
+        # goes through a pageable temporary, which blocks the host until the forward before it has finished
+        self._host_ids = [torch.empty(2 * cfg.max_num_seqs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         if cfg.gc_freeze:
             gc.collect()
             gc.freeze()
@@ -416,7 +418,7 @@ class Engine:
             return None
         toks, lps = sample_device(logits, [s.params for s in done], [s.generator for s in done])
         self.runner.publish(toks)
-        host = self._host_ids[self.num_steps % 2][:, :len(done)]  # two buffers: the step in flight keeps its own
+        host = self.host_rows(len(done))
         host.copy_(torch.stack([toks.double(), lps.double()]), non_blocking=True)  # ids < 2^53 exact in fp64
         event = None
         if self.device.type == "cuda":
@@ -424,6 +426,11 @@ class Engine:
             event.record()
         rec = logits.detach().clone() if self.config.record_logits else None  # a graph's output is reused
         return _Inflight(done, host, event, rec)
+
+    def host_rows(self, n: int) -> torch.Tensor:
+        """This step's pinned read-back buffer for n sampled rows, a contiguous [2, n] (ids, log-probs); two
+        buffers alternate, so that the step in flight keeps its own."""
+        return self._host_ids[self.num_steps % 2][:2 * n].view(2, n)
 
     def _finish(self, inf: "_Inflight") -> list[RequestOutput]:
         """The host's side of a sampled step: append each sequence's token, check stops, build outputs.
