@@ -120,3 +120,98 @@ def test_gemv_gated_input(dtype):
         assert rel_rmse(ref_gated, gemv.linear(xd, wd, add=ad, gate=gd)) <= 1e-12
     with pytest.raises(ValueError, match="gate has shape"):
         gemv_triton.gemv(x, w, gate=torch.zeros(M, K + 1))
+
+
+def _fp64_prologue(x, gate=None, norm=None, glu=None):
+    """The prologue in fp64 from its definitions (independent of `k3.ops.gemv.prologue`)."""
+    if glu is not None:
+        b1, b2 = glu
+        K = x.shape[-1] // 2
+        g, u = x[..., :K], x[..., K:]
+        x = b1 * torch.tanh(g / b1) * torch.sigmoid(g) * b2 * torch.tanh(u / b2)
+    if norm is not None:
+        nw, eps, group = norm
+        xs = x.reshape(*x.shape[:-1], -1, group or x.shape[-1])
+        xs = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) * nw
+        x = xs.reshape(x.shape)
+    if gate is not None:
+        x = x * torch.sigmoid(gate)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["row-norm", "head-norm-gate", "glu", "glu-row-norm"])
+def test_gemv_prologues_match_fp64(kind, dtype):
+    """The GEMV's input prologues (`linear(..., norm=, glu=, gate=)`) against their fp64 definitions, with a
+    residual added: RMSNorm of the row (the MoE's latent norm before the up projection, MLA's q_a norm: the rstd
+    scales the accumulator), per-head RMSNorm with the output gate (KDA's o_norm before o_proj), SiTU-GLU of a
+    gate ‖ up input (the shared experts' down projection). x is a row slice of a wider tensor. fp32 within 1e-6;
+    bf16 within 1e-2 (the prologue's output rounded once to bf16, as the MMA reads it, where the separate kernels
+    round it too). The dispatch point's plain-ops fallback equals the definitions to 1e-12 in fp64."""
+    g = rng(hash(kind) % 1000)
+    M, K, N, group = 3, 64, 40, 16
+    glu = (4.0, 25.0) if kind.startswith("glu") else None
+    width = 2 * K if glu else K
+    wide = torch.randn(M, width + 5, generator=g) * 2
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    add = torch.randn(M, N, generator=g)
+    norm = gate = None
+    if "norm" in kind:
+        grp = group if kind.startswith("head") else None
+        norm = (torch.rand(grp or K, generator=g) + 0.5, 1e-5, grp)
+    if "gate" in kind:
+        gate = torch.randn(M, K, generator=g)
+    cast = lambda t: None if t is None else t.to(dtype).to(DEV)  # noqa: E731
+    dd = lambda t: None if t is None else cast(t).double().cpu()  # noqa: E731
+    x = wide[:, 2:2 + width]
+    normd = None if norm is None else (dd(norm[0]), norm[1], norm[2])
+    ref = F.linear(_fp64_prologue(dd(x), dd(gate), normd, glu), dd(w)) + dd(add)
+    with torch.no_grad():
+        got = gemv_triton.gemv(cast(wide)[:, 2:2 + width], cast(w), torch.float32, add=cast(add), gate=cast(gate),
+                               norm=None if norm is None else (cast(norm[0]), norm[1], norm[2]), glu=glu,
+                               config=(16, 32, 4, 2))
+        assert rel_rmse(ref, got.cpu()) <= (1e-6 if dtype == torch.float32 else 1e-2)
+        plain = gemv.linear(dd(x), dd(w), add=dd(add), gate=dd(gate), norm=normd, glu=glu)
+    assert rel_rmse(ref, plain) <= 1e-12
+
+
+def test_gemv_prologue_errors():
+    """Bad prologue operands name the sizes: a glu input that is not [M, 2K], a norm weight of the wrong length,
+    a norm group that does not divide K."""
+    x, w = torch.zeros(1, 32), torch.zeros(8, 32)
+    with pytest.raises(ValueError, match="expects 64"):
+        gemv_triton.gemv(x, w, glu=(4.0, 25.0))
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_triton.gemv(x, w, norm=(torch.ones(16), 1e-5, None))
+    with pytest.raises(ValueError, match="groups of 24"):
+        gemv_triton.gemv(x, w, norm=(torch.ones(24), 1e-5, 24))
+    assert not gemv._prologue_fits((torch.ones(24), 1e-5, 24), 32) and gemv._prologue_fits(None, 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind,N,K", [("head-norm-gate", 1536, 1536), ("glu", 1536, 1024), ("row-norm", 1536, 768),
+                                      ("row-norm", 2304, 512)])
+def test_cuda_prologues_bf16_equal_the_separate_kernels(kind, N, K, monkeypatch):
+    """k3-small's decode shapes in bf16 (KDA o_proj after o_norm and its gate, the shared experts' down after
+    SiTU-GLU, the MoE up projection after its latent norm, MLA q_b after q_a_layernorm), one row with a residual:
+    the GEMV with the prologue against `PROLOGUE = False` (the norm / SiTU kernel, then the GEMV) and fp64."""
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    glu = (4.0, 25.0) if kind == "glu" else None
+    x = torch.randn(1, 2 * K if glu else K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    add = torch.randn(1, N, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(1, K, device="cuda", generator=g).bfloat16() if "gate" in kind else None
+    norm = None
+    if "norm" in kind:
+        grp = 128 if kind.startswith("head") else None
+        norm = ((torch.rand(grp or K, device="cuda", generator=g) + 0.5).bfloat16(), 1e-5, grp)
+    with torch.no_grad():
+        ref = F.linear(_fp64_prologue(x.double(), None if gate is None else gate.double(),
+                                      None if norm is None else (norm[0].double(), norm[1], norm[2]), glu),
+                       w.double()) + add.double()
+        fused = gemv.linear(x, w, add=add, gate=gate, norm=norm, glu=glu)
+        monkeypatch.setattr(gemv, "PROLOGUE", False)
+        separate = gemv.linear(x, w, add=add, gate=gate, norm=norm, glu=glu)
+    assert rel_rmse(ref, fused) <= 1e-2 and rel_rmse(ref, separate) <= 1e-2
+    assert rel_rmse(separate.double(), fused) <= 1e-2

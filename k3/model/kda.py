@@ -226,9 +226,8 @@ class KimiDeltaAttention(nn.Module):
         return self._output(o, gate, residual)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """o [N, H, V], gate = g_proj(x) [N, H·V] → o_norm, output gate (one `rms_norm_gated`), o_proj (+ residual
-        in its epilogue) → [1, N, D]."""
+        """o [N, H, V], gate = g_proj(x) [N, H·V] → o_norm, output gate (`rms_norm_gated`, or the GEMV's prologue
+        in a decode step), o_proj (+ residual in its epilogue) → [1, N, D]."""
         N, H, K = o.shape
-        o = rms_norm_gated(o.reshape(1, N, H, K), self.o_norm.weight, gate.reshape(1, N, H, K),
-                           self.o_norm.eps, backend=self.elementwise_backend)
-        return linear(o.reshape(1, N, H * K), self.o_proj.weight, add=residual)
+        return linear(o.reshape(1, N, H * K), self.o_proj.weight, add=residual, gate=gate.reshape(1, N, H * K),
+                      norm=(self.o_norm.weight, self.o_norm.eps, K))  # a GEMV's prologue in a decode step

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..ops.gemv import linear
 from ..ops.norm import rms_norm
-from ..ops.situ import gate_up_weight, situ_glu_fused
+from ..ops.situ import gate_up_weight
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -119,5 +119,5 @@ class SituMLP(nn.Module):
         parts = [self.gate_proj.weight, self.up_proj.weight]
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
-        gu = linear(x, w)
-        return linear(situ_glu_fused(gu, self.beta, self.linear_beta), self.down_proj.weight, add=residual)
+        # SiTU-GLU is the down projection's prologue (in a decode step: as the GEMV loads its input)
+        return linear(linear(x, w), self.down_proj.weight, add=residual, glu=(self.beta, self.linear_beta))

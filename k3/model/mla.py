@@ -247,7 +247,8 @@ class MLAttention(nn.Module):
         widths = [n_q, self.kv_lora_rank, self.rope, n_g, w.shape[0] - n_q - n_kv - n_g]
         q, c, k_pe, gate, _ = linear(x, w).split(widths, dim=-1)
         if not hasattr(self, "q_proj"):
-            q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
+            qn = self.q_a_layernorm
+            q = linear(q, self.q_b_proj.weight, norm=(qn.weight, qn.eps, None))  # q_a_layernorm: its prologue
         return (q.reshape(*x.shape[:2], self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
                 gate if self.g_proj is not None else None)
 

@@ -109,16 +109,16 @@ class LatentMoE(nn.Module):
         run = experts_forward if self.expert_parallel is None else self._ep_forward
         y = run(lat, idx, w, self.experts.w1, self.experts.w2, self.experts.w3,
                 self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
-        if self.routed_expert_norm is not None:
-            y = self.routed_expert_norm(y)
+        rn = self.routed_expert_norm  # applied by the up projection (a GEMV's prologue in a decode step)
+        norm = None if rn is None else (rn.weight, rn.eps, None)
         res = None if residual is None else residual.reshape(-1, shape[-1])
         if self.shared_experts is None:
-            return linear(y, self.routed_expert_up_proj.weight, add=res).reshape(shape)
+            return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm).reshape(shape)
         if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            out = (self.routed_expert_up_proj(y) + self.shared_experts(xf)).reshape(shape)
+            out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + self.shared_experts(xf)).reshape(shape)
             return out if residual is None else residual + out
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
-        return linear(y, self.routed_expert_up_proj.weight, add=self.shared_experts(xf, res)).reshape(shape)
+        return linear(y, self.routed_expert_up_proj.weight, add=self.shared_experts(xf, res), norm=norm).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)

@@ -21,21 +21,23 @@ from .._compile import eager_op
 from .._triton import device_reason
 from ..linear_ce.chunked import mm_out_dtype_available
 
-__all__ = ["linear", "fits", "MAX_ROWS"]
+__all__ = ["linear", "prologue", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
+# False (or K3_GEMV_PROLOGUE=0): norm / glu prologues run as their own kernels before the GEMV (a benchmark's before)
+PROLOGUE = os.environ.get("K3_GEMV_PROLOGUE", "1") != "0"
 MAX_K = 4096  # longer rows go to cuBLAS (k3-small's dense down projection, K 6,144: 10.1 us against 11.0 on the H200)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows of ≤ MAX_K columns, no autograd, x and w of one float
+    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows, w of ≤ MAX_K columns, no autograd, x and w of one float
     dtype and device (and the optional operands `others` on that device), w [N, K] with unit column stride, on
     CUDA. Not through the CPU interpreter: a whole model's projections there take minutes (the kernel's own
     tests call it directly)."""
     return (x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
-            and x.shape[-1] <= MAX_K and w.dim() == 2 and w.stride(-1) == 1 and x.dtype == w.dtype
+            and w.dim() == 2 and w.shape[-1] <= MAX_K and w.stride(-1) == 1 and x.dtype == w.dtype
             and x.dtype in _DTYPES and x.device == w.device
             and all(t is None or (t.dtype in _DTYPES and t.device == x.device) for t in others)
             and x.is_cuda and device_reason(x, __name__) is None)
@@ -43,17 +45,25 @@ def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool
 
 @eager_op
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-           add: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """(x ⊙ σ(gate)) [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a
-    few rows without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision
+           add: torch.Tensor | None = None, gate: torch.Tensor | None = None, norm: tuple | None = None,
+           glu: tuple[float, float] | None = None) -> torch.Tensor:
+    """prologue(x) [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a few
+    rows without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision
     product on CUDA, `torch.addmm` for an add without autograd or autocast, else `F.linear` (+ add) and a cast).
-    `add` is how a decode step folds a residual or the shared experts' output into the GEMV's epilogue, `gate`
-    how the MLA output gate is applied as the GEMV loads its input (no elementwise kernels)."""
-    if fits(x, w, add, gate):
+    `add` is how a decode step folds a residual or the shared experts' output into the GEMV's epilogue.
+
+    The prologue, applied in this order, is what the GEMV does to x as it loads it (no separate kernels), and
+    the plain ops otherwise (`prologue`):
+    - glu = (β, linear β): x is [..., 2K] gate ‖ up, the input SiTU-GLU(gate, up) (`k3.ops.situ.situ_glu_fused`);
+    - norm = (weight, eps, group): RMSNorm of each row (group None; weight [K]) or of each `group` columns
+      (a head; weight [group]) (`k3.ops.norm.rms_norm`);
+    - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one)."""
+    if fits(x, w, add, gate) and _prologue_fits(norm, w.shape[1]):
+        if not PROLOGUE and (norm is not None or glu is not None):  # the before of the prologues (benchmarks)
+            return linear(prologue(x, gate, norm, glu), w, out_dtype, add)
         from .triton import gemv
-        return gemv(x, w, out_dtype, add=add, gate=gate)
-    if gate is not None:
-        x = x * torch.sigmoid(gate)
+        return gemv(x, w, out_dtype, add=add, gate=gate, norm=norm, glu=glu)
+    x = prologue(x, gate, norm, glu)
     if add is None and out_dtype in (None, x.dtype):
         return F.linear(x, w)
     if add is not None and (torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
@@ -69,3 +79,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     else:
         y = F.linear(x2, w)
     return (y if out_dtype is None else y.to(out_dtype)).view(*lead, w.shape[0])
+
+
+def _prologue_fits(norm: tuple | None, K: int) -> bool:
+    """A grouped norm in the kernel needs power-of-two groups of ≥ 16 columns dividing K (one chunk per group)."""
+    if norm is None or not norm[2]:
+        return True
+    g = norm[2]
+    return g >= 16 and g & (g - 1) == 0 and K % g == 0
+
+
+def prologue(x: torch.Tensor, gate: torch.Tensor | None = None, norm: tuple | None = None,
+             glu: tuple[float, float] | None = None) -> torch.Tensor:
+    """`linear`'s prologue as plain ops (the reference of the kernel's, and the path for training and CPUs)."""
+    if glu is not None:
+        from ..situ import situ_glu_fused
+        x = situ_glu_fused(x, *glu)
+    if norm is not None:
+        from ..norm import rms_norm, rms_norm_gated
+        nw, eps, group = norm
+        shape = x.shape
+        if group:
+            xg = x.reshape(*shape[:-1], shape[-1] // group, group)
+            y = (rms_norm(xg, nw, eps) if gate is None else rms_norm_gated(xg, nw, gate.reshape(xg.shape), eps))
+            return y.reshape(shape)
+        x = rms_norm(x, nw, eps)
+    if gate is not None:
+        x = x * torch.sigmoid(gate)
+    return x

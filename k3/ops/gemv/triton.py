@@ -1,5 +1,5 @@
-"""The GEMV kernel behind `k3.ops.gemv.linear`: y = x W^T (+ add) for up to 16 rows of x (optionally with the
-input gated, x ⊙ σ(gate)).
+"""The GEMV kernel behind `k3.ops.gemv.linear`: y = x W^T (+ add) for up to 16 rows of x, optionally with a
+prologue on x as it is loaded: SiTU-GLU of a gate ‖ up input, an RMSNorm (of the row or per head), a gate σ(g).
 
 Each program owns `BN` rows of W [N, K] (row-major, K contiguous) and streams them through in `CH`-column
 chunks (loads pipelined over `stages`), multiplying by the x rows padded to one 16-row MMA tile on the tensor
@@ -15,6 +15,7 @@ import triton.language as tl
 from .._triton import interpreted as _interpreted
 from .._triton import pdl
 from .._triton_jit import pdl_sync
+from ..situ.triton import situ_glu_value
 
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
 # program for the narrow projections (many programs), 64 for the wide ones and the head
@@ -22,31 +23,56 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, M, N, K, sx, sw, sy, sa, sg, BN: tl.constexpr, CH: tl.constexpr,
-                IEEE: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. HAS_GATE: x ⊙ σ(gate) is the input (the MLA
-    output gate, applied as x is loaded); HAS_ADD: + add [M, N] (a residual, the shared experts' output)."""
+def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, sa, sg, eps, beta, linear_beta,
+                BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
+                HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
+    GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
+    output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
+    accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each CH-column group (a head) with
+    weight nw [CH], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm). HAS_ADD: + add [M, N]."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
     m = tl.arange(0, 16)
     mm = m < M
     acc = tl.zeros([16, BN], tl.float32)
+    ss = tl.zeros([16], tl.float32)
     r64 = rows[:, None].to(tl.int64)
+    dt = x_ptr.dtype.element_ty
     for c0 in range(0, K, CH):
         cols = c0 + tl.arange(0, CH)
         cm = cols < K
         xm = mm[:, None] & cm[None, :]
-        x = tl.load(x_ptr + m[:, None] * sx + cols[None, :], mask=xm, other=0.0)
-        if HAS_GATE:
+        if GLU:
+            gx = tl.load(x_ptr + m[:, None] * sx + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+            ux = tl.load(x_ptr + m[:, None] * sx + K + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+            x = situ_glu_value(gx, ux, beta, linear_beta).to(dt)
+        else:
+            x = tl.load(x_ptr + m[:, None] * sx + cols[None, :], mask=xm, other=0.0)
+        if NORM == 1:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]).to(dt)
+        if NORM == 2:
+            xf = x.to(tl.float32)
+            rs = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / CH + eps)
+            xf = xf * rs[:, None] * tl.load(nw_ptr + tl.arange(0, CH)).to(tl.float32)[None, :]
+            if HAS_GATE:
+                g = tl.load(g_ptr + m[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+                xf = xf * tl.sigmoid(g)
+            x = xf.to(dt)
+        elif HAS_GATE:
             g = tl.load(g_ptr + m[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * tl.sigmoid(g)).to(x_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) * tl.sigmoid(g)).to(dt)
         wm = rm[:, None] & cm[None, :]
         w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=wm, other=0.0)
         if IEEE:  # fp32 inputs, or the CPU interpreter (whose dot mishandles half types): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+    if NORM == 1:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     om = mm[:, None] & rm[None, :]
     if HAS_ADD:
         acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
@@ -65,13 +91,18 @@ def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
-         gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → (x ⊙ σ(gate)) w^T (+ add) [..., N] in `out_dtype`
-    (x's dtype by default), fp32 accumulation. `config`: (BN, CH, warps, stages), else `launch(N, K)`."""
+         gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
+         norm: tuple | None = None, glu: tuple[float, float] | None = None) -> torch.Tensor:
+    """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
+    (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
+    [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
+    (CH = group for a grouped norm)."""
     N, K = w.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"gemv: x has {x.shape[-1]} columns, w {tuple(w.shape)} expects {K}")
-    x2 = x.reshape(-1, K)
+    width = 2 * K if glu is not None else K
+    if x.shape[-1] != width:
+        raise ValueError(f"gemv: x has {x.shape[-1]} columns, w {tuple(w.shape)} expects {width}"
+                         f"{' (gate ‖ up)' if glu is not None else ''}")
+    x2 = x.reshape(-1, width)
     M = x2.shape[0]
     if M > 16:
         raise ValueError(f"gemv: {M} rows; the kernel takes at most 16")
@@ -80,11 +111,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     a = _rows(add, M, N, "add", y)
     g = _rows(gate, M, K, "gate", x2)
+    nw, eps, group = norm if norm is not None else (None, 0.0, None)
+    if norm is not None:
+        if nw.shape != ((group,) if group else (K,)):
+            raise ValueError(f"gemv: norm weight has shape {tuple(nw.shape)}, expected ({group or K},)")
+        if group and (K % group or group & (group - 1) or group < 16):
+            raise ValueError(f"gemv: norm groups of {group} columns must be a power of two ≥ 16 dividing K = {K}")
+    beta, linear_beta = glu if glu is not None else (0.0, 0.0)
     if M and N:
         bn, ch, warps, stages = config or launch(N, K)
+        if group:
+            ch = group
         gemv_kernel[(triton.cdiv(N, bn),)](
-            x2, w, y, a, g, M, N, K, x2.stride(0), w.stride(0), y.stride(0), a.stride(0), g.stride(0), BN=bn, CH=ch,
+            x2, w, y, a, g, x2 if nw is None else nw.contiguous(), M, N, K, x2.stride(0), w.stride(0), y.stride(0),
+            a.stride(0), g.stride(0), float(eps), float(beta), float(linear_beta), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
+            NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             num_warps=warps, num_stages=stages, **pdl(x2))
     return y.view(*x.shape[:-1], N)
 
