@@ -140,16 +140,18 @@ def _fp64_prologue(x, gate=None, norm=None, glu=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["row-norm", "head-norm-gate", "glu", "glu-row-norm"])
-def test_gemv_prologues_match_fp64(kind, dtype):
+@pytest.mark.parametrize("kind", ["row-norm", "head-norm-gate", "glu", "glu-row-norm", "gate"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_prologues_match_fp64(kind, dtype, M):
     """The GEMV's input prologues (`linear(..., norm=, glu=, gate=)`) against their fp64 definitions, with a
     residual added: RMSNorm of the row (the MoE's latent norm before the up projection, MLA's q_a norm: the rstd
     scales the accumulator), per-head RMSNorm with the output gate (KDA's o_norm before o_proj), SiTU-GLU of a
-    gate ‖ up input (the shared experts' down projection). x is a row slice of a wider tensor. fp32 within 1e-6;
+    gate ‖ up input (the shared experts' down projection), the gate alone (MLA). One row (a batch-1 decode: the
+    prologue on a [1, CH] tile) and three. x is a row slice of a wider tensor. fp32 within 1e-6;
     bf16 within 1e-2 (the prologue's output rounded once to bf16, as the MMA reads it, where the separate kernels
     round it too). The dispatch point's plain-ops fallback equals the definitions to 1e-12 in fp64."""
-    g = rng(hash(kind) % 1000)
-    M, K, N, group = 3, 64, 40, 16
+    g = rng(len(kind) * 10 + M)
+    K, N, group = 64, 40, 16
     glu = (4.0, 25.0) if kind.startswith("glu") else None
     width = 2 * K if glu else K
     wide = torch.randn(M, width + 5, generator=g) * 2

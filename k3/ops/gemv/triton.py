@@ -25,7 +25,8 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, sa, sg, eps, beta, linear_beta,
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
-                HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr = False):
+                HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
+                PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
@@ -36,20 +37,24 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     rm = rows < N
     m = tl.arange(0, 16)
     mm = m < M
+    # the prologue's tile: MR = 1 when M = 1 (a batch-1 decode), so its transcendental math is not done 16 times
+    # over the padding rows of the MMA tile (SiTU-GLU on [16, 1024] per program took longer than the GEMV)
+    mr = tl.arange(0, MR)
+    mrm = mr < M
     acc = tl.zeros([16, BN], tl.float32)
-    ss = tl.zeros([16], tl.float32)
+    ss = tl.zeros([MR], tl.float32)
     r64 = rows[:, None].to(tl.int64)
     dt = x_ptr.dtype.element_ty
     for c0 in range(0, K, CH):
         cols = c0 + tl.arange(0, CH)
         cm = cols < K
-        xm = mm[:, None] & cm[None, :]
+        xm = mrm[:, None] & cm[None, :]
         if GLU:
-            gx = tl.load(x_ptr + m[:, None] * sx + cols[None, :], mask=xm, other=0.0).to(tl.float32)
-            ux = tl.load(x_ptr + m[:, None] * sx + K + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+            gx = tl.load(x_ptr + mr[:, None] * sx + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+            ux = tl.load(x_ptr + mr[:, None] * sx + K + cols[None, :], mask=xm, other=0.0).to(tl.float32)
             x = situ_glu_value(gx, ux, beta, linear_beta).to(dt)
         else:
-            x = tl.load(x_ptr + m[:, None] * sx + cols[None, :], mask=xm, other=0.0)
+            x = tl.load(x_ptr + mr[:, None] * sx + cols[None, :], mask=xm, other=0.0)
         if NORM == 1:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
@@ -59,12 +64,14 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
             rs = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / CH + eps)
             xf = xf * rs[:, None] * tl.load(nw_ptr + tl.arange(0, CH)).to(tl.float32)[None, :]
             if HAS_GATE:
-                g = tl.load(g_ptr + m[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + mr[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
                 xf = xf * tl.sigmoid(g)
             x = xf.to(dt)
         elif HAS_GATE:
-            g = tl.load(g_ptr + m[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + mr[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * tl.sigmoid(g)).to(dt)
+        if MR == 1:  # row 0 of the MMA tile
+            x = tl.where(m[:, None] == 0, x, tl.zeros([16, CH], dt))
         wm = rm[:, None] & cm[None, :]
         w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=wm, other=0.0)
         if IEEE:  # fp32 inputs, or the CPU interpreter (whose dot mishandles half types): exact fp32 products
@@ -72,7 +79,11 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
         else:
             acc += tl.dot(x, tl.trans(w))
     if NORM == 1:
-        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+        rs = 1.0 / tl.sqrt(ss / K + eps)
+        if MR == 1:
+            acc = acc * tl.sum(rs, 0)
+        else:
+            acc = acc * rs[:, None]
     om = mm[:, None] & rm[None, :]
     if HAS_ADD:
         acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
@@ -126,7 +137,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             x2, w, y, a, g, x2 if nw is None else nw.contiguous(), M, N, K, x2.stride(0), w.stride(0), y.stride(0),
             a.stride(0), g.stride(0), float(eps), float(beta), float(linear_beta), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
-            NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
+            NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None, MR=1 if M == 1 else 16,
             num_warps=warps, num_stages=stages, **pdl(x2))
     return y.view(*x.shape[:-1], N)
 
