@@ -197,7 +197,8 @@ def test_gemv_prologue_errors():
 def test_cuda_prologues_bf16_equal_the_separate_kernels(kind, N, K, monkeypatch):
     """k3-small's decode shapes in bf16 (KDA o_proj after o_norm and its gate, the shared experts' down after
     SiTU-GLU, the MoE up projection after its latent norm, MLA q_b after q_a_layernorm), one row with a residual:
-    the GEMV with the prologue against `PROLOGUE = False` (the norm / SiTU kernel, then the GEMV) and fp64."""
+    the GEMV with the prologue (`PROLOGUE = True`) against the norm / SiTU kernel then the GEMV (the default) and
+    fp64."""
     g = torch.Generator(device="cuda").manual_seed(N + K)
     glu = (4.0, 25.0) if kind == "glu" else None
     x = torch.randn(1, 2 * K if glu else K, device="cuda", generator=g).bfloat16()
@@ -212,6 +213,7 @@ def test_cuda_prologues_bf16_equal_the_separate_kernels(kind, N, K, monkeypatch)
         ref = F.linear(_fp64_prologue(x.double(), None if gate is None else gate.double(),
                                       None if norm is None else (norm[0].double(), norm[1], norm[2]), glu),
                        w.double()) + add.double()
+        monkeypatch.setattr(gemv, "PROLOGUE", True)
         fused = gemv.linear(x, w, add=add, gate=gate, norm=norm, glu=glu)
         monkeypatch.setattr(gemv, "PROLOGUE", False)
         separate = gemv.linear(x, w, add=add, gate=gate, norm=norm, glu=glu)

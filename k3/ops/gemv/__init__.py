@@ -25,8 +25,10 @@ __all__ = ["linear", "prologue", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
-# False (or K3_GEMV_PROLOGUE=0): norm / glu prologues run as their own kernels before the GEMV (a benchmark's before)
-PROLOGUE = os.environ.get("K3_GEMV_PROLOGUE", "1") != "0"
+# whether the norm / SiTU-GLU prologues run inside the GEMV (K3_GEMV_PROLOGUE=1) or as their own kernels before it
+# (the default). Off until measured in its one-row form: with the prologue math on the MMA tile's 16 rows, the
+# batch-1 step took 2.24 ms against 1.62 ms with the separate kernels (H200, 2026-12-03, `benchmarks/serve.py`).
+PROLOGUE = os.environ.get("K3_GEMV_PROLOGUE", "0") == "1"
 MAX_K = 4096  # longer rows go to cuBLAS (k3-small's dense down projection, K 6,144: 10.1 us against 11.0 on the H200)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -59,7 +61,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
       (a head; weight [group]) (`k3.ops.norm.rms_norm`);
     - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one)."""
     if fits(x, w, add, gate) and _prologue_fits(norm, w.shape[1]):
-        if not PROLOGUE and (norm is not None or glu is not None):  # the before of the prologues (benchmarks)
+        if not PROLOGUE and (norm is not None or glu is not None):  # the separate kernels (see PROLOGUE)
             return linear(prologue(x, gate, norm, glu), w, out_dtype, add)
         from .triton import gemv
         return gemv(x, w, out_dtype, add=add, gate=gate, norm=norm, glu=glu)
