@@ -25,11 +25,14 @@ MODES = {"plain": 0, "wait": 1, "prefetch": 2}
 
 @triton.jit
 def gemv1_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr, CH: tl.constexpr, MODE: tl.constexpr):
+    if MODE == 1:  # wait first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r64 = rows[:, None].to(tl.int64)
     cols = tl.arange(0, CH)
     w0 = tl.load(w_ptr + r64 * K + cols[None, :])
-    if MODE > 0:
+    if MODE == 2:  # the first weight chunk is in flight before the wait
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.arange(0, 16)
@@ -37,23 +40,6 @@ def gemv1_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr, CH: tl.constexpr, 
     x = tl.load(x_ptr + m[:, None] * 0 + cols[None, :], mask=(m < 1)[:, None], other=0.0)
     acc += tl.dot(x, tl.trans(w0))
     for c0 in range(CH, K, CH):
-        c = c0 + cols
-        x = tl.load(x_ptr + m[:, None] * 0 + c[None, :], mask=(m < 1)[:, None], other=0.0)
-        w = tl.load(w_ptr + r64 * K + c[None, :])
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + m[:, None] * 0 + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=(m < 1)[:, None])
-
-
-@triton.jit
-def gemv1_wait_first_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr, CH: tl.constexpr):
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    r64 = rows[:, None].to(tl.int64)
-    cols = tl.arange(0, CH)
-    m = tl.arange(0, 16)
-    acc = tl.zeros([16, BN], tl.float32)
-    for c0 in range(0, K, CH):
         c = c0 + cols
         x = tl.load(x_ptr + m[:, None] * 0 + c[None, :], mask=(m < 1)[:, None], other=0.0)
         w = tl.load(w_ptr + r64 * K + c[None, :])
@@ -79,12 +65,8 @@ def chain(ws, nw, x0, bufs, mode: str, norms: bool, BN=16, CH=512):
     x = x0
     for i, w in enumerate(ws):
         y = bufs[2 * i % len(bufs)]
-        if mode == "wait":
-            gemv1_wait_first_kernel[(w.shape[0] // BN,)](x, w, y, w.shape[0], K, BN=BN, CH=CH, num_warps=4,
-                                                         num_stages=3, launch_pdl=True)
-        else:
-            gemv1_kernel[(w.shape[0] // BN,)](x, w, y, w.shape[0], K, BN=BN, CH=CH, MODE=MODES[mode], num_warps=4,
-                                              num_stages=3, launch_pdl=pdl)
+        gemv1_kernel[(w.shape[0] // BN,)](x, w, y, w.shape[0], K, BN=BN, CH=CH, MODE=MODES[mode], num_warps=4,
+                                          num_stages=3, launch_pdl=pdl)
         x = y
         if norms:
             z = bufs[(2 * i + 1) % len(bufs)]
