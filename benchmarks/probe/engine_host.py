@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     for _ in range(B):
         eng.submit([rng.randrange(4000) for _ in range(P)],
-                   SamplingParams(max_tokens=10 ** 6, temperature=0, ignore_eos=True, output_kind=a.output_kind))
+                   SamplingParams(max_tokens=a.generated + a.steps + 100, temperature=0, ignore_eos=True, output_kind=a.output_kind))
     while any(not r.output for r in eng.requests.values()):  # every prompt prefilled
         eng.step()
     if len(eng.scheduler.running) != B:
