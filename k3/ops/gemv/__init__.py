@@ -60,10 +60,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     - norm = (weight, eps, group): RMSNorm of each row (group None; weight [K]) or of each `group` columns
       (a head; weight [group]) (`k3.ops.norm.rms_norm`);
     - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one)."""
-    if fits(x, w, add, gate) and _prologue_fits(norm, w.shape[1]):
-        if not PROLOGUE and (norm is not None or glu is not None):  # the separate kernels (see PROLOGUE)
-            return linear(prologue(x, gate, norm, glu), w, out_dtype, add)
+    if fits(x, w, add, gate):
         from .triton import gemv
+        if (norm is not None or glu is not None) and not (PROLOGUE and _prologue_fits(norm, w.shape[1])):
+            x, gate, norm, glu = prologue(x, gate, norm, glu), None, None, None  # their own kernels (PROLOGUE)
         return gemv(x, w, out_dtype, add=add, gate=gate, norm=norm, glu=glu)
     x = prologue(x, gate, norm, glu)
     if add is None and out_dtype in (None, x.dtype):

@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted
-from .._triton import pdl
+from .._triton import interpreted as _interpreted, pdl
 from .._triton_jit import pdl_sync
 from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the dots' M is GROUP_ROWS x BH
 

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted
-from .._triton import pdl
+from .._triton import interpreted as _interpreted, pdl
 from .._triton_jit import pdl_sync
 
 MAX_D = 8192

@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted
-from .._triton import pdl
+from .._triton import interpreted as _interpreted, pdl
 from .._triton_jit import pdl_sync
 
 # Launch parameters (env-overridable for sweeps on the GPU): elements per program tile (a power of two; at most

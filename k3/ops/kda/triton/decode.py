@@ -5,9 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_jit import token_range
 from ..._triton import pdl
-from ..._triton_jit import pdl_sync
+from ..._triton_jit import pdl_sync, token_range
 
 from .._common import check_token_shapes
 
