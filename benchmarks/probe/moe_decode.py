@@ -25,6 +25,7 @@ from k3.ops.moe import experts_forward  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="moe_decode.json")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-settings sweep")
     a = ap.parse_args()
     E, I, L, K = 32, 512, 768, 4
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -55,18 +56,18 @@ def main():
     sweep = []
     default = dict(moe_decode.LAUNCH)
     moe_decode.MAX_ENTRIES = 10 ** 9
-    for N in (1, 8):
+    for N in () if a.no_sweep else (1, 8):
         idx = torch.rand(N, E, device="cuda", generator=gen).topk(K, dim=-1).indices
         x = torch.randn(N, L, device="cuda", generator=gen).bfloat16()
         w = torch.rand(N, K, device="cuda", generator=gen)
-        for cfg in [default] + [dict(bi=bi, bl=bl, chunk=ch, warps=wp) for bi in (8, 16) for bl in (4, 8, 16)
-                                for ch in (128, 256) for wp in (2, 4)]:
+        for cfg in [default] + [dict(bi=bi, bl=bl, chunk=ch, warps=wp) for bi in (2, 4, 8) for bl in (2, 4, 8)
+                                for ch in (256,) for wp in (2, 4, 8)]:
             moe_decode.LAUNCH.update(cfg)
             with torch.no_grad():
                 us = median_ms(graphed(lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])), 10, 100) * 1e3
             sweep.append(dict(tokens=N, **cfg, us=us))
         moe_decode.LAUNCH.update(default)
-    for N in (1, 8):
+    for N in () if a.no_sweep else (1, 8):
         best = sorted((r for r in sweep if r["tokens"] == N), key=lambda r: r["us"])[:6]
         print(f"launch sweep, {N} tokens: default {sweep[[r['tokens'] for r in sweep].index(N)]['us']:.1f} us; "
               "best " + "; ".join(f"{r['bi']}/{r['bl']}/{r['chunk']}/{r['warps']} {r['us']:.1f}" for r in best))
