@@ -321,6 +321,28 @@ def test_latent_moe_matches_old_fp64(grouped, monkeypatch):
     compare_grads(ref, got, 1e-10)
 
 
+@pytest.mark.parametrize("rows", [1, 9])
+def test_latent_moe_inference_joins_the_input_projections(rows):
+    """Inference (no autograd): the latent down projection and the shared experts' gate ‖ up run as one GEMM
+    (GEMV for a decode step's row) over joined weights, the residual folded into the shared experts' down
+    projection; the same output as the training path (separate projections, the residual added) in fp64, rel
+    RMS <= 1e-12; the joined weight follows an in-place update of a part."""
+    model = make_tiny(seed=2).double().eval()
+    moe: LatentMoE = model.language_model.model.layers[1].block_sparse_moe
+    gen = rng(6 + rows)
+    x = torch.randn(rows, moe.cfg.hidden_size, generator=gen, dtype=torch.float64)
+    res = torch.randn(rows, moe.cfg.hidden_size, generator=gen, dtype=torch.float64)
+    for _ in range(2):
+        with torch.enable_grad():
+            ref = moe(x, res).detach()
+        with torch.no_grad():
+            got = moe(x, res)
+        assert "in_proj" in moe.__dict__["_joined_weights"]
+        assert rel_rmse(ref, got) <= 1e-12
+        with torch.no_grad():  # a weight update: the cached joined weight is rebuilt
+            moe.shared_experts.up_proj.weight.mul_(1.5)
+
+
 def test_experts_forward_grouped_matches_loop_fp32_cpu():
     """The sorted-rows pipeline in fp32 on CPU (torch._grouped_mm where torch has it on CPU) vs the loop."""
     N, K, E, L, I = 64, 3, 5, 16, 24

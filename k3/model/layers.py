@@ -119,5 +119,9 @@ class SituMLP(nn.Module):
         parts = [self.gate_proj.weight, self.up_proj.weight]
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
-        # SiTU-GLU is the down projection's prologue (in a decode step: as the GEMV loads its input)
-        return linear(linear(x, w), self.down_proj.weight, add=residual, glu=(self.beta, self.linear_beta))
+        return self.down(linear(x, w), residual)
+
+    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The down projection of SiTU-GLU(gate ‖ up [.., 2I]) (+ residual): SiTU-GLU is its prologue (in a decode
+        step: as the GEMV loads its input)."""
+        return linear(gate_up, self.down_proj.weight, add=residual, glu=(self.beta, self.linear_beta))

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import K3TextConfig
 from ..ops.gemv import linear
 from ..ops.moe import experts_forward, route
-from .layers import RMSNorm, SituMLP
+from .layers import RMSNorm, SituMLP, joined_weight
 
 
 class MoEGate(nn.Module):
@@ -105,7 +105,14 @@ class LatentMoE(nn.Module):
                                self.cfg.moe_renormalize, self.cfg.routed_scaling_factor)
         if self.record_routing:
             self.last_routing = (idx.detach(), scores.detach())
-        lat = linear(xf, self.routed_expert_down_proj.weight)
+        sh, down = self.shared_experts, self.routed_expert_down_proj.weight
+        joined = (sh is not None and self.expert_parallel is None and not torch.is_grad_enabled()
+                  and not torch.is_autocast_enabled(x.device.type))
+        if joined:  # inference: x's latent and the shared experts' gate ‖ up as one GEMM (GEMV) over joined weights
+            w_in = joined_weight(self, "in_proj", [down, sh.gate_proj.weight, sh.up_proj.weight], down.dtype)
+            lat, gate_up = linear(xf, w_in).split([down.shape[0], w_in.shape[0] - down.shape[0]], dim=-1)
+        else:
+            lat = linear(xf, down)
         run = experts_forward if self.expert_parallel is None else self._ep_forward
         y = run(lat, idx, w, self.experts.w1, self.experts.w2, self.experts.w3,
                 self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
@@ -114,11 +121,11 @@ class LatentMoE(nn.Module):
         res = None if residual is None else residual.reshape(-1, shape[-1])
         if self.shared_experts is None:
             return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm).reshape(shape)
-        if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + self.shared_experts(xf)).reshape(shape)
+        if not joined:
+            out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + sh(xf)).reshape(shape)
             return out if residual is None else residual + out
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
-        return linear(y, self.routed_expert_up_proj.weight, add=self.shared_experts(xf, res), norm=norm).reshape(shape)
+        return linear(y, self.routed_expert_up_proj.weight, add=sh.down(gate_up, res), norm=norm).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)
