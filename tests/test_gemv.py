@@ -35,6 +35,32 @@ def test_gemv_matches_fp64_linear(M, N, K, config, dtype):
             assert rel_rmse(ref, y.cpu()) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,tail", [(1, 72, 8), (3, 40, 24)])
+def test_gemv_fp32_tail_matches_fp64(M, N, tail, dtype):
+    """The last `tail` output columns (the router's logits) stored unrounded in fp32, the rest in x's dtype: the
+    tail within 1e-6 of fp64 also for bf16 inputs (their products are exact in fp32), the head as without a
+    tail; the tail's block boundary falls inside a program's rows (BN 16); `linear_fp32_tail`'s plain path (CPU)
+    gives the same; a tail with an accumulator, or not inside N, is refused."""
+    g = rng(M * 100 + N)
+    K = 50
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    ref = F.linear(x.double(), w.double())
+    with torch.no_grad():
+        y, t = gemv_triton.gemv(x.to(DEV), w.to(DEV), config=(16, 32, 4, 2), fp32_tail=tail)
+        plain = gemv.linear_fp32_tail(x, w, tail)
+        with pytest.raises(ValueError, match="fp32_tail"):
+            gemv_triton.gemv(x.to(DEV), w.to(DEV), fp32_tail=N)
+        with pytest.raises(ValueError, match="fp32_tail"):
+            gemv_triton.gemv(x.to(DEV), w.to(DEV), add=torch.zeros(M, N, dtype=dtype, device=DEV), fp32_tail=2)
+    assert y.shape == (M, N - tail) and y.dtype == dtype and t.shape == (M, tail) and t.dtype == torch.float32
+    assert rel_rmse(ref[:, -tail:], t.cpu()) <= 1e-6
+    assert rel_rmse(ref[:, :-tail], y.cpu()) <= (1e-6 if dtype == torch.float32 else 8e-3)
+    for a, b in zip(plain, (y, t)):
+        assert a.dtype == b.dtype and rel_rmse(a.double(), b.cpu()) <= (1e-6 if a.dtype == torch.float32 else 8e-3)
+
+
 def test_gemv_reads_strided_weights_and_keeps_leading_dims():
     """A weight that is a row slice of a wider matrix (row stride > K) and x [B, T, K] → [B, T, N]."""
     g = rng(7)

@@ -545,27 +545,6 @@ def test_route_kernel_equals_the_reference_route(E, k, renorm, bias):
     assert int(idx.min()) >= 0 and int(idx.max()) < E
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("E,k,D", [(32, 4, 1536), (8, 2, 40)])
-def test_route_kernel_with_fused_logits(E, k, D, dtype):
-    """A decode step's router: the kernel computes x·Wᵀ itself (logits None; D = 1,536 is k3-small's width in
-    six unrolled chunks, D = 40 a masked one) — the same experts, weights and scores as the kernel fed with
-    `router_logits` (fp32 products of the inputs; only the summation order differs: within 1e-5)."""
-    from k3.ops.route_triton import route_topk_triton
-
-    dev = "cuda" if CUDA else "cpu"
-    g = torch.Generator().manual_seed(E + D)
-    x = torch.randn(3, D, generator=g).to(dev, dtype)
-    gw = (torch.randn(E, D, generator=g) * D ** -0.5).to(dev, dtype)
-    b = (torch.randn(E, generator=g) * 0.1).to(dev)
-    ref_idx, ref_w, ref_s = route_topk_triton(moe_ops.router_logits(x, gw), b, k, True, 2.5)
-    idx, w, s = route_topk_triton(None, b, k, True, 2.5, x=x, gate_weight=gw)
-    assert torch.equal(idx, ref_idx)
-    assert (w - ref_w).abs().max() <= 1e-5 and (s - ref_s).abs().max() <= 1e-5
-    with pytest.raises(ValueError, match="one dtype"):
-        route_topk_triton(None, b, k, True, 2.5, x=x.double(), gate_weight=gw)
-
-
 # ---- experts' gate / up weights laid out as one tensor (inference: one grouped GEMM, no copy) ----------------
 def test_fuse_gate_up_keeps_parameters_values_and_names():
     """`fuse_gate_up` re-lays w1, w3 as halves of one storage: same Parameter objects, values and state-dict

@@ -63,9 +63,9 @@ def main():
         evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         gpu_us = sum(e.self_device_time_total for e in evs)
         n_k = sum(e.count for e in evs)
-        top = sorted(evs, key=lambda e: -e.self_device_time_total)[:15]
+        top = sorted(evs, key=lambda e: -e.self_device_time_total)[:40]  # every kind of kernel
         res[B] = dict(graph_step_ms=graph_ms, eager_step_ms=eager_ms, eager_gpu_ms=gpu_us / 1e3, kernels=n_k,
-                      top=[(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top])
+                      top=[(e.key[:160], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top])
         eng.runner.use_graphs = True
         for r in rids:
             eng.abort(r)
@@ -92,7 +92,7 @@ def main():
         wall = (time.perf_counter() - t) * 1e3
     ka = prof.key_averages()
     cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:15]
-    gpu = sorted([e for e in ka if e.device_type.name == "CUDA"], key=lambda e: -e.self_device_time_total)[:12]
+    gpu = sorted([e for e in ka if e.device_type.name == "CUDA"], key=lambda e: -e.self_device_time_total)[:25]
     res["ttft_hit"] = dict(wall_ms=wall, cached=out.num_cached_tokens,
                            top_cpu=[(e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in cpu],
                            top_gpu=[(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 3)) for e in gpu])

@@ -9,6 +9,8 @@ On CUDA with bf16 activations (training under autocast) the router stays fp32 wi
 input, and the experts run as grouped GEMMs with w1 ‖ w3 fused, Triton SiTU-GLU and a Triton combine, no host
 sync (`k3.ops.moe`); elsewhere a per-expert loop.
 
+Inference joins the latent, shared-expert and router projections of x into one GEMM (GEMV when decoding).
+
 Expert parallel is applied from outside (the model never imports `k3.parallel`):
 `k3.parallel.moonep.enable_expert_parallel(model, group)` hands every LatentMoE an EP executor through
 `set_expert_parallel(ep)`, which keeps only the rank's home experts E/R in `experts.w1/w2/w3` and routes them
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.gemv import linear
+from ..ops.gemv import linear, linear_fp32_tail
 from ..ops.moe import experts_forward, route
 from .layers import RMSNorm, SituMLP, joined_weight
 
@@ -101,18 +103,21 @@ class LatentMoE(nn.Module):
         folds it into the shared experts' down projection, whose output is the up projection's accumulator)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        idx, w, scores = route(xf, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
-                               self.cfg.moe_renormalize, self.cfg.routed_scaling_factor)
-        if self.record_routing:
-            self.last_routing = (idx.detach(), scores.detach())
-        sh, down = self.shared_experts, self.routed_expert_down_proj.weight
+        sh, down, router = self.shared_experts, self.routed_expert_down_proj.weight, self.gate.weight
         joined = (sh is not None and self.expert_parallel is None and not torch.is_grad_enabled()
-                  and not torch.is_autocast_enabled(x.device.type))
-        if joined:  # inference: x's latent and the shared experts' gate ‖ up as one GEMM (GEMV) over joined weights
-            w_in = joined_weight(self, "in_proj", [down, sh.gate_proj.weight, sh.up_proj.weight], down.dtype)
-            lat, gate_up = linear(xf, w_in).split([down.shape[0], w_in.shape[0] - down.shape[0]], dim=-1)
+                  and not torch.is_autocast_enabled(x.device.type) and router.dtype == down.dtype)
+        logits = None
+        if joined:  # inference: x's latent, the shared experts' gate ‖ up and the router's logits (fp32) as one
+            # GEMM (a GEMV in a decode step) over joined weights
+            w_in = joined_weight(self, "in_proj", [down, sh.gate_proj.weight, sh.up_proj.weight, router], down.dtype)
+            y_in, logits = linear_fp32_tail(xf, w_in, router.shape[0])
+            lat, gate_up = y_in.split([down.shape[0], y_in.shape[-1] - down.shape[0]], dim=-1)
         else:
             lat = linear(xf, down)
+        idx, w, scores = route(xf, router, self.gate.e_score_correction_bias, self.top_k,
+                               self.cfg.moe_renormalize, self.cfg.routed_scaling_factor, logits=logits)
+        if self.record_routing:
+            self.last_routing = (idx.detach(), scores.detach())
         run = experts_forward if self.expert_parallel is None else self._ep_forward
         y = run(lat, idx, w, self.experts.w1, self.experts.w2, self.experts.w3,
                 self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)

@@ -106,16 +106,17 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
 
 @eager_op
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-          renormalize: bool = True, scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          renormalize: bool = True, scaling_factor: float = 1.0, logits: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, D] → (topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32). Inference on CUDA takes
-    the one-kernel selection (`route_triton.py`; these ops are its reference), which for a decode step's few
-    tokens also computes the logits; training takes these ops (the weights need autograd)."""
-    if x.is_cuda and not torch.is_grad_enabled() and route_triton_available():
-        from .route_triton import FUSED_MAX_TOKENS, route_topk_triton
-        if x.dim() == 2 and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype == gate_weight.dtype:  # a decode step
-            return route_topk_triton(None, bias, top_k, renormalize, scaling_factor, x=x, gate_weight=gate_weight)
-        return route_topk_triton(router_logits(x, gate_weight), bias, top_k, renormalize, scaling_factor)
-    scores = torch.sigmoid(router_logits(x, gate_weight))
+    the one-kernel selection (`route_triton.py`; these ops are its reference), training these ops (the
+    weights need autograd). `logits` [N, E] fp32: x·gate_weightᵀ computed already (inference: joined to the
+    layer's other projections of x, `linear_fp32_tail`)."""
+    z = router_logits(x, gate_weight) if logits is None else logits
+    if z.is_cuda and not torch.is_grad_enabled() and route_triton_available():
+        from .route_triton import route_topk_triton
+        return route_topk_triton(z, bias, top_k, renormalize, scaling_factor)
+    scores = torch.sigmoid(z)
     choice = scores if bias is None else scores + bias.float()
     idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
     w = scores.gather(-1, idx)

@@ -21,7 +21,7 @@ from .._compile import eager_op
 from .._triton import device_reason
 from ..linear_ce.chunked import mm_out_dtype_available
 
-__all__ = ["linear", "prologue", "fits", "MAX_ROWS"]
+__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
@@ -81,6 +81,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     else:
         y = F.linear(x2, w)
     return (y if out_dtype is None else y.to(out_dtype)).view(*lead, w.shape[0])
+
+
+@eager_op
+def linear_fp32_tail(x: torch.Tensor, w: torch.Tensor, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] @ w[N, K]^T as (y [..., N − tail] in x's dtype, logits [..., tail] in fp32): projections of one
+    input joined with the MoE router's rows (whose logits stay fp32, as `k3.ops.moe.router_logits`). One GEMV
+    for a decode step's few rows (the kernel stores the last `tail` columns unrounded), else `linear` on the two
+    row blocks of w."""
+    if fits(x, w):
+        from .triton import gemv
+        return gemv(x, w, fp32_tail=tail)
+    wt = w[-tail:]
+    if x.dtype != torch.float32 and not (x.is_cuda and mm_out_dtype_available(x.device.type)):
+        return linear(x, w[:-tail]), F.linear(x.float(), wt.float())  # exact products, as the GEMM's fp32 output
+    return linear(x, w[:-tail]), linear(x, wt, out_dtype=torch.float32)
 
 
 def _prologue_fits(norm: tuple | None, K: int) -> bool:

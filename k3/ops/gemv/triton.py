@@ -25,12 +25,14 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, sa, sg, eps, beta, linear_beta,
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
-                PDL: tl.constexpr = False):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
     accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each CH-column group (a head) with
-    weight nw [CH], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm). HAS_ADD: + add [M, N]."""
+    weight nw [CH], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm). HAS_ADD: + add [M, N].
+    NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
+    the projections of the same input), the others to y [M, N − NT]."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
@@ -87,6 +89,10 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     om = mm[:, None] & rm[None, :]
     if HAS_ADD:
         acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
+    if NT > 0:
+        tail = rows >= N - NT
+        tl.store(t_ptr + m[:, None] * st + (rows - (N - NT))[None, :], acc, mask=om & tail[None, :])
+        om = om & (rows < N - NT)[None, :]
     tl.store(y_ptr + m[:, None] * sy + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
 
 
@@ -103,11 +109,12 @@ def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-         norm: tuple | None = None, glu: tuple[float, float] | None = None) -> torch.Tensor:
+         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
     """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
-    (CH = group for a grouped norm)."""
+    (CH = group for a grouped norm). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32), the last t
+    output columns unrounded (no add then)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -119,7 +126,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         raise ValueError(f"gemv: {M} rows; the kernel takes at most 16")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if fp32_tail and (add is not None or not 0 < fp32_tail < N):
+        raise ValueError(f"gemv: fp32_tail={fp32_tail} needs 0 < tail < N = {N} and no add")
+    y = torch.empty(M, N - fp32_tail, dtype=out_dtype or x.dtype, device=x.device)
+    t = torch.empty(M, fp32_tail, dtype=torch.float32, device=x.device) if fp32_tail else y
     a = _rows(add, M, N, "add", y)
     g = _rows(gate, M, K, "gate", x2)
     nw, eps, group = norm if norm is not None else (None, 0.0, None)
@@ -138,8 +148,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             a.stride(0), g.stride(0), float(eps), float(beta), float(linear_beta), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
-            MR=1 if M == 1 and (norm is not None or glu is not None) else 16,
-            num_warps=warps, num_stages=stages, **pdl(x2))
+            MR=1 if M == 1 and (norm is not None or glu is not None) else 16, t_ptr=t, NT=fp32_tail,
+            st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
+    if fp32_tail:
+        return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
 
 
