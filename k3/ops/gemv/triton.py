@@ -25,12 +25,13 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, sa, sg, eps, beta, linear_beta,
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
+                GS: tl.constexpr = 16,
                 t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
-    accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each CH-column group (a head) with
-    weight nw [CH], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm). HAS_ADD: + add [M, N].
+    accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each GS-column group (a head; a chunk
+    holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm). HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
     the projections of the same input), the others to y [M, N − NT]."""
     pdl_sync(PDL)
@@ -61,10 +62,11 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
             x = (xf * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]).to(dt)
-        if NORM == 2:
-            xf = x.to(tl.float32)
-            rs = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / CH + eps)
-            xf = xf * rs[:, None] * tl.load(nw_ptr + tl.arange(0, CH)).to(tl.float32)[None, :]
+        if NORM == 2:  # the chunk holds CH // GS whole groups (heads): each normalised on its own
+            xg = tl.reshape(x.to(tl.float32), [MR * (CH // GS), GS])
+            rs = 1.0 / tl.sqrt(tl.sum(xg * xg, 1) / GS + eps)
+            xg = xg * rs[:, None] * tl.load(nw_ptr + tl.arange(0, GS)).to(tl.float32)[None, :]
+            xf = tl.reshape(xg, [MR, CH])
             if HAS_GATE:
                 g = tl.load(g_ptr + mr[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
                 xf = xf * tl.sigmoid(g)
@@ -113,7 +115,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
-    (CH = group for a grouped norm). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32), the last t
+    (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32), the last t
     output columns unrounded (no add then)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
@@ -141,14 +143,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     beta, linear_beta = glu if glu is not None else (0.0, 0.0)
     if M and N:
         bn, ch, warps, stages = config or launch(N, K)
-        if group:
-            ch = group
+        if group:  # whole groups per chunk (a chunk of one 128-column head took 2.8x as long: 12 serial chunks)
+            ch = max(ch, group)
         gemv_kernel[(triton.cdiv(N, bn),)](
             x2, w, y, a, g, x2 if nw is None else nw.contiguous(), M, N, K, x2.stride(0), w.stride(0), y.stride(0),
             a.stride(0), g.stride(0), float(eps), float(beta), float(linear_beta), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
-            MR=1 if M == 1 and (norm is not None or glu is not None) else 16, t_ptr=t, NT=fp32_tail,
+            MR=1 if M == 1 and (norm is not None or glu is not None) else 16, GS=group or 16, t_ptr=t, NT=fp32_tail,
             st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
