@@ -25,7 +25,11 @@ from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the 
 # on a prefix hit's 64 rows after 16K cached (k3-small, 2026-12-02) 8 rows x 16 heads, blocks of 64, splits of
 # 2,048, 8 warps took 0.259 ms against 0.334 ms for the former 4 x 16 / 32 / 1,024 (the fastest, 16 rows x 4
 # heads, 0.251 ms, reads each history three times for lone decode rows: one program per block of 4 heads).
-LAUNCH = {"decode": dict(bh=16, bs=32, split=1024, warps=None, stages=None),
+# "decode" from `benchmarks/probe/mla_decode_cfg.py` (H200, 2026-12-03, session 15): blocks of 128 positions with
+# two pipelining stages and 4 warps; a history of 200 (1 or 8 sequences) 17.5 → 6.7 µs, 2,000 (1 sequence) 78.9 →
+# 37.0, 32 sequences of 2,000 86.9 → 45.7, against the former 16 heads / 32 / default stages (the best setting
+# of 36 at each size within 4 %): a batch-1 step's MLA was one program walking its history in 32-row blocks.
+LAUNCH = {"decode": dict(bh=16, bs=128, split=1024, warps=4, stages=2),
           "groups": dict(bh=16, bs=64, split=2048, warps=8, stages=None)}  # with GROUP_ROWS = 8
 # candidates for token runs, with g rows per run (GROUP_ROWS is the g in use); the CUDA tests check each
 SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=None)
