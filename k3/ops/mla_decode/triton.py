@@ -30,7 +30,9 @@ from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the 
 # 37.0, 32 sequences of 2,000 86.9 → 45.7, against the former 16 heads / 32 / default stages (the best setting
 # of 36 at each size within 4 %): a batch-1 step's MLA was one program walking its history in 32-row blocks.
 LAUNCH = {"decode": dict(bh=16, bs=128, split=1024, warps=4, stages=2),
-          "groups": dict(bh=16, bs=64, split=2048, warps=8, stages=None)}  # with GROUP_ROWS = 8
+          "groups": dict(bh=8, bs=128, split=2048, warps=4, stages=2)}  # with GROUP_ROWS = 8
+# "groups" likewise (same probe and day, 64 rows after 16,384 cached): 189.4 → 118.1 µs against the former
+# 16 heads / 64 / 2,048 / 8 warps / default stages, the best of 32 settings
 # candidates for token runs, with g rows per run (GROUP_ROWS is the g in use); the CUDA tests check each
 SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=None)
                 for g, bh in ((4, 16), (8, 8), (16, 4), (8, 16), (16, 8), (32, 4)) for bs in (32, 64)
