@@ -238,7 +238,8 @@ def test_pdl_launch_keywords(monkeypatch):
 
 @cuda
 @pytest.mark.cuda
-def test_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("fused_kda", [False, True], ids=["kda-3-kernels", "kda-fused"])
+def test_cuda_graph_replay_equals_eager(fused_kda, monkeypatch):
     """A bf16 engine (the graphs need the MoE's sync-free grouped path): sequences of several lengths are
     prefilled, then each decode step's graph is replayed and also run eagerly on the same inputs and pool
     (restored in between): logits and every pool byte bitwise equal (but the scratch pages' garbage). Several
@@ -246,6 +247,8 @@ def test_cuda_graph_replay_equals_eager():
     without programmatic dependent launch (the graph's kernels overlap their starts: a missing wait would read
     a buffer before its producer finished)."""
 
+    import k3.ops.kda as kda_ops
+    monkeypatch.setattr(kda_ops, "FUSED_DECODE", fused_kda)  # KDA's decode step in one kernel (K3_KDA_FUSED_DECODE)
     model = make_tiny(seed=6).cuda().to(torch.bfloat16).eval()
     for in_chunk in (True, False):  # with in-chunk checkpoints the engine's own steps capture the first graph
         check_replay_equals_eager(model, in_chunk)
