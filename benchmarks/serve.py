@@ -122,7 +122,7 @@ def with_setting(engine: Engine, module, name: str, value, fn):
     engine's graphs restored after (a before / after in one run): `k3.ops.gemv.MAX_ROWS = 0` (every projection
     through cuBLAS), `k3.ops._triton.PDL = False` (no programmatic dependent launch), `k3.ops.gemv.PROLOGUE =
     True` (norms and SiTU-GLU inside the GEMVs instead of their own kernels), `k3.ops.kda.FUSED_DECODE` flipped
-    (KDA's decode step in one kernel or three)."""
+    (KDA's decode step in one kernel or three), `k3.ops.sampling.GREEDY_KERNEL` flipped (the greedy pick)."""
     old, old_graphs = getattr(module, name), engine.runner.graphs
     setattr(module, name, value)
     engine.runner.graphs = {}
@@ -209,11 +209,14 @@ def run(a) -> dict:
             r["no_gemv_step_ms"] = with_setting(eng, gemv, "MAX_ROWS", 0, again)["step_ms"]
             r["no_pdl_step_ms"] = with_setting(eng, _triton, "PDL", False, again)["step_ms"]
             r["prologue_step_ms"] = with_setting(eng, gemv, "PROLOGUE", True, again)["step_ms"]
-        if eng.runner.use_graphs:  # KDA's f_b, short conv and recurrent step as one kernel (K3_KDA_FUSED_DECODE)
-            from k3.ops import kda as kda_ops
+        if eng.runner.use_graphs:  # KDA's f_b, short conv and recurrent step as one kernel (K3_KDA_FUSED_DECODE);
+            # the greedy pick in two Triton kernels (K3_GREEDY_KERNEL)
+            from k3.ops import kda as kda_ops, sampling as sampling_ops
             again = lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)  # noqa: E731
             r["kda_fused_step_ms"] = with_setting(eng, kda_ops, "FUSED_DECODE", not kda_ops.FUSED_DECODE,
                                                   again)["step_ms"]
+            r["greedy_kernel_step_ms"] = with_setting(eng, sampling_ops, "GREEDY_KERNEL",
+                                                      not sampling_ops.GREEDY_KERNEL, again)["step_ms"]
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -337,6 +340,10 @@ def table(res: dict) -> str:
             from k3.ops import kda as kda_ops
             extra += (f"   (KDA decode in {'three kernels' if kda_ops.FUSED_DECODE else 'one kernel'} "
                       f"{r['kda_fused_step_ms']:.2f} ms)")
+        if "greedy_kernel_step_ms" in r:
+            from k3.ops import sampling as sampling_ops
+            extra += (f"   (greedy pick by {'torch ops' if sampling_ops.GREEDY_KERNEL else 'two kernels'} "
+                      f"{r['greedy_kernel_step_ms']:.2f} ms)")
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")

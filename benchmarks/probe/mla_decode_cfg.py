@@ -24,6 +24,11 @@ from timing import graphed, median_ms  # noqa: E402
 from k3.ops.mla_decode import triton as mla  # noqa: E402
 
 
+def _rel(err) -> str:
+    """A setting's rel RMS against the default, or its error message when it did not run."""
+    return err if isinstance(err, str) else f"{err:.5f}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="mla_decode_cfg.json")
@@ -59,7 +64,7 @@ def main():
         rows.append(dict(n=n, length=length, S=S, default=res[0], best=best))
         print(f"n {n:3d} history {length:5d} (S {S}): default {res[0]['us']:6.2f} us; best "
               + "; ".join(f"{r['cfg']['bh']}/{r['cfg']['bs']}/{r['cfg']['warps']}/{r['cfg']['stages']} "
-                          f"{r['us']:.2f} (rel {r['rel'] if isinstance(r['rel'], str) else round(r['rel'], 5)})"
+                          f"{r['us']:.2f} (rel {_rel(r['rel'])})"
                           for r in best), flush=True)
     # a prefix hit's tail: 64 rows after 16,384 cached, runs of GROUP_ROWS rows sharing one read of each block
     T, hist = 64, 16384
@@ -92,7 +97,7 @@ def main():
     rows.append(dict(tail=T, cached=hist, default=res[0], best=best))
     print(f"tail {T} rows after {hist}: default {res[0]['us']:7.1f} us; best "
           + "; ".join(f"{r['cfg']['bh']}/{r['cfg']['bs']}/{r['cfg']['split']}/{r['cfg']['warps']}/"
-                      f"{r['cfg']['stages']} {r['us']:.1f} (rel {r['rel'] if isinstance(r['rel'], str) else round(r['rel'], 5)})"
+                      f"{r['cfg']['stages']} {r['us']:.1f} (rel {_rel(r['rel'])})"
                       for r in best), flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))
 

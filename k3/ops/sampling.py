@@ -8,16 +8,42 @@ scaled in fp64, so 1e-50 behaves as the limit it is (the argmax).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
 from ._host import to_device
+from ._triton import importable
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """[n] bool: rows holding a NaN or +inf, or only -inf (-inf entries alone are masked tokens)."""
     return ~torch.isfinite(logits.amax(-1))
+
+
+# whether `greedy_pick` takes its Triton kernels on CUDA (K3_GREEDY_KERNEL=1) or the PyTorch ops (the default until
+# measured on a GPU; `benchmarks/serve.py` times both in one run)
+GREEDY_KERNEL = os.environ.get("K3_GREEDY_KERNEL", "0") == "1"
+
+
+def greedy_pick(logits: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] → (argmax ids [n] int64, log p(id) [n] fp32 under log_softmax(logits)), a row that is not
+    finite (`nonfinite_rows`) giving id −1 and log p NaN; on the device, nothing read back. backend "auto": two
+    Triton kernels on CUDA with `GREEDY_KERNEL` (`greedy_triton.py`: one pass over the logits), else (and
+    "torch") these ops, its reference."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"greedy_pick: unknown backend {backend!r}; valid backends are auto, torch, triton")
+    if backend == "triton" or (backend == "auto" and GREEDY_KERNEL and logits.is_cuda and logits.dim() == 2
+                               and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                               and importable(__name__.rsplit(".", 1)[0] + ".greedy_triton")):
+        from .greedy_triton import greedy_pick_triton
+        return greedy_pick_triton(logits if logits.stride(-1) == 1 else logits.contiguous())
+    bad = nonfinite_rows(logits)
+    out = logits.argmax(-1)
+    # log p(token) = logit - logsumexp: one reduction pass, no [n, V] log-softmax written
+    lp = (logits.gather(-1, out[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).float()
+    return torch.where(bad, -1, out), torch.where(bad, float("nan"), lp)
 
 
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

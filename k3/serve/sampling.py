@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sampling import filter_probs, host_tensor, nonfinite_rows
+from ..ops.sampling import filter_probs, greedy_pick, host_tensor, nonfinite_rows
 from .request import SamplingParams
 
 
@@ -40,28 +40,27 @@ def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators
         raise ValueError(f"need one SamplingParams and generator per row ({n}), got {len(params)} and "
                          f"{len(generators)}")
     dev = logits.device
-    bad = nonfinite_rows(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
-    if not rand:  # the common decode batch: one argmax over the logits as they are (no gathered copy)
-        out = logits.argmax(-1)
-    else:
-        out = torch.empty(n, dtype=torch.long, device=dev)
-        if greedy:
-            gi = host_tensor(greedy, dev)
-            out[gi] = logits[gi].argmax(-1)
-        ri = host_tensor(rand, dev)
-        sub = logits[ri]
-        sub = torch.where(bad[ri][:, None], torch.zeros((), device=dev, dtype=sub.dtype), sub)  # failed rows
-        probs = filter_probs(sub, [params[i].temperature for i in rand], [params[i].top_k for i in rand],
-                             [params[i].top_p for i in rand])
-        shared = [j for j, i in enumerate(rand) if generators[i] is None]
-        if shared:
-            sj = host_tensor(shared, dev)
-            out[ri[sj]] = torch.multinomial(probs[sj], 1).squeeze(-1)
-        for j, i in enumerate(rand):
-            if generators[i] is not None:
-                out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if not rand:  # the common decode batch: argmax and its log-prob in one pass (two kernels on CUDA)
+        return greedy_pick(logits)
+    bad = nonfinite_rows(logits)
+    out = torch.empty(n, dtype=torch.long, device=dev)
+    if greedy:
+        gi = host_tensor(greedy, dev)
+        out[gi] = logits[gi].argmax(-1)
+    ri = host_tensor(rand, dev)
+    sub = logits[ri]
+    sub = torch.where(bad[ri][:, None], torch.zeros((), device=dev, dtype=sub.dtype), sub)  # failed rows
+    probs = filter_probs(sub, [params[i].temperature for i in rand], [params[i].top_k for i in rand],
+                         [params[i].top_p for i in rand])
+    shared = [j for j, i in enumerate(rand) if generators[i] is None]
+    if shared:
+        sj = host_tensor(shared, dev)
+        out[ri[sj]] = torch.multinomial(probs[sj], 1).squeeze(-1)
+    for j, i in enumerate(rand):
+        if generators[i] is not None:
+            out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     # log p(token) = logit - logsumexp: one reduction pass, no [n, V] log-softmax written
     lp = logits.gather(-1, out[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     return torch.where(bad, -1, out), torch.where(bad, float("nan"), lp)

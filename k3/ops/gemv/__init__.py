@@ -26,8 +26,9 @@ __all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "MAX_ROWS"]
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
 # whether the norm / SiTU-GLU prologues run inside the GEMV (K3_GEMV_PROLOGUE=1) or as their own kernels before it
-# (the default). Off until measured in its one-row form: with the prologue math on the MMA tile's 16 rows, the
-# batch-1 step took 2.24 ms against 1.62 ms with the separate kernels (H200, 2026-12-03, `benchmarks/serve.py`).
+# (the default). H200, 2026-12-03: on the MMA tile's 16 rows the batch-1 step took 2.24 ms against 1.62 ms; in
+# the one-row form each use alone is 1.0-1.23x as fast as norm kernel + GEMV (`benchmarks/probe/gemv_prologue.py`),
+# but the whole step gained nothing (1.31 / 1.28 ms against 1.29 / 1.25 ms in two runs of `benchmarks/serve.py`).
 PROLOGUE = os.environ.get("K3_GEMV_PROLOGUE", "0") == "1"
 MAX_K = 4096  # longer rows go to cuBLAS (k3-small's dense down projection, K 6,144: 10.1 us against 11.0 on the H200)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -31,7 +31,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
     accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each GS-column group (a head; a chunk
-    holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm). HAS_ADD: + add [M, N].
+    holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
+    HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
     the projections of the same input), the others to y [M, N − NT]."""
     pdl_sync(PDL)
@@ -115,8 +116,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
-    (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32), the last t
-    output columns unrounded (no add then)."""
+    (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
+    the last t output columns unrounded (no add then)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
