@@ -160,6 +160,67 @@ def test_engine_with_the_kernel_equals_the_gathered_path():
         assert d <= 1e-4, d
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["copy", "norm"])
+def test_latent_write_kernel_equals_the_plain_ops(dtype, with_norm):
+    """`write_latents` (the Triton kernel; the interpreter here, CUDA there) against the plain ops (RMSNorm,
+    cat, index_put) on a strided per-layer view of a pool, c and k_pe row slices of one projection: the copy
+    bitwise; with the norm within 1e-6 in fp32 (its sums in another order) and one rounding in bf16; every
+    other row untouched; bad shapes are named."""
+    from k3.ops.mla_decode import write_latents
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(9)
+    C, R, N = 40, 8, 5
+    pool = torch.randn(6, 2, 4, C + R, generator=g).to(dtype).to(dev)
+    proj = (torch.randn(N, C + R + 3, generator=g) * 2).to(dtype).to(dev)
+    c, k_pe = proj[:, :C], proj[:, C:C + R]
+    pages = torch.tensor([5, 0, 2, 2, 3], device=dev)
+    offs = torch.tensor([1, 3, 0, 2, 3], device=dev)
+    norm = ((torch.rand(C, generator=g) + 0.5).to(dtype).to(dev), 1e-6) if with_norm else None
+    a, b = pool.clone(), pool.clone()
+    write_latents(a[:, 1], pages, offs, c, k_pe, norm, backend="triton")
+    write_latents(b[:, 1], pages, offs, c, k_pe, norm, backend="reference")
+    if not with_norm:
+        assert torch.equal(a, b)
+    else:  # fp32: the norm's sums in another order (1e-6); bf16: one rounding of the normalised value
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+    keep = torch.ones(6, 4, dtype=torch.bool, device=dev)
+    keep[pages, offs] = False
+    assert torch.equal(a[:, 0], pool[:, 0]) and torch.equal(a[:, 1][keep], pool[:, 1][keep])
+    assert not torch.equal(a, pool)
+    with pytest.raises(ValueError, match="write_latents"):
+        write_latents(a[:, 1], pages, offs, c, k_pe[:, :-1], norm)
+
+
+def test_engine_with_the_fused_latent_write_equals_the_plain_write(monkeypatch):
+    """K3_MLA_FUSED_WRITE: the engine's MLA layers write the latent norm and rows in one kernel (forced through
+    the interpreter here); fp32 greedy tokens and logits (1e-5) equal the plain path's."""
+    import k3.ops.mla_decode as mla_ops
+    model = make_tiny(seed=4)
+    prompts = [[(5 * i + 2 * j) % 4000 for j in range(6 + 7 * i)] for i in range(3)]
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    cfg = EngineConfig(block_size=8, hash_block_size=4, num_pages=64, record_logits=True)
+    eng = Engine(model, cfg)
+    ref = eng.generate(prompts, sp)
+    seen = []
+    real = mla_ops.write_latents
+
+    def spy(*a, **k):
+        seen.append(a[-1] is not None)
+        return real(*a, **k, backend="triton")
+
+    monkeypatch.setattr(mla_ops, "FUSED_WRITE", True)
+    monkeypatch.setattr("k3.model.paged_cache.write_latents", spy)
+    fused = Engine(model, cfg)
+    out = fused.generate(prompts, sp)
+    assert seen and all(seen)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for x, y in zip(ref, out):
+        assert (torch.stack(eng.recorded_logits[x.request_id]) -
+                torch.stack(fused.recorded_logits[y.request_id])).abs().max() <= 1e-5
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
+from ..ops import mla_decode as mla_ops
 from ..ops.attention import chunk_attention, doc_causal_attention
 from ..ops.gemv import linear
 from ..ops.mla_decode import paged_mla_decode, triton_reason
@@ -188,9 +189,13 @@ class MLAttention(nn.Module):
         causal aligned to the last key (query t sits at position start + t)."""
         b = cache.batch
         nd = b.num_decode
-        q, c, k_pe, gate = self._project_paged(x)
+        # the latent norm inside the page write (K3_MLA_FUSED_WRITE=1): c is then used by nothing else, but a
+        # prefill graph attends its chunk from c itself
+        fused = mla_ops.FUSED_WRITE and not b.graph_prefill
+        q, c, k_pe, gate = self._project_paged(x, norm_latent=not fused)
         q = q[0]  # [N, H, Dq]
-        cache.write_latents(c[0], k_pe[0])
+        kn = self.kv_a_layernorm
+        cache.write_latents(c[0], k_pe[0], norm=(kn.weight, kn.eps) if fused else None)
         if b.graph_prefill:  # one sequence's chunk padded at its end (a prefill graph)
             return self._finish(x, self._attend_chunk(q, c, k_pe, cache)[None], gate, residual)
         parts = []
@@ -232,11 +237,12 @@ class MLAttention(nn.Module):
         k, v = self.expand_kv(*rows[None].split([self.kv_lora_rank, self.rope], dim=-1))
         return chunk_attention(q, k[0], v[0], b.key_len, self.scale)
 
-    def _project_paged(self, x: torch.Tensor):
+    def _project_paged(self, x: torch.Tensor, norm_latent: bool = True):
         """x [1, N, D] → (q [1, N, H, Dq], c, k_pe, output-gate logits or None). Without autograd the projections
         of x (q_a or q, kv_a, g) run as one GEMM over their joined weights (cached, `joined_weight`): one
-        kernel instead of three in a decode step; with it, `project_q` / `project_latent` as in training."""
-        if torch.is_grad_enabled():
+        kernel instead of three in a decode step; with it, `project_q` / `project_latent` as in training.
+        norm_latent False: c before `kv_a_layernorm` (the page write applies it)."""
+        if torch.is_grad_enabled() and norm_latent:
             return (self.project_q(x), *self.project_latent(x), None)
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         parts = [first.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if self.g_proj is not None
@@ -249,8 +255,8 @@ class MLAttention(nn.Module):
         if not hasattr(self, "q_proj"):
             qn = self.q_a_layernorm
             q = linear(q, self.q_b_proj.weight, norm=(qn.weight, qn.eps, None))  # q_a_layernorm: its prologue
-        return (q.reshape(*x.shape[:2], self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
-                gate if self.g_proj is not None else None)
+        return (q.reshape(*x.shape[:2], self.num_heads, self.nope + self.rope),
+                self.kv_a_layernorm(c) if norm_latent else c, k_pe, gate if self.g_proj is not None else None)
 
     def _decode_paged(self, q: torch.Tensor, cache: PagedLayerCache) -> torch.Tensor:
         """The leading single-token documents (decodes), q [nd, H, Dq] → [nd, H, V], absorbed: the paged kernel

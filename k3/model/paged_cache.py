@@ -26,7 +26,7 @@ import torch
 from ..ops._host import to_device
 from ..ops.conv import CONV_TILE, conv_tiles
 from ..ops.kda import STATES_AT_MULTIPLE, chunk_slots, extend_in_chunks
-from ..ops.mla_decode import GROUP_ROWS
+from ..ops.mla_decode import GROUP_ROWS, write_latents
 
 
 @dataclass
@@ -356,11 +356,15 @@ class PagedLayerCache:
         self.pc.state[:, self.j][pages] = states.to(self.pc.state.dtype)
 
     # ---- MLA -------------------------------------------------------------------------------------------
-    def write_latents(self, c: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """c [N, C], k_pe [N, R] of the new tokens → their (page, row)."""
-        kv = self.pc.mla[:, self.j]
+    def write_latents(self, c: torch.Tensor, k_pe: torch.Tensor, norm: tuple | None = None) -> None:
+        """c [N, C], k_pe [N, R] of the new tokens → their (page, row); norm = (weight, eps): c is the raw
+        projection, RMS-normalised on the way (`k3.ops.mla_decode.write_latents`: one kernel with it on CUDA)."""
         b = self.batch
-        kv[b.tok_page, b.tok_off] = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
+        if norm is None:
+            kv = self.pc.mla[:, self.j]
+            kv[b.tok_page, b.tok_off] = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
+        else:
+            write_latents(self.pc.mla[:, self.j], b.tok_page, b.tok_off, c, k_pe, norm)
 
     def mla_pool(self) -> torch.Tensor:
         """[P, page_size, C + R]: this layer's latent rows of every page (a strided view of the pool)."""

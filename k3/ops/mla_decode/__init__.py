@@ -10,6 +10,8 @@ the [n, S, C + R] rows and computes in fp32 (fp64 for fp64 inputs): the oracle),
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .._compile import eager_op
@@ -18,6 +20,9 @@ from .._triton import device_reason
 GROUP_ROWS = 8  # rows per run of `groups` (one Triton program each; `triton.LAUNCH['groups']`)
 
 BACKENDS = ("auto", "triton", "reference")
+# whether an MLA layer of the engine writes its new latent rows with the latent RMSNorm in the same kernel
+# (`write_latents` with norm; K3_MLA_FUSED_WRITE=1) or as norm, cat and index_put (the default until measured)
+FUSED_WRITE = os.environ.get("K3_MLA_FUSED_WRITE", "0") == "1"
 
 
 def paged_mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
@@ -91,3 +96,29 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, 
         raise ValueError(f"paged_mla_decode: backend 'triton' cannot run here: {why}")
     from .triton import paged_mla_decode_triton
     return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale, out, groups)
+
+
+@eager_op
+def write_latents(kv: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
+                  norm: tuple | None = None, backend: str = "auto") -> None:
+    """The new tokens' latent rows into a layer's pool, in place: kv [P, page_size, C + R] (a strided view is
+    fine, rows contiguous), pages / offs [N] each token's (page, row), c [N, C] and k_pe [N, R] (rows may be
+    strided). norm = (weight [C], eps): c is the raw projection and is RMS-normalised first (`k3.ops.norm.rms_norm`,
+    rounded to c's dtype). backend "auto": one Triton kernel on CUDA, else (and "reference") the plain ops."""
+    if backend not in BACKENDS:
+        raise ValueError(f"write_latents: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    N, C = c.shape
+    if k_pe.dim() != 2 or k_pe.shape[0] != N or kv.dim() != 3 or kv.shape[2] != C + k_pe.shape[1] \
+            or kv.stride(2) != 1 or pages.shape != (N,) or offs.shape != (N,):
+        raise ValueError(f"write_latents: need c [N, C], k_pe [N, R], kv [P, page_size, C + R] with contiguous rows "
+                         f"and pages / offs [N], got {tuple(c.shape)}, {tuple(k_pe.shape)}, {tuple(kv.shape)} "
+                         f"(strides {kv.stride()}), {tuple(pages.shape)}, {tuple(offs.shape)}")
+    if backend == "auto":
+        backend = "triton" if kv.is_cuda and triton_reason(kv) is None else "reference"
+    if backend == "triton" and c.stride(-1) == 1 and k_pe.stride(-1) == 1:
+        from .triton import write_latents_triton
+        return write_latents_triton(kv, pages, offs, c, k_pe, norm)
+    if norm is not None:
+        from ..norm import rms_norm
+        c = rms_norm(c, norm[0], norm[1])
+    kv[pages, offs] = torch.cat([c, k_pe], dim=-1).to(kv.dtype)

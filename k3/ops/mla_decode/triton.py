@@ -167,3 +167,39 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
         return res
     out.copy_(res)
     return out
+
+
+@triton.jit
+def latent_write_kernel(c_ptr, kp_ptr, w_ptr, kv_ptr, page_ptr, off_ptr, C, R, sc, skp, s_page, s_row, eps,
+                        BC: tl.constexpr, BR: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Program t: the new token's latent row c ‖ k_pe into the pool at (page[t], off[t]); NORM: c is the raw
+    projection and gets the latent RMSNorm first (fp32, rounded to c's dtype as the norm kernel stores it)."""
+    pdl_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cc = tl.arange(0, BC)
+    rr = tl.arange(0, BR)
+    cm = cc < C
+    rm = rr < R
+    c = tl.load(c_ptr + t * sc + cc, mask=cm, other=0.0)
+    if NORM:
+        cf = c.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(cf * cf, 0) / C + eps)
+        c = (cf * r * tl.load(w_ptr + cc, mask=cm, other=0.0).to(tl.float32)).to(c_ptr.dtype.element_ty)
+    kp = tl.load(kp_ptr + t * skp + rr, mask=rm, other=0.0)
+    row = kv_ptr + tl.load(page_ptr + t).to(tl.int64) * s_page + tl.load(off_ptr + t).to(tl.int64) * s_row
+    tl.store(row + cc, c.to(kv_ptr.dtype.element_ty), mask=cm)
+    tl.store(row + C + rr, kp.to(kv_ptr.dtype.element_ty), mask=rm)
+
+
+def write_latents_triton(kv: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
+                         k_pe: torch.Tensor, norm: tuple | None = None) -> None:
+    """See `k3.ops.mla_decode.write_latents` (inputs checked there)."""
+    N, C = c.shape
+    R = k_pe.shape[1]
+    if N == 0:
+        return
+    w, eps = norm if norm is not None else (c, 0.0)
+    latent_write_kernel[(N,)](c, k_pe, w.contiguous(), kv, pages.contiguous(), offs.contiguous(), C, R, c.stride(0),
+                              k_pe.stride(0), kv.stride(0), kv.stride(1), float(eps),
+                              BC=max(16, triton.next_power_of_2(C)), BR=max(16, triton.next_power_of_2(R)),
+                              NORM=norm is not None, num_warps=1 if C + R <= 512 else 4, **pdl(c))
