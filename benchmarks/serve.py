@@ -123,7 +123,8 @@ def with_setting(engine: Engine, module, name: str, value, fn):
     through cuBLAS), `k3.ops._triton.PDL = False` (no programmatic dependent launch), `k3.ops.gemv.PROLOGUE =
     True` (norms and SiTU-GLU inside the GEMVs instead of their own kernels), `k3.ops.kda.FUSED_DECODE` flipped
     (KDA's decode step in one kernel or three), `k3.ops.sampling.GREEDY_KERNEL` flipped (the greedy pick),
-    `k3.ops.mla_decode.FUSED_WRITE` flipped (MLA's latent norm inside its page write)."""
+    `k3.ops.mla_decode.FUSED_WRITE` flipped (MLA's latent norm inside its page write),
+    `k3.ops.attn_res.pending.IN_GEMV` flipped (each batch-1 AttnRes mix formed inside its GEMV)."""
     old, old_graphs = getattr(module, name), engine.runner.graphs
     setattr(module, name, value)
     engine.runner.graphs = {}
@@ -221,6 +222,9 @@ def run(a) -> dict:
             from k3.ops import mla_decode as mla_ops  # MLA's latent norm inside the page write
             r["mla_write_step_ms"] = with_setting(eng, mla_ops, "FUSED_WRITE", not mla_ops.FUSED_WRITE,
                                                   again)["step_ms"]
+        if b == 1 and eng.runner.use_graphs:  # each AttnRes mix formed inside its GEMV (K3_ATTN_RES_IN_GEMV)
+            from k3.ops.attn_res import pending
+            r["mix_in_gemv_step_ms"] = with_setting(eng, pending, "IN_GEMV", not pending.IN_GEMV, again)["step_ms"]
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -352,6 +356,10 @@ def table(res: dict) -> str:
             from k3.ops import mla_decode as mla_ops
             extra += (f"   (MLA latent write {'plain' if mla_ops.FUSED_WRITE else 'with its norm'} "
                       f"{r['mla_write_step_ms']:.2f} ms)")
+        if "mix_in_gemv_step_ms" in r:
+            from k3.ops.attn_res import pending
+            extra += (f"   (AttnRes mixes {'by their own kernels' if pending.IN_GEMV else 'in the GEMVs'} "
+                      f"{r['mix_in_gemv_step_ms']:.2f} ms)")
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")

@@ -61,6 +61,58 @@ def test_gemv_fp32_tail_matches_fp64(M, N, tail, dtype):
         assert a.dtype == b.dtype and rel_rmse(a.double(), b.cpu()) <= (1e-6 if a.dtype == torch.float32 else 8e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_src,tail", [(3, 0), (5, 6)])
+def test_gemv_mix_matches_attn_res_norm_then_linear(n_src, tail, dtype):
+    """The GEMV that forms its one input row as RMSNorm(AttnRes(sources)) (a decode step's mix; sources read
+    through a pointer table, several column chunks, K not a multiple of the chunk) against `attn_res_norm` then
+    fp64 `F.linear`: fp32 within 1e-5, bf16 within 1e-2 (the normalised row rounds at another point: h ⊙ nw
+    enters the product, the norm's rstd scales the sum); with an fp32 tail (the router's logits) the tail within
+    1e-5 of fp64 on the mix as formed."""
+    from k3.ops.attn_res import attn_res_norm
+    g = rng(n_src * 10 + tail)
+    K, N = 72, 40
+    srcs = [(torch.randn(1, K, generator=g) * (1 + i)).to(dtype).to(DEV) for i in range(n_src)]
+    query, nw, ow = (torch.randn(1, K, generator=g) * 0.3, torch.rand(K, generator=g) + 0.5,
+                     torch.rand(K, generator=g) + 0.5)
+    query, nw, ow = (t.to(dtype).to(DEV) for t in (query, nw, ow))
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).to(DEV)
+    x = attn_res_norm(srcs, query, nw, 1e-6, ow, 1e-5, backend="torch")
+    ref = F.linear(x.double(), w.double())
+    with torch.no_grad():
+        out = gemv_triton.gemv_mix(srcs, query, nw, 1e-6, ow, 1e-5, w, fp32_tail=tail, config=(16, 32, 4, 2))
+    y, t = out if tail else (out, None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert y.shape == (1, N - tail) and y.dtype == dtype
+    assert rel_rmse(ref[:, :N - tail], y.cpu()) <= tol
+    if tail:
+        assert t.dtype == torch.float32 and rel_rmse(ref[:, N - tail:], t.cpu()) <= tol
+    with pytest.raises(ValueError, match="one row"):
+        gemv_triton.gemv_mix([s.expand(2, K) for s in srcs], query, nw, 1e-6, ow, 1e-5, w)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_gemv_mix_k3_small_bf16():
+    """k3-small's widths in bf16 (9 sources of 1,536, the KDA layer's joined 6,336-row projection and the MoE's
+    2,848 rows with the router's 32 as the fp32 tail): the mix formed in the GEMV against `attn_res_norm` then
+    the GEMV kernel, within 1e-2."""
+    from k3.ops.attn_res import attn_res_norm
+    g = rng(11)
+    K = 1536
+    srcs = [(torch.randn(1, K, generator=g) * (1 + i)).cuda().bfloat16() for i in range(9)]
+    query = (torch.randn(1, K, generator=g) * 0.05).cuda().bfloat16()
+    nw, ow = ((torch.rand(K, generator=g) + 0.5).cuda().bfloat16() for _ in range(2))
+    with torch.no_grad():
+        x = attn_res_norm(srcs, query, nw, 1e-6, ow, 1e-5)
+        for N, tail in ((6336, 0), (2848, 32)):
+            w = (torch.randn(N, K, generator=g) * K ** -0.5).cuda().bfloat16()
+            ref = gemv_triton.gemv(x, w, torch.float32)
+            out = gemv_triton.gemv_mix(srcs, query, nw, 1e-6, ow, 1e-5, w, fp32_tail=tail)
+            got = torch.cat([out[0].float(), out[1]], -1) if tail else out.float()
+            assert rel_rmse(ref.double(), got.double()) <= 1e-2
+
+
 def test_gemv_reads_strided_weights_and_keeps_leading_dims():
     """A weight that is a row slice of a wider matrix (row stride > K) and x [B, T, K] → [B, T, N]."""
     g = rng(7)

@@ -166,3 +166,86 @@ def _rows(t: torch.Tensor | None, M: int, width: int, name: str, default: torch.
         raise ValueError(f"gemv: {name} has shape {tuple(t.shape)}, expected {M} x {width} values")
     t = t.reshape(M, width)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def gemv_mix_kernel(src_tab, rw_ptr, q_ptr, nw_ptr, w_ptr, y_ptr, t_ptr, N, NSRC, sw, eps, out_eps,
+                    K: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, NP: tl.constexpr, IEEE: tl.constexpr,
+                    NT: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """One row x = RMSNorm(AttnRes(sources)) (weights nw, out_eps), formed as the GEMV loads it, times W [N, K]:
+    a decode step's mix and the sublayer's input projection in one kernel (`k3.ops.attn_res.attn_res_norm`
+    then `gemv_kernel` otherwise). Pass 1 over K: each source's Σ v² and Σ v·(rw ⊙ q) give the scores and α;
+    pass 2 with the weights: h = Σ α_i v_i rounded to the dtype (as the AttnRes kernel stores it), h ⊙ nw
+    rounded into the product, and Σ h² scales the accumulator by the norm's rstd at the end (the norm is linear
+    in the product, as NORM 1 of `gemv_kernel`). Sources through the int64 pointer table src_tab [NSRC]."""
+    pdl_sync(PDL)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = rows < N
+    i = tl.arange(0, NP)
+    im = i < NSRC
+    dt = w_ptr.dtype.element_ty
+    src = tl.multiple_of(tl.load(src_tab + i, mask=im, other=0).to(tl.pointer_type(dt)), 16)
+    ss = tl.zeros([NP], tl.float32)
+    dq = tl.zeros([NP], tl.float32)
+    for c0 in tl.static_range(0, K, CH):  # pass 1: the sources' statistics (every chunk's loads in flight)
+        cols = c0 + tl.arange(0, CH)
+        cm = cols < K
+        v = tl.load(src[:, None] + cols[None, :], mask=im[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        qv = tl.load(rw_ptr + cols, mask=cm, other=0.0).to(tl.float32) * \
+            tl.load(q_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        ss += tl.sum(v * v, 1)
+        dq += tl.sum(v * qv[None, :], 1)
+    s = tl.where(im, dq / tl.sqrt(ss / K + eps), float("-inf"))
+    p = tl.exp(s - tl.max(s, 0))
+    a = p / tl.sum(p, 0)
+    m = tl.arange(0, 16)
+    acc = tl.zeros([16, BN], tl.float32)
+    sh = tl.zeros([CH], tl.float32)
+    r64 = rows[:, None].to(tl.int64)
+    for c0 in range(0, K, CH):  # pass 2: the mix, its norm weight, the product (weight loads pipelined)
+        cols = c0 + tl.arange(0, CH)
+        cm = cols < K
+        v = tl.load(src[:, None] + cols[None, :], mask=im[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        h = tl.sum(a[:, None] * v, 0).to(dt).to(tl.float32)
+        sh += h * h
+        x = (h * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(dt)
+        xt = tl.where(m[:, None] == 0, x[None, :], tl.zeros([16, CH], dt))
+        w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(w))
+    y = tl.sum(tl.where(m[:, None] == 0, acc, 0.0), 0) / tl.sqrt(tl.sum(sh, 0) / K + out_eps)  # row 0: [BN]
+    if NT > 0:
+        tl.store(t_ptr + rows - (N - NT), y, mask=rm & (rows >= N - NT))
+        rm = rm & (rows < N - NT)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rm)
+
+
+MIX_MAX_TILE = 16384  # sources x chunk elements one program loads at once in the mix's first pass
+
+
+def gemv_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+             out_weight: torch.Tensor, out_eps: float, w: torch.Tensor, fp32_tail: int = 0,
+             config: tuple[int, int, int, int] | None = None):
+    """rms_norm(attn_res(sources, query, norm_weight, eps), out_weight, out_eps) @ w^T for ONE row: sources are
+    [1, K] / [K] contiguous tensors of w's dtype; → y [1, N] (or (y [1, N − t], tail [1, t] fp32) with
+    fp32_tail = t, the router's logits as in `gemv`). `config`: (BN, CH, warps, stages), else `launch(N, K)`."""
+    from ..attn_res.triton import _table
+    N, K = w.shape
+    if any(t.numel() != K for t in sources) or query.numel() != K or norm_weight.numel() != K \
+            or out_weight.numel() != K:
+        raise ValueError(f"gemv_mix: sources, query and norm weights must hold one row of {K} values")
+    if fp32_tail and not 0 < fp32_tail < N:
+        raise ValueError(f"gemv_mix: fp32_tail={fp32_tail} needs 0 < tail < N = {N}")
+    y = torch.empty(1, N - fp32_tail, dtype=w.dtype, device=w.device)
+    t = torch.empty(1, fp32_tail, dtype=torch.float32, device=w.device) if fp32_tail else y
+    bn, ch, warps, stages = config or launch(N, K)
+    NP = max(2, triton.next_power_of_2(len(sources)))
+    ch = max(16, min(ch, MIX_MAX_TILE // NP))
+    gemv_mix_kernel[(triton.cdiv(N, bn),)](
+        _table([s.data_ptr() for s in sources], w.device), norm_weight.reshape(-1).contiguous(),
+        query.reshape(-1).contiguous(), out_weight.contiguous(), w, y, t, N, len(sources), w.stride(0), float(eps),
+        float(out_eps), K=K, BN=bn, CH=ch, NP=NP, IEEE=w.dtype == torch.float32 or not w.is_cuda, NT=fp32_tail,
+        num_warps=warps, num_stages=stages, **pdl(y))
+    return (y, t) if fp32_tail else y
