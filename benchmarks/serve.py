@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -117,14 +118,24 @@ def no_extend_graphs(engine: Engine):
         engine.runner.use_extend_graphs = True
 
 
+# decode switches that `run` flips in the same run: result key → (module, flag, batch 1 only, what the step does
+# with the flag on, with it off)
+SWITCHES = {
+    "kda_fused_step_ms": ("k3.ops.kda", "FUSED_DECODE", False, "KDA decode in one kernel", "KDA decode in three"),
+    "greedy_kernel_step_ms": ("k3.ops.sampling", "GREEDY_KERNEL", False, "greedy pick by two kernels",
+                              "greedy pick by torch ops"),
+    "mla_write_step_ms": ("k3.ops.mla_decode", "FUSED_WRITE", False, "MLA latent write with its norm",
+                          "MLA latent write plain"),
+    "mix_in_gemv_step_ms": ("k3.ops.attn_res.pending", "IN_GEMV", True, "AttnRes mixes in the GEMVs",
+                            "AttnRes mixes by their own kernels"),
+}
+
+
 def with_setting(engine: Engine, module, name: str, value, fn):
     """fn() with `module.name` set to value and the engine's graphs captured afresh, the setting and the
     engine's graphs restored after (a before / after in one run): `k3.ops.gemv.MAX_ROWS = 0` (every projection
     through cuBLAS), `k3.ops._triton.PDL = False` (no programmatic dependent launch), `k3.ops.gemv.PROLOGUE =
-    True` (norms and SiTU-GLU inside the GEMVs instead of their own kernels), `k3.ops.kda.FUSED_DECODE` flipped
-    (KDA's decode step in one kernel or three), `k3.ops.sampling.GREEDY_KERNEL` flipped (the greedy pick),
-    `k3.ops.mla_decode.FUSED_WRITE` flipped (MLA's latent norm inside its page write),
-    `k3.ops.attn_res.pending.IN_GEMV` flipped (each batch-1 AttnRes mix formed inside its GEMV)."""
+    True` (norms and SiTU-GLU inside the GEMVs instead of their own kernels), and each of `SWITCHES` flipped."""
     old, old_graphs = getattr(module, name), engine.runner.graphs
     setattr(module, name, value)
     engine.runner.graphs = {}
@@ -211,20 +222,12 @@ def run(a) -> dict:
             r["no_gemv_step_ms"] = with_setting(eng, gemv, "MAX_ROWS", 0, again)["step_ms"]
             r["no_pdl_step_ms"] = with_setting(eng, _triton, "PDL", False, again)["step_ms"]
             r["prologue_step_ms"] = with_setting(eng, gemv, "PROLOGUE", True, again)["step_ms"]
-        if eng.runner.use_graphs:  # KDA's f_b, short conv and recurrent step as one kernel (K3_KDA_FUSED_DECODE);
-            # the greedy pick in two Triton kernels (K3_GREEDY_KERNEL)
-            from k3.ops import kda as kda_ops, sampling as sampling_ops
+        if eng.runner.use_graphs:  # the decode switches not on by default yet, each flipped in the same run
             again = lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)  # noqa: E731
-            r["kda_fused_step_ms"] = with_setting(eng, kda_ops, "FUSED_DECODE", not kda_ops.FUSED_DECODE,
-                                                  again)["step_ms"]
-            r["greedy_kernel_step_ms"] = with_setting(eng, sampling_ops, "GREEDY_KERNEL",
-                                                      not sampling_ops.GREEDY_KERNEL, again)["step_ms"]
-            from k3.ops import mla_decode as mla_ops  # MLA's latent norm inside the page write
-            r["mla_write_step_ms"] = with_setting(eng, mla_ops, "FUSED_WRITE", not mla_ops.FUSED_WRITE,
-                                                  again)["step_ms"]
-        if b == 1 and eng.runner.use_graphs:  # each AttnRes mix formed inside its GEMV (K3_ATTN_RES_IN_GEMV)
-            from k3.ops.attn_res import pending
-            r["mix_in_gemv_step_ms"] = with_setting(eng, pending, "IN_GEMV", not pending.IN_GEMV, again)["step_ms"]
+            for key, (module, name, batch1, _, _) in SWITCHES.items():
+                mod = importlib.import_module(module)
+                if b == 1 or not batch1:
+                    r[key] = with_setting(eng, mod, name, not getattr(mod, name), again)["step_ms"]
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -344,22 +347,10 @@ def table(res: dict) -> str:
             extra += f"   (without PDL {r['no_pdl_step_ms']:.2f} ms)"
         if "prologue_step_ms" in r:
             extra += f"   (norms and SiTU in the GEMVs' prologues {r['prologue_step_ms']:.2f} ms)"
-        if "kda_fused_step_ms" in r:
-            from k3.ops import kda as kda_ops
-            extra += (f"   (KDA decode in {'three kernels' if kda_ops.FUSED_DECODE else 'one kernel'} "
-                      f"{r['kda_fused_step_ms']:.2f} ms)")
-        if "greedy_kernel_step_ms" in r:
-            from k3.ops import sampling as sampling_ops
-            extra += (f"   (greedy pick by {'torch ops' if sampling_ops.GREEDY_KERNEL else 'two kernels'} "
-                      f"{r['greedy_kernel_step_ms']:.2f} ms)")
-        if "mla_write_step_ms" in r:
-            from k3.ops import mla_decode as mla_ops
-            extra += (f"   (MLA latent write {'plain' if mla_ops.FUSED_WRITE else 'with its norm'} "
-                      f"{r['mla_write_step_ms']:.2f} ms)")
-        if "mix_in_gemv_step_ms" in r:
-            from k3.ops.attn_res import pending
-            extra += (f"   (AttnRes mixes {'by their own kernels' if pending.IN_GEMV else 'in the GEMVs'} "
-                      f"{r['mix_in_gemv_step_ms']:.2f} ms)")
+        for key, (module, name, _, on, off) in SWITCHES.items():
+            if key in r:  # the switch flipped from its setting in this process
+                flipped = on if not getattr(importlib.import_module(module), name) else off
+                extra += f"   ({flipped} {r[key]:.2f} ms)"
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")
