@@ -129,11 +129,12 @@ class LatentMoE(nn.Module):
         res = None if residual is None else residual.reshape(-1, shape[-1])
         if self.shared_experts is None:
             return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm).reshape(shape)
-        if not joined:
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
             out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + sh(xf)).reshape(shape)
             return out if residual is None else residual + out
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
-        return linear(y, self.routed_expert_up_proj.weight, add=sh.down(gate_up, res), norm=norm).reshape(shape)
+        shared = sh.down(gate_up, res) if joined else sh(xf, res)
+        return linear(y, self.routed_expert_up_proj.weight, add=shared, norm=norm).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)
