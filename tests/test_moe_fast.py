@@ -341,6 +341,13 @@ def test_latent_moe_inference_joins_the_input_projections(rows):
         assert rel_rmse(ref, got) <= 1e-12
         with torch.no_grad():  # a weight update: the cached joined weight is rebuilt
             moe.shared_experts.up_proj.weight.mul_(1.5)
+    moe.gate.weight.data = moe.gate.weight.data.float()  # a router of another dtype: nothing joined, the shared
+    moe.__dict__["_joined_weights"].clear()              # experts still folded into the up projection's sum
+    with torch.enable_grad():
+        ref = moe(x, res).detach()
+    with torch.no_grad():
+        got = moe(x, res)
+    assert not moe.__dict__["_joined_weights"] and rel_rmse(ref, got) <= 1e-12
 
 
 def test_experts_forward_grouped_matches_loop_fp32_cpu():
