@@ -208,7 +208,7 @@ def test_engine_with_the_fused_latent_write_equals_the_plain_write(monkeypatch):
 
     def spy(*a, **k):
         seen.append(a[-1] is not None)
-        return real(*a, **k, backend="triton")
+        return real(*a, **{**k, "backend": "triton"})
 
     monkeypatch.setattr(mla_ops, "FUSED_WRITE", True)
     monkeypatch.setattr("k3.model.paged_cache.write_latents", spy)

@@ -359,12 +359,9 @@ class PagedLayerCache:
     def write_latents(self, c: torch.Tensor, k_pe: torch.Tensor, norm: tuple | None = None) -> None:
         """c [N, C], k_pe [N, R] of the new tokens → their (page, row); norm = (weight, eps): c is the raw
         projection, RMS-normalised on the way (`k3.ops.mla_decode.write_latents`: one kernel with it on CUDA)."""
-        b = self.batch
-        if norm is None:
-            kv = self.pc.mla[:, self.j]
-            kv[b.tok_page, b.tok_off] = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
-        else:
-            write_latents(self.pc.mla[:, self.j], b.tok_page, b.tok_off, c, k_pe, norm)
+        b = self.batch  # without the norm: the plain ops (the kernel is measured only with it, K3_MLA_FUSED_WRITE)
+        write_latents(self.pc.mla[:, self.j], b.tok_page, b.tok_off, c, k_pe, norm,
+                      backend="auto" if norm is not None else "reference")
 
     def mla_pool(self) -> torch.Tensor:
         """[P, page_size, C + R]: this layer's latent rows of every page (a strided view of the pool)."""

@@ -39,8 +39,12 @@ def greedy_pick(logits: torch.Tensor, backend: str = "auto") -> tuple[torch.Tens
                                and importable(__name__.rsplit(".", 1)[0] + ".greedy_triton")):
         from .greedy_triton import greedy_pick_triton
         return greedy_pick_triton(logits if logits.stride(-1) == 1 else logits.contiguous())
-    bad = nonfinite_rows(logits)
-    out = logits.argmax(-1)
+    return picked(logits, logits.argmax(-1), nonfinite_rows(logits))
+
+
+def picked(logits: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen ids out [n] and their log p under log_softmax(logits) [n] fp32, with the rows `bad`
+    (`nonfinite_rows`) as id −1 and log p NaN."""
     # log p(token) = logit - logsumexp: one reduction pass, no [n, V] log-softmax written
     lp = (logits.gather(-1, out[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).float()
     return torch.where(bad, -1, out), torch.where(bad, float("nan"), lp)

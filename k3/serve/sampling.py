@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sampling import filter_probs, greedy_pick, host_tensor, nonfinite_rows
+from ..ops.sampling import filter_probs, greedy_pick, host_tensor, nonfinite_rows, picked
 from .request import SamplingParams
 
 
@@ -61,9 +61,7 @@ def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators
     for j, i in enumerate(rand):
         if generators[i] is not None:
             out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    # log p(token) = logit - logsumexp: one reduction pass, no [n, V] log-softmax written
-    lp = logits.gather(-1, out[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    return torch.where(bad, -1, out), torch.where(bad, float("nan"), lp)
+    return picked(logits, out, bad)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]

@@ -9,7 +9,7 @@ GEMV (`gemv_mix_kernel`): one kernel instead of two. Anything else asks for the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,21 +61,18 @@ class PendingMix:
             shape = torch.Size(self.numel() // max(known, 1) if s == -1 else s for s in shape)
         if shape.numel() != self.numel() or shape[-1] != self.shape[-1]:
             raise ValueError(f"PendingMix: cannot reshape {tuple(self.shape)} to {tuple(shape)}")
-        return PendingMix(*self._args(), shape)
+        return replace(self, shape=shape)
 
     def __getitem__(self, i) -> "PendingMix":
         if i != 0 or self.shape[0] != 1:
             raise IndexError(f"PendingMix: only [0] of a leading dimension of size 1, got [{i}] of "
                              f"{tuple(self.shape)}")
-        return PendingMix(*self._args(), self.shape[1:])
+        return replace(self, shape=self.shape[1:])
 
     def materialize(self) -> torch.Tensor:
         """The mixed, normalised rows as a tensor (two kernels' worth: `attn_res_norm`)."""
         return attn_res_norm(list(self.sources), self.query, self.norm_weight, self.eps, self.out_weight,
                              self.out_eps, backend=self.backend).reshape(self.shape)
-
-    def _args(self) -> tuple:
-        return (self.sources, self.query, self.norm_weight, self.eps, self.out_weight, self.out_eps, self.backend)
 
 
 def resolve(x):

@@ -129,7 +129,7 @@ def _gemv_mix(x, w: torch.Tensor, tail: int = 0):
 
 
 def _prologue_fits(norm: tuple | None, K: int) -> bool:
-    """A grouped norm in the kernel needs power-of-two groups of ≥ 16 columns dividing K (one chunk per group)."""
+    """A grouped norm in the kernel needs power-of-two groups of ≥ 16 columns dividing K (whole groups per chunk)."""
     if norm is None or not norm[2]:
         return True
     g = norm[2]
