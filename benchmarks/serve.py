@@ -147,6 +147,21 @@ def with_setting(engine: Engine, module, name: str, value, fn):
         engine.runner.graphs = old_graphs
 
 
+def flipped_all(engine: Engine, batch: int, fn):
+    """fn()'s step time with every applicable switch of `SWITCHES` flipped together (None if that fails)."""
+    flips = [(importlib.import_module(m), n) for m, n, batch1, _, _ in SWITCHES.values() if batch == 1 or not batch1]
+    olds = [getattr(m, n) for m, n in flips]
+    try:
+        for m, n in flips:
+            setattr(m, n, not getattr(m, n))
+        return with_setting(engine, flips[0][0], flips[0][1], getattr(*flips[0]), fn)["step_ms"]
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        for (m, n), o in zip(flips, olds):
+            setattr(m, n, o)
+
+
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
     """Prefill everything, run 3 decode steps (a graph captured on first use is captured there), then time
     `steps` pure decode steps as one loop (one synchronisation before and after: an asynchronous step returns
@@ -227,7 +242,14 @@ def run(a) -> dict:
             for key, (module, name, batch1, _, _) in SWITCHES.items():
                 mod = importlib.import_module(module)
                 if b == 1 or not batch1:
-                    r[key] = with_setting(eng, mod, name, not getattr(mod, name), again)["step_ms"]
+                    try:  # a switch that fails (say, a kernel that does not compile) is reported, not fatal
+                        r[key] = with_setting(eng, mod, name, not getattr(mod, name), again)["step_ms"]
+                    except Exception as e:  # noqa: BLE001
+                        r[key + "_error"] = f"{type(e).__name__}: {e}"[:500]
+                        for rid in list(eng.requests):
+                            eng.abort(rid)
+                        eng.flush()
+            r["switches_flipped_step_ms"] = flipped_all(eng, b, again)
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -351,6 +373,10 @@ def table(res: dict) -> str:
             if key in r:  # the switch flipped from its setting in this process
                 flipped = on if not getattr(importlib.import_module(module), name) else off
                 extra += f"   ({flipped} {r[key]:.2f} ms)"
+            if key + "_error" in r:
+                extra += f"   ({name} flipped failed: {r[key + '_error'][:120]})"
+        if r.get("switches_flipped_step_ms"):
+            extra += f"   (all switches flipped {r['switches_flipped_step_ms']:.2f} ms)"
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")
