@@ -126,8 +126,8 @@ SWITCHES = {
                               "greedy pick by torch ops"),
     "mla_write_step_ms": ("k3.ops.mla_decode", "FUSED_WRITE", False, "MLA latent write with its norm",
                           "MLA latent write plain"),
-    "mix_in_gemv_step_ms": ("k3.ops.attn_res.pending", "IN_GEMV", True, "AttnRes mixes in the GEMVs",
-                            "AttnRes mixes by their own kernels"),
+    "gemv_prefetch_step_ms": ("k3.ops.gemv.triton", "PREFETCH", False, "GEMV weights prefetched before the PDL wait",
+                              "GEMV weights loaded after the PDL wait"),
 }
 
 

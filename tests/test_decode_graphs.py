@@ -238,7 +238,7 @@ def test_pdl_launch_keywords(monkeypatch):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-kda-latent-write-mix"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-kda-and-latent-write"])
 def test_cuda_graph_replay_equals_eager(fused, monkeypatch):
     """A bf16 engine (the graphs need the MoE's sync-free grouped path): sequences of several lengths are
     prefilled, then each decode step's graph is replayed and also run eagerly on the same inputs and pool
@@ -251,8 +251,6 @@ def test_cuda_graph_replay_equals_eager(fused, monkeypatch):
     import k3.ops.mla_decode as mla_ops
     monkeypatch.setattr(kda_ops, "FUSED_DECODE", fused)  # KDA's decode step in one kernel (K3_KDA_FUSED_DECODE)
     monkeypatch.setattr(mla_ops, "FUSED_WRITE", fused)  # MLA's latent norm in the page write (K3_MLA_FUSED_WRITE)
-    import k3.ops.attn_res.pending as pending
-    monkeypatch.setattr(pending, "IN_GEMV", fused)  # batch-1 mixes formed in their GEMVs (K3_ATTN_RES_IN_GEMV)
     model = make_tiny(seed=6).cuda().to(torch.bfloat16).eval()
     for in_chunk in (True, False):  # with in-chunk checkpoints the engine's own steps capture the first graph
         check_replay_equals_eager(model, in_chunk)

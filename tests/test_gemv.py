@@ -33,6 +33,8 @@ def test_gemv_matches_fp64_linear(M, N, K, config, dtype):
             assert y.dtype == (out or dtype) and y.shape == (M, N)
             tol = 1e-6 if y.dtype == torch.float32 else 8e-3  # bf16 output: one rounding
             assert rel_rmse(ref, y.cpu()) <= tol
+            # the weight's first chunk loaded ahead (before the PDL wait on a GPU): the same sums, bit for bit
+            assert torch.equal(gemv_triton.gemv(x.to(DEV), w.to(DEV), out, config=config, prefetch=True), y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,58 +61,6 @@ def test_gemv_fp32_tail_matches_fp64(M, N, tail, dtype):
     assert rel_rmse(ref[:, :-tail], y.cpu()) <= (1e-6 if dtype == torch.float32 else 8e-3)
     for a, b in zip(plain, (y, t)):
         assert a.dtype == b.dtype and rel_rmse(a.double(), b.cpu()) <= (1e-6 if a.dtype == torch.float32 else 8e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_src,tail", [(3, 0), (5, 6)])
-def test_gemv_mix_matches_attn_res_norm_then_linear(n_src, tail, dtype):
-    """The GEMV that forms its one input row as RMSNorm(AttnRes(sources)) (a decode step's mix; sources read
-    through a pointer table, several column chunks, K not a multiple of the chunk) against `attn_res_norm` then
-    fp64 `F.linear`: fp32 within 1e-5, bf16 within 1e-2 (the normalised row rounds at another point: h ⊙ nw
-    enters the product, the norm's rstd scales the sum); with an fp32 tail (the router's logits) the tail within
-    1e-5 of fp64 on the mix as formed."""
-    from k3.ops.attn_res import attn_res_norm
-    g = rng(n_src * 10 + tail)
-    K, N = 72, 40
-    srcs = [(torch.randn(1, K, generator=g) * (1 + i)).to(dtype).to(DEV) for i in range(n_src)]
-    query, nw, ow = (torch.randn(1, K, generator=g) * 0.3, torch.rand(K, generator=g) + 0.5,
-                     torch.rand(K, generator=g) + 0.5)
-    query, nw, ow = (t.to(dtype).to(DEV) for t in (query, nw, ow))
-    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).to(DEV)
-    x = attn_res_norm(srcs, query, nw, 1e-6, ow, 1e-5, backend="torch")
-    ref = F.linear(x.double(), w.double())
-    with torch.no_grad():
-        out = gemv_triton.gemv_mix(srcs, query, nw, 1e-6, ow, 1e-5, w, fp32_tail=tail, config=(16, 32, 4, 2))
-    y, t = out if tail else (out, None)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert y.shape == (1, N - tail) and y.dtype == dtype
-    assert rel_rmse(ref[:, :N - tail], y.cpu()) <= tol
-    if tail:
-        assert t.dtype == torch.float32 and rel_rmse(ref[:, N - tail:], t.cpu()) <= tol
-    with pytest.raises(ValueError, match="one row"):
-        gemv_triton.gemv_mix([s.expand(2, K) for s in srcs], query, nw, 1e-6, ow, 1e-5, w)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_gemv_mix_k3_small_bf16():
-    """k3-small's widths in bf16 (9 sources of 1,536, the KDA layer's joined 6,336-row projection and the MoE's
-    2,848 rows with the router's 32 as the fp32 tail): the mix formed in the GEMV against `attn_res_norm` then
-    the GEMV kernel, within 1e-2."""
-    from k3.ops.attn_res import attn_res_norm
-    g = rng(11)
-    K = 1536
-    srcs = [(torch.randn(1, K, generator=g) * (1 + i)).cuda().bfloat16() for i in range(9)]
-    query = (torch.randn(1, K, generator=g) * 0.05).cuda().bfloat16()
-    nw, ow = ((torch.rand(K, generator=g) + 0.5).cuda().bfloat16() for _ in range(2))
-    with torch.no_grad():
-        x = attn_res_norm(srcs, query, nw, 1e-6, ow, 1e-5)
-        for N, tail in ((6336, 0), (2848, 32)):
-            w = (torch.randn(N, K, generator=g) * K ** -0.5).cuda().bfloat16()
-            ref = gemv_triton.gemv(x, w, torch.float32)
-            out = gemv_triton.gemv_mix(srcs, query, nw, 1e-6, ow, 1e-5, w, fp32_tail=tail)
-            got = torch.cat([out[0].float(), out[1]], -1) if tail else out.float()
-            assert rel_rmse(ref.double(), got.double()) <= 1e-2
 
 
 def test_gemv_reads_strided_weights_and_keeps_leading_dims():
@@ -157,6 +107,21 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
         ref = F.linear(x.double(), w.double())
         assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
+        assert torch.equal(gemv_triton.gemv(x, w, torch.float32, prefetch=True), gemv.linear(x, w, torch.float32))
+
+
+def test_static_weights_are_parameters_and_joined_caches():
+    """`static_weight` (what a GEMV may read before its PDL wait): parameters and the joined-weight caches of
+    inference, not activations, views or the per-call joined weight of training."""
+    from k3.model.layers import joined_weight
+    from k3.ops._triton import static_weight
+    lin = torch.nn.Linear(8, 4, bias=False)
+    owner = torch.nn.Module()
+    assert static_weight(lin.weight) and not static_weight(lin.weight[:2])
+    assert not static_weight(torch.randn(4, 8))
+    with torch.no_grad():
+        assert static_weight(joined_weight(owner, "w", [lin.weight, lin.weight], torch.float32))
+    assert not static_weight(joined_weight(owner, "w", [lin.weight, lin.weight], torch.float32))
 
 
 def test_linear_with_an_accumulator_matches_addmm():

@@ -201,6 +201,7 @@ def test_engine_with_the_fused_latent_write_equals_the_plain_write(monkeypatch):
     prompts = [[(5 * i + 2 * j) % 4000 for j in range(6 + 7 * i)] for i in range(3)]
     sp = SamplingParams(max_tokens=8, temperature=0)
     cfg = EngineConfig(block_size=8, hash_block_size=4, num_pages=64, record_logits=True)
+    monkeypatch.setattr(mla_ops, "FUSED_WRITE", False)
     eng = Engine(model, cfg)
     ref = eng.generate(prompts, sp)
     seen = []

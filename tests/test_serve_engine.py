@@ -212,35 +212,6 @@ def test_fused_kda_decode_step_equals_the_three_kernels(model, one_thread, monke
         assert diff.abs().max() <= 1e-4
 
 
-def test_attn_res_in_the_gemv_equals_the_mix_kernels(model, one_thread, monkeypatch):
-    """With `k3.ops.attn_res.pending.IN_GEMV` (K3_ATTN_RES_IN_GEMV=1) a batch-1 decode step hands each AttnRes
-    mix to its sublayer's input GEMV unformed (KDA, MLA, MoE with the router's fp32 tail, the dense MLP), which
-    forms it in its prologue (the kernel through the interpreter here): the same greedy tokens as the default
-    path, logits within 1e-4 (fp32); batches of several rows keep the formed mix."""
-    import k3.ops.attn_res.pending as pending
-    import k3.ops.gemv as gemv_ops
-    ps = prompts(1, 12)
-    eng = tiny_engine(model, max_num_batched_tokens=20, max_num_seqs=1)
-    ref = eng.generate(ps, GREEDY)
-    used = []
-    real = gemv_ops._gemv_mix
-
-    def spy(x, w, tail=0):
-        used.append(tail)
-        return real(x, w, tail)
-
-    monkeypatch.setattr(pending, "IN_GEMV", True)
-    monkeypatch.setattr(gemv_ops, "mix_fits", lambda x, w: x.numel() == x.shape[-1] and w.dtype == x.dtype)
-    monkeypatch.setattr(gemv_ops, "_gemv_mix", spy)
-    mixed = tiny_engine(model, max_num_batched_tokens=20, max_num_seqs=1)
-    out = mixed.generate(ps, GREEDY)
-    assert used and any(t > 0 for t in used) and any(t == 0 for t in used)  # the MoE's router tail and the others
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
-    for a, b in zip(ref, out):
-        diff = (torch.stack(eng.recorded_logits[a.request_id]) - torch.stack(mixed.recorded_logits[b.request_id]))
-        assert diff.abs().max() <= 1e-4
-
-
 def test_bad_requests_are_rejected(model):
     eng = tiny_engine(model)
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(seed=1.5),

@@ -86,52 +86,6 @@ def test_non_finite_rows_fail_alone():
     assert all(q is None or torch.equal(q.get_state(), s) for q, s in zip(g, states))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_pick_kernels_equal_the_torch_ops(dtype):
-    """The greedy pick's Triton kernels (interpreter here; small splits so that a row spans several programs
-    and blocks, V not a multiple of either) against `greedy_pick`'s PyTorch ops: the same ids (a tie across
-    two splits and one inside a block: the first column wins, as torch.argmax), log p within 1e-5 of fp64; rows with a
-    NaN, a +inf or only -inf give -1 and NaN; a row with -inf entries (masked tokens) is valid."""
-    pytest.importorskip("triton")
-    from k3.ops.greedy_triton import greedy_pick_triton
-    from k3.ops.sampling import greedy_pick
-    x = (torch.randn(8, 300, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
-    x[0, 250] = x[0, 37] = x[0].max() + 1   # tie across splits (split 64): column 37 wins
-    x[1, 5] = x[1, 9] = x[1].max() + 1      # tie inside one block
-    x[2, 7] = float("nan")
-    x[3, 299] = float("inf")
-    x[4] = float("-inf")
-    x[5, :290] = float("-inf")               # masked vocabulary: the last 10 columns
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ref_tok, ref_lp = greedy_pick(x, backend="torch")
-    tok, lp = greedy_pick_triton(x.to(dev), split=64, block=16)
-    assert tok.dtype == torch.int64 and lp.dtype == torch.float32
-    assert tok.cpu().tolist() == ref_tok.tolist() and tok[0] == 37 and tok[1] == 5
-    assert tok[2:5].tolist() == [-1, -1, -1] and lp[2:5].isnan().all() and tok[5] >= 290
-    ok = ref_tok >= 0
-    x64 = x.double()[ok]
-    exact = x64.gather(-1, ref_tok[ok, None])[:, 0] - torch.logsumexp(x64, -1)  # log p in fp64 of the inputs
-    assert (lp.cpu()[ok] - exact).abs().max() <= 1e-5
-    if dtype == torch.float32:  # the torch ops in fp32 (bf16 logits would round their log p to bf16)
-        assert (ref_lp[ok] - exact).abs().max() <= 1e-5
-    with pytest.raises(ValueError, match="powers of two"):
-        greedy_pick_triton(x, split=64, block=128)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_greedy_pick_kernels_at_k3_vocabulary():
-    """K3's 163,840-wide fp32 logits for 1 and 256 rows on the GPU (the kernels' default splits): the torch
-    ops' ids, log p within 1e-5."""
-    from k3.ops.greedy_triton import greedy_pick_triton
-    from k3.ops.sampling import greedy_pick
-    for n in (1, 256):
-        x = torch.randn(n, 163840, device="cuda", generator=torch.Generator("cuda").manual_seed(n)) * 4
-        ref_tok, ref_lp = greedy_pick(x, backend="torch")
-        tok, lp = greedy_pick_triton(x)
-        assert torch.equal(tok, ref_tok) and (lp - ref_lp).abs().max() <= 1e-5
-
-
 @pytest.mark.parametrize("t", [float("inf"), float("nan"), -1e-300, True, "1"])
 def test_sampling_params_reject_non_finite_temperature(t):
     with pytest.raises(ValueError, match="temperature must be a finite number"):

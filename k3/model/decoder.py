@@ -12,13 +12,11 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.attn_res import attn_res, attn_res_norm, pending
-from ..ops.attn_res.pending import PendingMix
+from ..ops.attn_res import attn_res, attn_res_norm
 from .kda import KimiDeltaAttention
 from .layers import RMSNorm, SituMLP
 from .mla import MLAttention
 from .moe import LatentMoE
-from .paged_cache import PagedLayerCache
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -100,29 +98,21 @@ class KimiDecoderLayer(nn.Module):
                          attention_mask=None, cache=None, cu_seqlens=None
                          ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
-        paged = isinstance(cache, PagedLayerCache)  # the engine: a mix may go to its GEMV unformed (PendingMix)
         x = self.input_layernorm(blocks[0]) if partial is None else self._mix_norm(
-            blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm,
-            paged)
+            blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm)
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None
         # each sublayer returns partial + its output (inference adds it in the output projection's epilogue)
         partial = self.self_attn(x, attention_mask, cache, cu_seqlens, residual=partial)
-        x = self._mix_norm(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm,
-                           paged)
+        x = self._mix_norm(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         return blocks, self._mlp(x, residual=partial)
 
     def _mix_norm(self, sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear,
-                  norm: RMSNorm, paged: bool = False) -> torch.Tensor | PendingMix:
+                  norm: RMSNorm) -> torch.Tensor:
         """norm(AttnRes(sources)): a sublayer's input. In CPU training the pair is recomputed in the backward
         (memory-lean, like the CPU MLPs): only the sources are kept, which the stream holds anyway, not the
-        AttnRes output that the norm would save (≈ 13 KB per token of k3-tiny at 64K tokens). In the engine's
-        one-row decode step with `pending.IN_GEMV` (K3_ATTN_RES_IN_GEMV=1): a `PendingMix`, formed inside the
-        sublayer's input GEMV."""
-        if paged and pending.IN_GEMV and not torch.is_grad_enabled() and sources[0].numel() == sources[0].shape[-1]:
-            return PendingMix(tuple(sources), res_proj.weight, res_norm.weight, res_norm.eps, norm.weight, norm.eps,
-                              self.attn_res_backend, sources[0].shape)
+        AttnRes output that the norm would save (≈ 13 KB per token of k3-tiny at 64K tokens)."""
         def f(*srcs):  # one kernel in inference on CUDA (`attn_res_norm`), else the two ops
             return attn_res_norm(list(srcs), res_proj.weight, res_norm.weight, res_norm.eps, norm.weight, norm.eps,
                                  backend=self.attn_res_backend)

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.attn_res.pending import resolve
 from ..ops.gemv import linear, linear_fp32_tail
 from ..ops.moe import experts_forward, route
 from .layers import RMSNorm, SituMLP, joined_weight
@@ -107,8 +106,6 @@ class LatentMoE(nn.Module):
         sh, down, router = self.shared_experts, self.routed_expert_down_proj.weight, self.gate.weight
         joined = (sh is not None and self.expert_parallel is None and not torch.is_grad_enabled()
                   and not torch.is_autocast_enabled(x.device.type) and router.dtype == down.dtype)
-        if not joined:  # a pending AttnRes mix (an engine decode step) is formed in the joined GEMV only
-            xf = resolve(xf)
         logits = None
         if joined:  # inference: x's latent, the shared experts' gate ‖ up and the router's logits (fp32) as one
             # GEMM (a GEMV in a decode step) over joined weights

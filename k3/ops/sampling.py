@@ -22,9 +22,9 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(-1))
 
 
-# whether `greedy_pick` takes its Triton kernels on CUDA (K3_GREEDY_KERNEL=1) or the PyTorch ops (the default until
-# measured on a GPU; `benchmarks/serve.py` times both in one run)
-GREEDY_KERNEL = os.environ.get("K3_GREEDY_KERNEL", "0") == "1"
+# whether `greedy_pick` takes its Triton kernels on CUDA (the default: 1.25 -> 1.19 ms per batch-1 step on the H200,
+# faster at batch 32 and 256 too, docs/benchmarks.md session 16) or the PyTorch ops (K3_GREEDY_KERNEL=0)
+GREEDY_KERNEL = os.environ.get("K3_GREEDY_KERNEL", "1") == "1"
 
 
 def greedy_pick(logits: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

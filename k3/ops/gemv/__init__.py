@@ -21,7 +21,7 @@ from .._compile import eager_op
 from .._triton import device_reason
 from ..linear_ce.chunked import mm_out_dtype_available
 
-__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "mix_fits", "MAX_ROWS"]
+__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
@@ -61,11 +61,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     - norm = (weight, eps, group): RMSNorm of each row (group None; weight [K]) or of each `group` columns
       (a head; weight [group]) (`k3.ops.norm.rms_norm`);
     - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one)."""
-    if not isinstance(x, torch.Tensor):  # a pending AttnRes mix (`k3.ops.attn_res.pending`): in this GEMV if it can
-        if add is None and gate is None and norm is None and glu is None and out_dtype in (None, x.dtype) \
-                and mix_fits(x, w):
-            return _gemv_mix(x, w)
-        x = x.materialize()
     if fits(x, w, add, gate):
         from .triton import gemv
         if (norm is not None or glu is not None) and not (PROLOGUE and _prologue_fits(norm, w.shape[1])):
@@ -95,10 +90,6 @@ def linear_fp32_tail(x: torch.Tensor, w: torch.Tensor, tail: int) -> tuple[torch
     input joined with the MoE router's rows (whose logits stay fp32, as `k3.ops.moe.router_logits`). One GEMV
     for a decode step's few rows (the kernel stores the last `tail` columns unrounded), else `linear` on the two
     row blocks of w."""
-    if not isinstance(x, torch.Tensor):  # a pending AttnRes mix: in this GEMV if it can
-        if mix_fits(x, w):
-            return _gemv_mix(x, w, tail)
-        x = x.materialize()
     if fits(x, w):
         from .triton import gemv
         return gemv(x, w, fp32_tail=tail)
@@ -106,26 +97,6 @@ def linear_fp32_tail(x: torch.Tensor, w: torch.Tensor, tail: int) -> tuple[torch
     if x.dtype != torch.float32 and not (x.is_cuda and mm_out_dtype_available(x.device.type)):
         return linear(x, w[:-tail]), F.linear(x.float(), wt.float())  # exact products, as the GEMM's fp32 output
     return linear(x, w[:-tail]), linear(x, wt, out_dtype=torch.float32)
-
-
-def mix_fits(x, w: torch.Tensor) -> bool:
-    """Whether `linear` forms a pending AttnRes mix x (`k3.ops.attn_res.pending.PendingMix`) inside the GEMV
-    (`gemv_mix_kernel`): one row, no autograd, w as `fits` takes it (CUDA), sources the AttnRes kernels take."""
-    if x.numel() != x.shape[-1] or torch.is_grad_enabled() or not x.is_cuda or w.dtype != x.dtype \
-            or w.dim() != 2 or w.shape[1] != x.shape[-1] or w.shape[1] > MAX_K or w.stride(-1) != 1 \
-            or device_reason(w, __name__) is not None:
-        return False
-    from ..attn_res.triton import kernel_fits
-    return kernel_fits(list(x.sources)) is None
-
-
-def _gemv_mix(x, w: torch.Tensor, tail: int = 0):
-    from .triton import gemv_mix
-    out = gemv_mix(list(x.sources), x.query, x.norm_weight, x.eps, x.out_weight, x.out_eps, w, fp32_tail=tail)
-    lead = x.shape[:-1]
-    if tail:
-        return out[0].view(*lead, w.shape[0] - tail), out[1].view(*lead, tail)
-    return out.view(*lead, w.shape[0])
 
 
 def _prologue_fits(norm: tuple | None, K: int) -> bool:

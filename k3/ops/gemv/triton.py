@@ -8,11 +8,13 @@ cores with fp32 accumulation; an optional `add` [M, N] joins in fp32 and the out
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted, pdl
+from .._triton import interpreted as _interpreted, pdl, static_weight
 from .._triton_jit import pdl_sync
 from ..situ.triton import situ_glu_value
 
@@ -26,7 +28,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16,
-                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False, PRE: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
@@ -34,10 +36,16 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
-    the projections of the same input), the others to y [M, N − NT]."""
-    pdl_sync(PDL)
+    the projections of the same input), the others to y [M, N − NT].
+    PRE (with PDL, w a model weight that no kernel of the step writes): the first chunk of w is loaded before
+    waiting for the kernel ahead, so the weight stream starts while that kernel finishes."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
+    r64 = rows[:, None].to(tl.int64)
+    if PRE:
+        k0 = tl.arange(0, CH)
+        w_first = tl.load(w_ptr + r64 * sw + k0[None, :], mask=rm[:, None] & (k0 < K)[None, :], other=0.0)
+    pdl_sync(PDL)
     m = tl.arange(0, 16)
     mm = m < M
     # the prologue's tile: MR = 1 for one row with a norm / SiTU-GLU prologue (a batch-1 decode), so its math is
@@ -47,7 +55,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     mrm = mr < M
     acc = tl.zeros([16, BN], tl.float32)
     ss = tl.zeros([MR], tl.float32)
-    r64 = rows[:, None].to(tl.int64)
     dt = x_ptr.dtype.element_ty
     for c0 in range(0, K, CH):
         cols = c0 + tl.arange(0, CH)
@@ -77,8 +84,11 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
             x = (x.to(tl.float32) * tl.sigmoid(g)).to(dt)
         if MR == 1:  # row 0 of the MMA tile
             x = tl.where(m[:, None] == 0, x, tl.zeros([16, CH], dt))
-        wm = rm[:, None] & cm[None, :]
-        w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=wm, other=0.0)
+        if PRE:  # chunk 0 is in registers already (its load masked off here: no memory traffic)
+            w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=rm[:, None] & cm[None, :] & (c0 > 0), other=0.0)
+            w = tl.where(c0 == 0, w_first, w)
+        else:
+            w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
         if IEEE:  # fp32 inputs, or the CPU interpreter (whose dot mishandles half types): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -99,6 +109,11 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     tl.store(y_ptr + m[:, None] * sy + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
 
 
+# whether a GEMV under PDL loads its weight's first chunk before waiting for the kernel ahead (K3_GEMV_PREFETCH=1;
+# off until measured: `benchmarks/serve.py` times both in one run)
+PREFETCH = os.environ.get("K3_GEMV_PREFETCH", "0") == "1"
+
+
 def interpreted() -> bool:
     """True when the kernel was bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return _interpreted(gemv_kernel)
@@ -112,12 +127,14 @@ def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
+         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0,
+         prefetch: bool | None = None):
     """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
-    the last t output columns unrounded (no add then)."""
+    the last t output columns unrounded (no add then). prefetch: load w's first chunk before the PDL wait (None:
+    with PDL, `PREFETCH` on and a `static_weight` w; a test may force it)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -143,6 +160,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             raise ValueError(f"gemv: norm groups of {group} columns must be a power of two ≥ 16 dividing K = {K}")
     beta, linear_beta = glu if glu is not None else (0.0, 0.0)
     if M and N:
+        launch_pdl = pdl(x2)
+        pre = bool(launch_pdl) and PREFETCH and static_weight(w) if prefetch is None else prefetch
         bn, ch, warps, stages = config or launch(N, K)
         if group:  # whole groups per chunk (a chunk of one 128-column head took 2.8x as long: 12 serial chunks)
             ch = max(ch, group)
@@ -152,7 +171,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else 16, GS=group or 16, t_ptr=t, NT=fp32_tail,
-            st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
+            st=t.stride(0), PRE=pre, num_warps=warps, num_stages=stages, **launch_pdl)
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
@@ -166,86 +185,3 @@ def _rows(t: torch.Tensor | None, M: int, width: int, name: str, default: torch.
         raise ValueError(f"gemv: {name} has shape {tuple(t.shape)}, expected {M} x {width} values")
     t = t.reshape(M, width)
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-@triton.jit
-def gemv_mix_kernel(src_tab, rw_ptr, q_ptr, nw_ptr, w_ptr, y_ptr, t_ptr, N, NSRC, sw, eps, out_eps,
-                    K: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, NP: tl.constexpr, IEEE: tl.constexpr,
-                    NT: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """One row x = RMSNorm(AttnRes(sources)) (weights nw, out_eps), formed as the GEMV loads it, times W [N, K]:
-    a decode step's mix and the sublayer's input projection in one kernel (`k3.ops.attn_res.attn_res_norm`
-    then `gemv_kernel` otherwise). Pass 1 over K: each source's Σ v² and Σ v·(rw ⊙ q) give the scores and α;
-    pass 2 with the weights: h = Σ α_i v_i rounded to the dtype (as the AttnRes kernel stores it), h ⊙ nw
-    rounded into the product, and Σ h² scales the accumulator by the norm's rstd at the end (the norm is linear
-    in the product, as NORM 1 of `gemv_kernel`). Sources through the int64 pointer table src_tab [NSRC]."""
-    pdl_sync(PDL)
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = rows < N
-    i = tl.arange(0, NP)
-    im = i < NSRC
-    dt = w_ptr.dtype.element_ty
-    src = tl.multiple_of(tl.load(src_tab + i, mask=im, other=0).to(tl.pointer_type(dt)), 16)
-    ss = tl.zeros([NP], tl.float32)
-    dq = tl.zeros([NP], tl.float32)
-    for c0 in tl.static_range(0, K, CH):  # pass 1: the sources' statistics (every chunk's loads in flight)
-        cols = c0 + tl.arange(0, CH)
-        cm = cols < K
-        v = tl.load(src[:, None] + cols[None, :], mask=im[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        qv = tl.load(rw_ptr + cols, mask=cm, other=0.0).to(tl.float32) * \
-            tl.load(q_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        ss += tl.sum(v * v, 1)
-        dq += tl.sum(v * qv[None, :], 1)
-    s = tl.where(im, dq / tl.sqrt(ss / K + eps), float("-inf"))
-    p = tl.exp(s - tl.max(s, 0))
-    a = p / tl.sum(p, 0)
-    m = tl.arange(0, 16)
-    acc = tl.zeros([16, BN], tl.float32)
-    sh = tl.zeros([CH], tl.float32)
-    r64 = rows[:, None].to(tl.int64)
-    for c0 in range(0, K, CH):  # pass 2: the mix, its norm weight, the product (weight loads pipelined)
-        cols = c0 + tl.arange(0, CH)
-        cm = cols < K
-        v = tl.load(src[:, None] + cols[None, :], mask=im[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        h = tl.sum(a[:, None] * v, 0).to(dt).to(tl.float32)
-        sh += h * h
-        x = (h * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(dt)
-        xt = tl.where(m[:, None] == 0, x[None, :], tl.zeros([16, CH], dt))
-        w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, tl.trans(w))
-    y = tl.sum(tl.where(m[:, None] == 0, acc, 0.0), 0) / tl.sqrt(tl.sum(sh, 0) / K + out_eps)  # row 0: [BN]
-    if NT > 0:
-        tl.store(t_ptr + rows - (N - NT), y, mask=rm & (rows >= N - NT))
-        rm = rm & (rows < N - NT)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rm)
-
-
-MIX_MAX_TILE = 16384  # sources x chunk elements one program loads at once in the mix's first pass
-
-
-def gemv_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-             out_weight: torch.Tensor, out_eps: float, w: torch.Tensor, fp32_tail: int = 0,
-             config: tuple[int, int, int, int] | None = None):
-    """rms_norm(attn_res(sources, query, norm_weight, eps), out_weight, out_eps) @ w^T for ONE row: sources are
-    [1, K] / [K] contiguous tensors of w's dtype; → y [1, N] (or (y [1, N − t], tail [1, t] fp32) with
-    fp32_tail = t, the router's logits as in `gemv`). `config`: (BN, CH, warps, stages), else `launch(N, K)`."""
-    from ..attn_res.triton import _table
-    N, K = w.shape
-    if any(t.numel() != K for t in sources) or query.numel() != K or norm_weight.numel() != K \
-            or out_weight.numel() != K:
-        raise ValueError(f"gemv_mix: sources, query and norm weights must hold one row of {K} values")
-    if fp32_tail and not 0 < fp32_tail < N:
-        raise ValueError(f"gemv_mix: fp32_tail={fp32_tail} needs 0 < tail < N = {N}")
-    y = torch.empty(1, N - fp32_tail, dtype=w.dtype, device=w.device)
-    t = torch.empty(1, fp32_tail, dtype=torch.float32, device=w.device) if fp32_tail else y
-    bn, ch, warps, stages = config or launch(N, K)
-    NP = max(2, triton.next_power_of_2(len(sources)))
-    ch = max(16, min(ch, MIX_MAX_TILE // NP))
-    gemv_mix_kernel[(triton.cdiv(N, bn),)](
-        _table([s.data_ptr() for s in sources], w.device), norm_weight.reshape(-1).contiguous(),
-        query.reshape(-1).contiguous(), out_weight.contiguous(), w, y, t, N, len(sources), w.stride(0), float(eps),
-        float(out_eps), K=K, BN=bn, CH=ch, NP=NP, IEEE=w.dtype == torch.float32 or not w.is_cuda, NT=fp32_tail,
-        num_warps=warps, num_stages=stages, **pdl(y))
-    return (y, t) if fp32_tail else y

@@ -21,8 +21,9 @@ GROUP_ROWS = 8  # rows per run of `groups` (one Triton program each; `triton.LAU
 
 BACKENDS = ("auto", "triton", "reference")
 # whether an MLA layer of the engine writes its new latent rows with the latent RMSNorm in the same kernel
-# (`write_latents` with norm; K3_MLA_FUSED_WRITE=1) or as norm, cat and index_put (the default until measured)
-FUSED_WRITE = os.environ.get("K3_MLA_FUSED_WRITE", "0") == "1"
+# (`write_latents` with norm: the default, level at batch 1 and faster at 32 and 256 on the H200, docs/benchmarks.md
+# session 16) or as norm, cat and index_put (K3_MLA_FUSED_WRITE=0)
+FUSED_WRITE = os.environ.get("K3_MLA_FUSED_WRITE", "1") == "1"
 
 
 def paged_mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
