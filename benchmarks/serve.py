@@ -121,13 +121,10 @@ def no_extend_graphs(engine: Engine):
 # decode switches that `run` flips in the same run: result key → (module, flag, batch 1 only, what the step does
 # with the flag on, with it off)
 SWITCHES = {
-    "kda_fused_step_ms": ("k3.ops.kda", "FUSED_DECODE", False, "KDA decode in one kernel", "KDA decode in three"),
     "greedy_kernel_step_ms": ("k3.ops.sampling", "GREEDY_KERNEL", False, "greedy pick by two kernels",
                               "greedy pick by torch ops"),
     "mla_write_step_ms": ("k3.ops.mla_decode", "FUSED_WRITE", False, "MLA latent write with its norm",
                           "MLA latent write plain"),
-    "gemv_prefetch_step_ms": ("k3.ops.gemv.triton", "PREFETCH", False, "GEMV weights prefetched before the PDL wait",
-                              "GEMV weights loaded after the PDL wait"),
 }
 
 

@@ -58,7 +58,7 @@ def test_engine_with_the_greedy_kernels_equals_the_torch_ops(monkeypatch):
     from k3.ops.sampling import greedy_pick
     from k3.serve import Engine, EngineConfig, SamplingParams
     from conftest import make_tiny
-    model = make_tiny(seed=5)
+    model = make_tiny(seed=5).to("cuda" if torch.cuda.is_available() else "cpu")  # the kernels take device rows
     prompts = [[(3 * i + 5 * j) % 4000 for j in range(5 + 6 * i)] for i in range(3)]
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=True)
     cfg = EngineConfig(block_size=8, hash_block_size=4, num_pages=64)

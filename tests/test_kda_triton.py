@@ -392,42 +392,6 @@ def test_decode_entry_points():
     assert torch.equal(p_t[[0, 2]], pool[[0, 2]])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_step_equals_the_three_ops(dtype):
-    """`kda_decode_step_fused` (f_b projection, short conv and recurrent step in one kernel; the interpreter
-    here) against its composition (`F.linear`, `short_conv_step`, `kda_decode_step_gated` in PyTorch): o and
-    the states within 1e-5 in fp32 (only f's summation order differs), the windows bitwise; bf16 inputs within
-    2e-2 (a bf16 f or conv output may round the other way). Slots not stepped are untouched; y, fa, beta are
-    row slices of one wider projection (strided rows), as in the layer."""
-    from k3.ops.kda import kda_decode_step_fused
-    gen = torch.Generator().manual_seed(31)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    N, H, K, V, KA, W, P = 3, 2, 32, 32, 16, 4, 6
-    C = 2 * H * K + H * V
-    proj = r(N, C + KA + H + 7).to(dtype)
-    y, fa, beta = proj[:, :C], proj[:, C:C + KA], proj[:, C + KA:C + KA + H]
-    w_fb, w_conv = (r(H * K, KA) * KA ** -0.5).to(dtype), r(C, 1, W) * 0.5
-    A_log, dt_bias = torch.linspace(-1.0, 1.0, H), r(H * K)
-    windows, state = r(P, C, W - 1).to(dtype), r(P, H, K, V)
-    slots = torch.tensor([4, 0, 2])
-    args = [t.to(DEV) for t in (y, fa, beta, w_fb, w_conv)]
-    rest = [t.to(DEV) for t in (slots, A_log, dt_bias)]
-    win_t, st_t, win_r, st_r = (t.clone().to(DEV) for t in (windows, state, windows, state))
-    o_t = kda_decode_step_fused(*args, win_t, st_t, *rest, -5.0, backend="triton")
-    o_r = kda_decode_step_fused(*args, win_r, st_r, *rest, -5.0, backend="torch")
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert o_t.dtype == dtype and o_t.shape == (N, H, V)
-    assert rmse(o_r.double(), o_t.double()) <= tol and rmse(st_r.double(), st_t.double()) <= tol
-    assert torch.equal(win_r, win_t) and not torch.equal(win_t, windows.to(DEV))
-    untouched = [1, 3, 5]
-    assert torch.equal(st_t[untouched].cpu(), state[untouched]) and torch.equal(win_t[untouched].cpu(),
-                                                                                 windows[untouched])
-    with pytest.raises(ValueError, match="w_fb must have shape"):
-        kda_decode_step_fused(args[0], args[1], args[2], args[3][:, :-1], args[4], win_t, st_t, *rest, -5.0)
-    with pytest.raises(ValueError, match="windows"):
-        kda_decode_step_fused(*args, win_t[:, :-1], st_t, *rest, -5.0)
-
-
 # ---------------------------------------------------------------- dispatch and validation
 def test_dispatch_and_errors():
     x, _ = make(1, 20, 2, 16, 16, seed=17)
@@ -457,34 +421,6 @@ def test_dispatch_and_errors():
 # ---------------------------------------------------------------- GPU only: bf16, K3 sizes, fla
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-
-
-@cuda
-@needs_cuda
-def test_gpu_fused_decode_step_k3_small_bf16():
-    """k3-small's KDA sizes (12 heads of 128, f_a 128, conv 4) in bf16: the fused decode kernel against the
-    three CUDA kernels it replaces (cuBLAS f_b, the Triton conv step and decode step): o and states within 1e-2
-    (a bf16 f may round the other way), windows bitwise."""
-    from k3.ops.kda import kda_decode_step_fused
-    gen = torch.Generator().manual_seed(32)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    N, H, K, W, P = 8, 12, 128, 4, 20
-    C = 3 * H * K
-    proj = r(N, C + K + H).cuda().bfloat16()
-    args = (proj[:, :C], proj[:, C:C + K], proj[:, C + K:], (r(H * K, K) * K ** -0.5).cuda().bfloat16(),
-            (r(C, 1, W) * 0.5).cuda())
-    windows, state = r(P, C, W - 1).cuda().bfloat16(), r(P, H, K, K).cuda()
-    rest = (torch.randperm(P, generator=gen)[:N].cuda(), torch.linspace(-1, 1, H).cuda(), r(H * K).cuda())
-    win_t, st_t, win_r, st_r = windows.clone(), state.clone(), windows.clone(), state.clone()
-    with torch.no_grad():
-        o_t = kda_decode_step_fused(*args, win_t, st_t, *rest, -5.0, backend="triton")
-        f = torch.nn.functional.linear(args[1], args[3]).view(N, H, K)
-        from k3.ops.conv import short_conv_step
-        from k3.ops.kda import kda_decode_step_gated
-        q, k, v = short_conv_step(args[0], args[4], win_r, rest[0]).split(H * K, dim=-1)
-        o_r = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, args[2], rest[1],
-                                    rest[2], st_r, rest[0], -5.0)
-    assert rmse(o_r.double(), o_t.double()) <= 1e-2 and rmse(st_r, st_t) <= 1e-2 and torch.equal(win_r, win_t)
 
 
 @cuda

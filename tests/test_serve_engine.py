@@ -184,34 +184,6 @@ def test_kda_backend_override_reaches_the_model(model, one_thread, monkeypatch):
     assert all(l.self_attn.backend == "auto" for l in model.language_model.model.decoder_layers if l.is_kda)
 
 
-def test_fused_kda_decode_step_equals_the_three_kernels(model, one_thread, monkeypatch):
-    """With `k3.ops.kda.FUSED_DECODE` (K3_KDA_FUSED_DECODE=1) every KDA layer's decode step goes through
-    `kda_decode_step_fused` — here its Triton kernel under the interpreter (the layers' step backend forced to
-    "triton") — and the engine's greedy tokens equal the default path's, logits within 1e-4 (fp32)."""
-    import k3.ops.kda as kda_ops
-    ps = prompts(3, 20)
-    eng = tiny_engine(model, max_num_batched_tokens=20)
-    ref = eng.generate(ps, GREEDY)
-    calls = []
-    real = kda_ops.kda_decode_step_fused
-
-    def spy(*a, **k):
-        calls.append(k["backend"])
-        return real(*a, **k)
-
-    monkeypatch.setattr(kda_ops, "FUSED_DECODE", True)
-    monkeypatch.setattr("k3.model.kda.kda_decode_step_fused", spy)
-    monkeypatch.setattr("k3.model.kda._step_backend", lambda backend: "triton")
-    fused = tiny_engine(model, max_num_batched_tokens=20)
-    out = fused.generate(ps, GREEDY)
-    n_kda = sum(layer.is_kda for layer in model.language_model.model.decoder_layers)
-    assert set(calls) == {"triton"} and len(calls) >= n_kda * (GREEDY.max_tokens - 1)
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
-    for a, b in zip(ref, out):
-        diff = (torch.stack(eng.recorded_logits[a.request_id]) - torch.stack(fused.recorded_logits[b.request_id]))
-        assert diff.abs().max() <= 1e-4
-
-
 def test_bad_requests_are_rejected(model):
     eng = tiny_engine(model)
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(seed=1.5),

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops import kda as kda_ops
 from ..ops.conv import short_conv, short_conv_split, short_conv_step
 from ..ops.gemv import linear
-from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_fused,
+from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step,
                        kda_decode_step_gated, kda_gate)
 from ..ops.norm import rms_norm, rms_norm_gated
 from .layers import RMSNorm, joined_weight
@@ -187,12 +186,6 @@ class KimiDeltaAttention(nn.Module):
                           multiple=64)
         y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
         backend = cache.pc.kda_backend or self.backend
-        if kda_ops.FUSED_DECODE and b.decode and b.step_cu is None and b.step_states_at is None:
-            # a decode step: f_b, the short conv and the recurrent step as one kernel (K3_KDA_FUSED_DECODE=1)
-            o = kda_decode_step_fused(y, fa, beta_logit, self.f_b_proj.weight, w_conv, cache.conv_pool(),
-                                      cache.state_pool(), b.slots, self.A_log[:H], self.dt_bias, self.lower_bound,
-                                      backend=_step_backend(backend))
-            return self._output(o, gate, residual)
         f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         if b.decode or b.graph_prefill:  # decode / extend / graph prefill: slots' conv windows and states in place
             if b.step_states_at is not None:  # the checkpoints' conv windows: the inputs before each

@@ -61,7 +61,6 @@ def _build_joined(parts, dtype, out, rows):
     if out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != dtype \
             or out.device != parts[0].device:  # a moved model (`.cuda()`) gets a new tensor
         out = torch.empty(rows, *parts[0].shape[1:], dtype=dtype, device=parts[0].device)
-        out._k3_weight = True  # a model weight: no kernel of a forward writes it (`k3.ops._triton.static_weight`)
     r = 0
     with torch.no_grad():
         for p in parts:

@@ -55,10 +55,3 @@ def pdl(x) -> dict:
     if not (PDL and x.is_cuda):
         return {}
     return _PDL_ON if _pdl_capable(x.device.index if x.device.index is not None else 0) else {}
-
-
-def static_weight(w: torch.Tensor) -> bool:
-    """Whether w is a model weight (an `nn.Parameter`, or a tensor marked `_k3_weight`, such as a joined weight
-    cache): no kernel of a forward writes it, so a kernel may read it before its PDL wait."""
-    from torch import nn
-    return isinstance(w, nn.Parameter) or getattr(w, "_k3_weight", False)

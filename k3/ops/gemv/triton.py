@@ -8,13 +8,11 @@ cores with fp32 accumulation; an optional `add` [M, N] joins in fp32 and the out
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted, pdl, static_weight
+from .._triton import interpreted as _interpreted, pdl
 from .._triton_jit import pdl_sync
 from ..situ.triton import situ_glu_value
 
@@ -28,7 +26,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16,
-                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False, PRE: tl.constexpr = False):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
@@ -36,16 +34,10 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
-    the projections of the same input), the others to y [M, N − NT].
-    PRE (with PDL, w a model weight that no kernel of the step writes): the first chunk of w is loaded before
-    waiting for the kernel ahead, so the weight stream starts while that kernel finishes."""
+    the projections of the same input), the others to y [M, N − NT]."""
+    pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
-    r64 = rows[:, None].to(tl.int64)
-    if PRE:
-        k0 = tl.arange(0, CH)
-        w_first = tl.load(w_ptr + r64 * sw + k0[None, :], mask=rm[:, None] & (k0 < K)[None, :], other=0.0)
-    pdl_sync(PDL)
     m = tl.arange(0, 16)
     mm = m < M
     # the prologue's tile: MR = 1 for one row with a norm / SiTU-GLU prologue (a batch-1 decode), so its math is
@@ -55,6 +47,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     mrm = mr < M
     acc = tl.zeros([16, BN], tl.float32)
     ss = tl.zeros([MR], tl.float32)
+    r64 = rows[:, None].to(tl.int64)
     dt = x_ptr.dtype.element_ty
     for c0 in range(0, K, CH):
         cols = c0 + tl.arange(0, CH)
@@ -84,11 +77,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
             x = (x.to(tl.float32) * tl.sigmoid(g)).to(dt)
         if MR == 1:  # row 0 of the MMA tile
             x = tl.where(m[:, None] == 0, x, tl.zeros([16, CH], dt))
-        if PRE:  # chunk 0 is in registers already (its load masked off here: no memory traffic)
-            w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=rm[:, None] & cm[None, :] & (c0 > 0), other=0.0)
-            w = tl.where(c0 == 0, w_first, w)
-        else:
-            w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        wm = rm[:, None] & cm[None, :]
+        w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=wm, other=0.0)
         if IEEE:  # fp32 inputs, or the CPU interpreter (whose dot mishandles half types): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -109,11 +99,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     tl.store(y_ptr + m[:, None] * sy + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
 
 
-# whether a GEMV under PDL loads its weight's first chunk before waiting for the kernel ahead (K3_GEMV_PREFETCH=1;
-# off until measured: `benchmarks/serve.py` times both in one run)
-PREFETCH = os.environ.get("K3_GEMV_PREFETCH", "0") == "1"
-
-
 def interpreted() -> bool:
     """True when the kernel was bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return _interpreted(gemv_kernel)
@@ -127,14 +112,12 @@ def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0,
-         prefetch: bool | None = None):
+         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
     """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
-    the last t output columns unrounded (no add then). prefetch: load w's first chunk before the PDL wait (None:
-    with PDL, `PREFETCH` on and a `static_weight` w; a test may force it)."""
+    the last t output columns unrounded (no add then)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -160,8 +143,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             raise ValueError(f"gemv: norm groups of {group} columns must be a power of two ≥ 16 dividing K = {K}")
     beta, linear_beta = glu if glu is not None else (0.0, 0.0)
     if M and N:
-        launch_pdl = pdl(x2)
-        pre = bool(launch_pdl) and PREFETCH and static_weight(w) if prefetch is None else prefetch
         bn, ch, warps, stages = config or launch(N, K)
         if group:  # whole groups per chunk (a chunk of one 128-column head took 2.8x as long: 12 serial chunks)
             ch = max(ch, group)
@@ -171,7 +152,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else 16, GS=group or 16, t_ptr=t, NT=fp32_tail,
-            st=t.stride(0), PRE=pre, num_warps=warps, num_stages=stages, **launch_pdl)
+            st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)

@@ -30,7 +30,7 @@ from .reference import recurrent_kda
 from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces, chunk_slots
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
-           "kda_decode_step", "kda_decode_step_gated", "kda_decode_step_fused", "kda_gate", "l2norm",
+           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm",
            "fla_available", "triton_available", "BACKENDS", "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks", "chunk_slots"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
@@ -38,11 +38,6 @@ BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # from this many tokens per sequence on average (padding included), else the token-recurrent decode kernel (H200,
 # k3-small, `benchmarks/probe/kda_extend.py`: tiles 1.10-1.16x faster at 8 per sequence, 3.0x at 64, 5.0x at 128)
 EXTEND_CHUNKED_MIN_TOKENS = 8
-
-
-# whether a KDA layer's decode step (one token per sequence) runs its f_b projection, short conv and recurrent step
-# as one kernel (`kda_decode_step_fused`; K3_KDA_FUSED_DECODE=1) or as three (the default until measured on a GPU)
-FUSED_DECODE = os.environ.get("K3_KDA_FUSED_DECODE", "0") == "1"
 
 
 def extend_in_chunks(num_tokens: int, num_seqs: int) -> bool:
@@ -346,43 +341,3 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
                              scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
                              dt_bias=dt_bias, lower_bound=lower_bound, beta_logits=True)
 
-
-def kda_decode_step_fused(y, fa, beta_logit, w_fb, w_conv, windows, state, slots, A_log, dt_bias, lower_bound,
-                          scale=None, backend="auto"):
-    """A KDA layer's decode step from its joined input projection: one new token per sequence.
-
-    y [N, 2·H·K + H·V] the q ‖ k ‖ v projections before the short conv (rows may be strided), fa [N, KA] the
-    gate's low-rank input, beta_logit [N, H]; w_fb [H·K, KA] (`f_b_proj`), w_conv [C, 1, W] the q ‖ k ‖ v conv
-    taps; windows [P, C, W-1] and state fp32 [P, H, K, V]: the pool's conv windows and recurrent states, each slot
-    contiguous, updated IN PLACE at `slots` [N] (distinct). Returns o [N, H, V] in y's dtype: the same as
-    f = fa·w_fbᵀ, `short_conv_step` and `kda_decode_step_gated` (the composition this falls back to, off CUDA or
-    with backend "torch"); "auto" on CUDA (or "triton") takes one kernel per step instead of three
-    (`triton/decode_fused.py`)."""
-    N = y.shape[0]
-    if state.dim() != 4:
-        raise ValueError(f"kda_decode_step_fused: state must be [P, H, K, V], got {tuple(state.shape)}")
-    H, K, V = state.shape[1:]
-    C, KA = 2 * H * K + H * V, fa.shape[-1]
-    for name, t, shape in (("y", y, (N, C)), ("fa", fa, (N, KA)), ("beta_logit", beta_logit, (N, H)),
-                           ("w_fb", w_fb, (H * K, KA)), ("slots", slots, (N,))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"kda_decode_step_fused: {name} must have shape {shape} but got {tuple(t.shape)}")
-    if w_conv.dim() != 3 or w_conv.shape[:2] != (C, 1) or windows.dim() != 3 \
-            or tuple(windows.shape[1:]) != (C, w_conv.shape[-1] - 1):
-        raise ValueError(f"kda_decode_step_fused: need w_conv [{C}, 1, W] and windows [P, {C}, W-1], got "
-                         f"{tuple(w_conv.shape)} and {tuple(windows.shape)}")
-    if _use_triton_decode(backend, y, state, y, fa, beta_logit, w_fb) and windows[0].is_contiguous() \
-            and y.stride(-1) == fa.stride(-1) == beta_logit.stride(-1) == 1:
-        from .triton.decode_fused import kda_decode_fused_triton
-        return kda_decode_fused_triton(y, fa, beta_logit, w_fb, w_conv, windows, state, slots, A_log, dt_bias,
-                                       lower_bound, scale)
-    if backend == "triton":
-        raise ValueError("kda_decode_step_fused: backend 'triton' needs rows with a contiguous last dimension and "
-                         "contiguous window slots")
-    from ..conv import short_conv_step
-    step = "torch" if backend == "torch" else "auto"
-    f = torch.nn.functional.linear(fa, w_fb).view(N, H, K)
-    q, k, v = short_conv_step(y, w_conv, windows, slots, backend="reference" if step == "torch" else "auto"
-                              ).split([H * K, H * K, H * V], dim=-1)
-    return kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, V), f, beta_logit, A_log,
-                                 dt_bias, state, slots, lower_bound, scale=scale, backend=step)
