@@ -121,6 +121,18 @@ def test_linear_with_an_accumulator_matches_addmm():
     with torch.no_grad():
         got = gemv.linear(big.to(DEV), w.to(DEV), add=badd.to(DEV))
     assert rel_rmse(torch.addmm(badd.double(), big.double(), w.double().t()), got.cpu()) <= 1e-6
+    # add_inplace: the cuBLAS path accumulates into the caller's temporary (the same values, no new output) ...
+    tmp = badd.clone().to(DEV)
+    with torch.no_grad():
+        got2 = gemv.linear(big.to(DEV), w.to(DEV), add=tmp, add_inplace=True)
+    assert got2.data_ptr() == tmp.data_ptr() and torch.equal(got2, got)
+    # ... but never into an add of another dtype, a strided one, or under autograd
+    for a, grad in ((badd.double().to(DEV), False), (torch.randn(20, gemv.MAX_ROWS + 2).t().to(DEV), False),
+                    (badd.clone().to(DEV), True)):
+        before = a.clone()
+        with torch.set_grad_enabled(grad):
+            out = gemv.linear(big.to(DEV), w.to(DEV), add=a, add_inplace=True)
+        assert out.data_ptr() != a.data_ptr() and torch.equal(a, before)
     with pytest.raises(ValueError, match="add has shape"):
         gemv_triton.gemv(x, w, add=torch.zeros(2, 20))
 

@@ -129,6 +129,35 @@ def test_kda_extend_split_equals_unsplit(length, want):
     assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
 
 
+@pytest.mark.parametrize("P,H,K,V,bv,bk", [(4, 2, 32, 48, 16, 16), (8, 3, 16, 16, 32, 32), (2, 1, 128, 128, 32, 32)])
+def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv, bk):
+    """The segments' incoming states in one kernel (`combine.combine_segments`: the CPU interpreter here, the
+    GPU's fp32 FMA there) against the reference's batched GEMMs, both against an fp64 walk of the same recursion
+    (h[0] = the slot's state, h[j] = M h + S): within 1e-6 relative RMS; V not a multiple of the value block, K
+    over several inner chunks; the pool's other slots untouched."""
+    from k3.ops.kda.triton.combine import combine_segments, combine_segments_torch
+    dev = _triton_or_skip()
+    g = torch.Generator().manual_seed(P * 100 + K)
+    summ = torch.randn(P, H, K, V + K, generator=g)
+    summ[..., V:] *= K ** -0.5  # transitions of norm ≈ 1, as a decaying state's
+    pool = torch.randn(5, H, K, V, generator=g)
+    slot = torch.tensor([3])
+    exact = [pool[3].double()]
+    for j in range(1, P):
+        exact.append(summ[j - 1, ..., V:].double() @ exact[-1] + summ[j - 1, ..., :V].double())
+    exact = torch.stack(exact)
+    ref = combine_segments_torch(summ, pool, slot, P)
+    before = pool.clone()
+    out = combine_segments(summ.to(dev), pool.to(dev), slot.to(dev), P, block_v=bv, block_k=bk).cpu()
+    assert out.shape == (P, H, K, V) and out.dtype == torch.float32
+    assert rel_rmse(exact, ref) <= 1e-6 and rel_rmse(exact, out) <= 1e-6
+    assert torch.equal(out[0], pool[3]) and torch.equal(pool, before)
+    with pytest.raises(ValueError, match="summ must be fp32"):
+        combine_segments(summ[..., :-1].to(dev), pool.to(dev), slot.to(dev), P)
+    with pytest.raises(ValueError, match="one slot"):
+        combine_segments(summ.to(dev), pool.to(dev), torch.tensor([1, 2], device=dev), P)
+
+
 def test_kda_step_states_at_rejects_bad_calls():
     args, pool, slots, cu, pos = _states_inputs([20], [16], torch.float32, "cpu", 24)
     with pytest.raises(ValueError, match="states_at needs cu_seqlens"):

@@ -130,8 +130,8 @@ class LatentMoE(nn.Module):
             out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + sh(xf)).reshape(shape)
             return out if residual is None else residual + out
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
-        shared = sh.down(gate_up, res) if joined else sh(xf, res)
-        return linear(y, self.routed_expert_up_proj.weight, add=shared, norm=norm).reshape(shape)
+        shared = sh.down(gate_up, res) if joined else sh(xf, res)  # a new tensor: accumulated into in place
+        return linear(y, self.routed_expert_up_proj.weight, add=shared, norm=norm, add_inplace=True).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)

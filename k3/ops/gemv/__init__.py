@@ -49,11 +49,13 @@ def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool
 @eager_op
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
            add: torch.Tensor | None = None, gate: torch.Tensor | None = None, norm: tuple | None = None,
-           glu: tuple[float, float] | None = None) -> torch.Tensor:
+           glu: tuple[float, float] | None = None, add_inplace: bool = False) -> torch.Tensor:
     """prologue(x) [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a few
     rows without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision
     product on CUDA, `torch.addmm` for an add without autograd or autocast, else `F.linear` (+ add) and a cast).
     `add` is how a decode step folds a residual or the shared experts' output into the GEMV's epilogue.
+    add_inplace: `add` is the caller's temporary, which cuBLAS may accumulate into and return (`addmm_`: no copy
+    of it into a new output first, one kernel fewer per call); only without autograd, in x's dtype, contiguous.
 
     The prologue, applied in this order, is what the GEMV does to x as it loads it (no separate kernels), and
     the plain ops otherwise (`prologue`):
@@ -75,7 +77,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if add is not None:
-        y = torch.addmm(add.reshape(-1, w.shape[0]).to(x.dtype), x2, w.t())
+        a2 = add.reshape(-1, w.shape[0])
+        if add_inplace and a2.dtype == x.dtype and a2.is_contiguous() and a2.data_ptr() == add.data_ptr():
+            y = a2.addmm_(x2, w.t())  # into the caller's temporary: addmm would copy it to a new output first
+        else:
+            y = torch.addmm(a2.to(x.dtype), x2, w.t())
     elif (out_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
           and mm_out_dtype_available(x.device.type)):
         return torch.mm(x2, w.t(), out_dtype=out_dtype).view(*lead, w.shape[0])

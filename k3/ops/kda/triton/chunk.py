@@ -18,6 +18,7 @@ import triton
 
 from ..._host import to_device
 from ..states_at import chunk_slots
+from .combine import combine_segments
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
@@ -525,12 +526,8 @@ def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, 
     pairs = torch.stack([b[:-1], b[1:]], 1).reshape(-1)
     first = torch.arange(P, device=dev, dtype=torch.int32) * (seg // C)  # each segment's first chunk
     summ = _summaries(parts, pairs, first, P, H, K, V)
-    S_loc, M = summ[..., :V], summ[..., V:]
-    h0v = torch.empty(P, H, K, V, device=dev, dtype=torch.float32)
     slot0 = state_indices[:1]  # a one-element index tensor (a 0-d one would be read to the host)
-    h0v[0] = state.index_select(0, slot0)[0]
-    for j in range(1, P):  # one batched GEMM with the add per step, written in place (no add / copy kernels)
-        torch.baddbmm(S_loc[j - 1], M[j - 1], h0v[j - 1], out=h0v[j])
+    h0v = combine_segments(summ, state, slot0, P)  # the segments' incoming states, one kernel
     _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel)
     state[slot0] = htv[P - 1:]
     return hsel
