@@ -128,6 +128,13 @@ SWITCHES = {
 }
 
 
+# prefill switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
+PREFILL_SWITCHES = {
+    "combine_kernel_seconds": ("k3.ops.kda.triton.chunk", "COMBINE_KERNEL", "KDA segment states by one kernel",
+                               "KDA segment states by GEMMs"),
+}
+
+
 def with_setting(engine: Engine, module, name: str, value, fn):
     """fn() with `module.name` set to value and the engine's graphs captured afresh, the setting and the
     engine's graphs restored after (a before / after in one run): `k3.ops.gemv.MAX_ROWS = 0` (every projection
@@ -278,10 +285,23 @@ def run(a) -> dict:
         eager = cold_prefills()
         eng.runner.use_prefill_graphs = True
         res["prefill"].update(eager_seconds=eager, graph_speedup=eager / sec)
+    if eng.runner.use_graphs:  # the prefill switches, each flipped in the same run (its graphs captured afresh)
+        for key, (module, name, _, _) in PREFILL_SWITCHES.items():
+            mod = importlib.import_module(module)
+            def flipped():
+                eng.generate([rand_prompts(1, long_prefill, V, 70)[0]], one)  # captures the graph again
+                return dict(seconds=cold_prefills())
+            try:
+                res["prefill"][key] = with_setting(eng, mod, name, not getattr(mod, name), flipped)["seconds"]
+            except Exception as e:  # noqa: BLE001
+                res["prefill"][key + "_error"] = f"{type(e).__name__}: {e}"[:500]
     if cuda:
         fl = prefill_flops_per_token(model.config, long_prefill)
         res["prefill"].update(flops_per_token=fl, tflops=fl * long_prefill / sec / 1e12,
                               mfu=fl * long_prefill / sec / PEAK_BF16)
+        for key in PREFILL_SWITCHES:
+            if key in res["prefill"]:
+                res["prefill"][key.replace("_seconds", "_mfu")] = fl * long_prefill / res["prefill"][key] / PEAK_BF16
         if "eager_seconds" in res["prefill"]:
             res["prefill"]["eager_mfu"] = fl * long_prefill / res["prefill"]["eager_seconds"] / PEAK_BF16
 
@@ -386,6 +406,14 @@ def table(res: dict) -> str:
         em = f", MFU {100 * p['eager_mfu']:.1f}%" if "eager_mfu" in p else ""
         lines.append(f"  without the prefill graph: {p['tokens'] / p['eager_seconds']:.0f} tok/s{em} "
                      f"(graph {p['graph_speedup']:.2f}x)")
+    for key, (module, name, on, off) in PREFILL_SWITCHES.items():
+        if key in p:
+            flipped = on if not getattr(importlib.import_module(module), name) else off
+            mk = key.replace("_seconds", "_mfu")
+            mfu_f = f", MFU {100 * p[mk]:.1f}%" if mk in p else ""
+            lines.append(f"  {flipped}: {p['tokens'] / p[key]:.0f} tok/s{mfu_f}")
+        if key + "_error" in p:
+            lines.append(f"  {name} flipped failed: {p[key + '_error'][:160]}")
     t = res["ttft_shared_prefix"]
     lines.append(f"TTFT {t['cold']['prompt_tokens']}-token prompt (median of {len(t['cold']['all_seconds'])}): cold {1e3 * t['cold']['seconds']:.1f} ms, "
                  f"prefix hit ({t['prefix_hit']['cached_tokens']} cached) {1e3 * t['prefix_hit']['seconds']:.1f} ms "

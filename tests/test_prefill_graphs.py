@@ -116,17 +116,20 @@ def test_kda_extend_split_equals_unsplit(length, want):
     args = args[:6] + (torch.full_like(args[6], -6.0),)
     chunks = token_runs(cu, T, 16, first=True)
     out = []
-    for split in (0, 4):
+    for split, kernel in ((0, False), (4, False), (4, True)):  # unsplit; the combine as GEMMs; as one kernel
         p = pool.clone()
-        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
-                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy:
+        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "COMBINE_KERNEL", kernel), \
+                mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
+                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy, \
+                mock.patch.object(CH, "combine_segments", wraps=CH.combine_segments) as kspy:
             o, st = kda_decode_step_gated(*args, p[:, 1], slots, -5.0, backend="auto" if dev == "cuda" else "triton",
                                           cu_seqlens=cu, chunks=chunks, states_at=pos)
-        assert spy.call_count == (split > 1)
+        assert spy.call_count == (split > 1) and kspy.call_count == kernel
         out.append((o, st, p))
-    (o0, s0, p0), (o1, s1, p1) = out
-    assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
-    assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
+    o0, s0, p0 = out[0]
+    for o1, s1, p1 in out[1:]:
+        assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
+        assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
 
 
 @pytest.mark.parametrize("P,H,K,V,bv,bk", [(4, 2, 32, 48, 16, 16), (8, 3, 16, 16, 32, 32), (2, 1, 128, 128, 32, 32)])

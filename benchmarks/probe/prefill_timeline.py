@@ -67,11 +67,12 @@ def timeline(fn) -> dict:
             if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     first, last = min(s for s, _ in kern), max(e for _, e in kern)
     busy = union_us(kern)
-    phases = [(e.name, round((e.time_range.start - t0) / 1e3, 3), round((e.time_range.end - e.time_range.start) / 1e3, 3))
-              for e in evs if e.name.startswith("k3.")]
+    phases = [(e.name, round((e.time_range.start - t0) / 1e3, 3),
+               round((e.time_range.end - e.time_range.start) / 1e3, 3)) for e in evs if e.name.startswith("k3.")]
     return dict(wall_ms=(t1 - t0) / 1e3, host_before_first_kernel_ms=(first - t0) / 1e3,
                 gpu_span_ms=(last - first) / 1e3, kernel_busy_ms=busy / 1e3, gaps_ms=(last - first - busy) / 1e3,
-                host_after_last_kernel_ms=(t1 - last) / 1e3, kernels=len(kern), phases=sorted(phases, key=lambda p: p[1]))
+                host_after_last_kernel_ms=(t1 - last) / 1e3, kernels=len(kern),
+                phases=sorted(phases, key=lambda p: p[1]))
 
 
 def main():
@@ -118,7 +119,8 @@ def main():
             plain.append((time.perf_counter() - t) * 1e3)
         r["plain_wall_ms"] = sorted(plain)[2]
         print(f"== {name}: without the profiler {r['plain_wall_ms']:.2f} ms (median of 5)")
-        print(f"== {name}: wall {r['wall_ms']:.2f} ms = host before the first kernel {r['host_before_first_kernel_ms']:.2f}"
+        print(f"== {name}: wall {r['wall_ms']:.2f} ms = host before the first kernel "
+              f"{r['host_before_first_kernel_ms']:.2f}"
               f" + GPU span {r['gpu_span_ms']:.2f} (kernels busy {r['kernel_busy_ms']:.2f}, gaps {r['gaps_ms']:.2f}, "
               f"{r['kernels']} kernels) + host after the last {r['host_after_last_kernel_ms']:.2f}")
         for p in r["phases"]:

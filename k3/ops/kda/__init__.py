@@ -13,7 +13,6 @@ q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.utils.checkpoint

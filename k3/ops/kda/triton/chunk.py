@@ -18,7 +18,7 @@ import triton
 
 from ..._host import to_device
 from ..states_at import chunk_slots
-from .combine import combine_segments
+from .combine import combine_segments, combine_segments_torch
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
@@ -75,6 +75,11 @@ EXTEND_SPLIT_MIN_TOKENS = 4096
 # (the extend graphs' tails), unfolded for long ones (`benchmarks/probe/kda_prefill_paths.py`, H200, one 8K
 # sequence, H 12: 1,525 µs unfolded against 2,038 folded)
 FOLD_BELOW_TOKENS = 1024
+
+
+# a long extend chunk's segment states in one kernel (`combine.combine_segments`, K3_KDA_COMBINE_KERNEL=1) instead of
+# 2P + 1 PyTorch kernels: checked on the H200, off until `benchmarks/serve.py` (which flips it) has timed it
+COMBINE_KERNEL = os.environ.get("K3_KDA_COMBINE_KERNEL", "0") == "1"
 
 
 @contextlib.contextmanager
@@ -527,7 +532,8 @@ def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, 
     first = torch.arange(P, device=dev, dtype=torch.int32) * (seg // C)  # each segment's first chunk
     summ = _summaries(parts, pairs, first, P, H, K, V)
     slot0 = state_indices[:1]  # a one-element index tensor (a 0-d one would be read to the host)
-    h0v = combine_segments(summ, state, slot0, P)  # the segments' incoming states, one kernel
+    combine = combine_segments if COMBINE_KERNEL else combine_segments_torch
+    h0v = combine(summ, state, slot0, P)  # the segments' incoming states
     _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel)
     state[slot0] = htv[P - 1:]
     return hsel
