@@ -232,3 +232,45 @@ def test_sublayers_return_residual_plus_output():
         with torch.no_grad():
             fused = m(x, residual=r)
         assert rel_rmse(plain.detach(), fused) <= 1e-6, kind
+
+
+def test_inference_accumulates_the_residual_stream_in_place_without_changing_anything(monkeypatch):
+    """Without autograd the decoder lets its sublayers' output GEMMs accumulate onto the running block sum
+    (`linear(add_inplace=True)`: no copy of the residual first). Against the autograd path (which never does):
+    the same hidden states and per-layer taps; with taps requested, no attention accumulates onto a tapped sum
+    (the taps keep their values); a partial sum handed in by the caller (a pipeline stage's) stays unchanged."""
+    from k3.model.decoder import run_decoder_layers, stream_embeddings
+    model = make_tiny(seed=12)
+    ids = torch.randint(0, model.config.text_config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(3))
+    with torch.enable_grad():
+        ref = model(input_ids=ids, output_block_states=True)
+    calls = []
+    real = torch.Tensor.addmm_
+
+    def spy(self, *a, **k):
+        calls.append(self.data_ptr())
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "addmm_", spy)
+    with torch.no_grad():
+        tapped = model(input_ids=ids, output_block_states=True)
+        n_tapped = len(calls)
+        plain = model(input_ids=ids)
+    n_plain = len(calls) - n_tapped
+    assert n_plain > n_tapped > 0  # the attentions' accumulation only without taps; the MLPs' always
+    tol = 1e-5  # cuBLAS-free CPU GEMMs: addmm against linear + add differ in rounding only
+    assert (ref.hidden_states - plain.hidden_states).abs().max() <= tol
+    assert (ref.hidden_states - tapped.hidden_states).abs().max() <= tol
+    for a, b in zip(ref.block_states, tapped.block_states, strict=True):
+        assert (a - b).abs().max() <= tol
+    # a caller's partial sum: the layers from an MLA layer inside a block on, from the state before it (that
+    # layer's output GEMM adds the residual: in place it would write into the caller's tensor)
+    layers = model.language_model.model.decoder_layers
+    bs = model.config.text_config.attn_res_block_size
+    cut = next(i for i, layer in enumerate(layers) if not layer.is_kda and layer.layer_idx % bs)
+    with torch.no_grad():
+        emb = stream_embeddings(model.language_model.model.embed_tokens(ids), None)
+        blocks, partial = run_decoder_layers(layers[:cut], [emb], None, bs)
+        kept = partial.clone()
+        run_decoder_layers(layers[cut:], blocks, partial, bs)
+    assert torch.equal(partial, kept)

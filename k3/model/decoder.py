@@ -48,7 +48,12 @@ def run_decoder_layers(layers, blocks: list[torch.Tensor], partial: torch.Tensor
     representations, the embedding first) and `partial` (the current block's running sum; None before layer
     0) → the state after the last layer. The layer loop of `KimiLinearModel.forward`, also a pipeline stage's
     body (the state is what crosses a stage boundary). `checkpoint`: recompute each layer in the backward;
-    `taps`: a list that receives each layer's partial sum."""
+    `taps`: a list that receives each layer's partial sum.
+
+    Without autograd a layer may add its attention output onto `partial` in place (its o_proj GEMM accumulates
+    into it: no copy of the residual stream first), but only onto a partial sum made inside this call and not
+    handed out as a tap: the caller's `partial` and the taps stay as they were."""
+    own = False  # whether `partial` was made here (the caller's may be held elsewhere)
     for layer in layers:
         lc = None if cache is None else cache.layer(layer.layer_idx)
         if checkpoint:
@@ -56,7 +61,9 @@ def run_decoder_layers(layers, blocks: list[torch.Tensor], partial: torch.Tensor
                 layer.forward_attn_res, blocks, partial, block_size, attention_mask, lc, cu_seqlens,
                 use_reentrant=False)
         else:
-            blocks, partial = layer.forward_attn_res(blocks, partial, block_size, attention_mask, lc, cu_seqlens)
+            blocks, partial = layer.forward_attn_res(blocks, partial, block_size, attention_mask, lc, cu_seqlens,
+                                                     inplace=own and taps is None)
+        own = True
         if taps is not None:
             taps.append(partial)
     return blocks, partial
@@ -95,18 +102,20 @@ class KimiDecoderLayer(nn.Module):
         return self.self_attn(self.input_layernorm(h), attention_mask, cache, cu_seqlens)
 
     def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None, block_size: int,
-                         attention_mask=None, cache=None, cu_seqlens=None
+                         attention_mask=None, cache=None, cu_seqlens=None, inplace: bool = False
                          ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding]."""
+        """One layer of the AttnRes stream. `partial` is None only before layer 0, when blocks = [embedding].
+        inplace: `partial` is the caller's own, so the attention may accumulate onto it without autograd (the MLP
+        always may onto the attention's output, which this layer made)."""
         x = self.input_layernorm(blocks[0]) if partial is None else self._mix_norm(
             blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm)
         if self.layer_idx % block_size == 0 and partial is not None:
             blocks = blocks + [partial]
             partial = None
         # each sublayer returns partial + its output (inference adds it in the output projection's epilogue)
-        partial = self.self_attn(x, attention_mask, cache, cu_seqlens, residual=partial)
+        partial = self.self_attn(x, attention_mask, cache, cu_seqlens, residual=partial, residual_inplace=inplace)
         x = self._mix_norm(blocks + [partial], self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
-        return blocks, self._mlp(x, residual=partial)
+        return blocks, self._mlp(x, residual=partial, residual_inplace=True)
 
     def _mix_norm(self, sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear,
                   norm: RMSNorm) -> torch.Tensor:
@@ -120,8 +129,10 @@ class KimiDecoderLayer(nn.Module):
             return torch.utils.checkpoint.checkpoint(f, *sources, use_reentrant=False)
         return f(*sources)
 
-    def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return (self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp)(x, residual=residual)
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None, residual_inplace: bool = False
+             ) -> torch.Tensor:
+        return (self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp)(
+            x, residual=residual, residual_inplace=residual_inplace)
 
     def forward(self, x: torch.Tensor, attention_mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
         """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off)."""

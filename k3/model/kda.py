@@ -75,15 +75,16 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: dict | None = None, cu_seqlens: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, residual_inplace: bool = False) -> torch.Tensor:
         """x [B, T, D]; attention_mask [B, ≥T] (1 = token, 0 = padding; the last T columns are used); cache: this
         layer's dict (updated). cu_seqlens: packed documents over the flattened B·T tokens (training; no cache, no
-        mask). `residual` [B, T, D]: returned as residual + output (the engine folds it into o_proj's epilogue)."""
+        mask). `residual` [B, T, D]: returned as residual + output (the engine folds it into o_proj's epilogue;
+        `residual_inplace`: the caller's own tensor, which that GEMM may accumulate into, see `linear`)."""
         if isinstance(cache, PagedLayerCache):
             if attention_mask is not None or cu_seqlens is not None:
                 raise ValueError("KimiDeltaAttention: a paged cache carries its own packing; pass no "
                                  "attention_mask or cu_seqlens with it")
-            return self._forward_paged(x, cache, residual)
+            return self._forward_paged(x, cache, residual, residual_inplace)
         out = self._forward(x, attention_mask, cache, cu_seqlens)
         return out if residual is None else residual + out
 
@@ -160,8 +161,8 @@ class KimiDeltaAttention(nn.Module):
                            self.o_norm.eps, backend=self.elementwise_backend)
         return self.o_proj(o.reshape(B, T, HK))
 
-    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None,
+                       residual_inplace: bool = False) -> torch.Tensor:
         """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`), the fused path's ops.
 
         Short conv: `short_conv_step` reads each document's W-1 cached inputs from its pool slot, convolves its
@@ -199,7 +200,7 @@ class KimiDeltaAttention(nn.Module):
             if b.step_states_at is not None:
                 o, states = o
                 cache.write_checkpoints(windows, states)
-            return self._output(o, gate, residual)
+            return self._output(o, gate, residual, residual_inplace)
         # each document's tokens against its window in the pool (advanced in place), one program per token tile
         q, k, v = (t.reshape(N, H, K) for t in short_conv_step(
             y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.cu_seqlens, tiles=b.conv_tiles).split(HK, dim=-1))
@@ -223,11 +224,12 @@ class KimiDeltaAttention(nn.Module):
             s.append(out[1])
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
         cache.set_states(s)
-        return self._output(o, gate, residual)
+        return self._output(o, gate, residual, residual_inplace)
 
-    def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_inplace: bool = False) -> torch.Tensor:
         """o [N, H, V], gate = g_proj(x) [N, H·V] → o_norm, output gate (`rms_norm_gated`, or the GEMV's prologue
         in a decode step), o_proj (+ residual in its epilogue) → [1, N, D]."""
         N, H, K = o.shape
         return linear(o.reshape(1, N, H * K), self.o_proj.weight, add=residual, gate=gate.reshape(1, N, H * K),
-                      norm=(self.o_norm.weight, self.o_norm.eps, K))  # a GEMV's prologue in a decode step
+                      norm=(self.o_norm.weight, self.o_norm.eps, K), add_inplace=residual_inplace)  # a GEMV's prologue in a decode step

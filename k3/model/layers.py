@@ -102,26 +102,30 @@ class SituMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.beta, self.linear_beta = beta, linear_beta
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_inplace: bool = False) -> torch.Tensor:
         """x [.., D] → down(SiTU-GLU(gate x, up x)) (+ `residual`: residual + output, in the down projection's
-        epilogue without autograd)."""
+        epilogue without autograd; `residual_inplace`: the caller's own tensor, which it may accumulate into)."""
         if not x.is_cuda and torch.is_grad_enabled():
             # memory-lean CPU training: keep only x for the backward and recompute the [.., 2I] / [.., I]
             # intermediates there (deterministic on the CPU, so the gradients are the same)
             out = torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
             return out if residual is None else residual + out
-        return self._forward(x, residual)
+        return self._forward(x, residual, residual_inplace)
 
-    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 residual_inplace: bool = False) -> torch.Tensor:
         dev = x.device.type
         dt = (torch.get_autocast_dtype(dev) if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
               else self.gate_proj.weight.dtype)
         parts = [self.gate_proj.weight, self.up_proj.weight]
         w = (gate_up_weight(*parts, dt) if torch.is_grad_enabled() and parts[0].requires_grad
              else joined_weight(self, "gate_up", parts, dt))
-        return self.down(linear(x, w), residual)
+        return self.down(linear(x, w), residual, residual_inplace)
 
-    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None,
+             residual_inplace: bool = False) -> torch.Tensor:
         """The down projection of SiTU-GLU(gate ‖ up [.., 2I]) (+ residual): SiTU-GLU is its prologue (in a decode
         step: as the GEMV loads its input)."""
-        return linear(gate_up, self.down_proj.weight, add=residual, glu=(self.beta, self.linear_beta))
+        return linear(gate_up, self.down_proj.weight, add=residual, glu=(self.beta, self.linear_beta),
+                      add_inplace=residual_inplace)

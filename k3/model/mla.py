@@ -126,15 +126,16 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: dict | None = None, cu_seqlens: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, residual_inplace: bool = False) -> torch.Tensor:
         """x [B, T, D]; attention_mask [B, S_total] over past + new tokens; cache holds `c` and `k_pe`;
         cu_seqlens: packed documents over the flattened B·T tokens (attention stays inside a document).
-        `residual` [B, T, D]: returned as residual + output (inference folds it into o_proj's epilogue)."""
+        `residual` [B, T, D]: returned as residual + output (inference folds it into o_proj's epilogue;
+        `residual_inplace`: the caller's own tensor, which that GEMM may accumulate into, see `linear`)."""
         if isinstance(cache, PagedLayerCache):
             if attention_mask is not None or cu_seqlens is not None:
                 raise ValueError("MLAttention: a paged cache carries its own packing; pass no attention_mask or "
                                  "cu_seqlens with it")
-            return self._forward_paged(x, cache, residual)
+            return self._forward_paged(x, cache, residual, residual_inplace)
         if self.context_parallel is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("MLAttention: context parallelism takes no cache or attention_mask")
@@ -145,7 +146,8 @@ class MLAttention(nn.Module):
         c, k_pe = self.project_latent(x)
         if cache is None and attention_mask is None and self.attn_impl in ("auto", "naive") \
                 and self.attn_backend != "reference":
-            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens), residual=residual)
+            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens), residual=residual,
+                                residual_inplace=residual_inplace)
         past = 0
         if cache is not None:
             if "c" in cache:
@@ -165,7 +167,7 @@ class MLAttention(nn.Module):
         if impl == "auto":
             impl = "absorbed" if past > 0 else "naive"
         o = (self.attend_absorbed if impl == "absorbed" else self.attend_naive)(q, c, k_pe, allowed)
-        return self._finish(x, o, residual=residual)
+        return self._finish(x, o, residual=residual, residual_inplace=residual_inplace)
 
     def _attend_docs(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
                      cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -181,8 +183,8 @@ class MLAttention(nn.Module):
         self.max_logit = max_logit.float()
         return o
 
-    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+    def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None,
+                       residual_inplace: bool = False) -> torch.Tensor:
         """x [1, N, D]: packed documents continuing cached sequences (`PackedBatch`). The new latents go to
         their pages first; the leading single-token documents then attend their padded histories in the
         absorbed form (one batched call), every other document its history [0, start + T) with expanded keys,
@@ -197,7 +199,7 @@ class MLAttention(nn.Module):
         kn = self.kv_a_layernorm
         cache.write_latents(c[0], k_pe[0], norm=(kn.weight, kn.eps) if fused else None)
         if b.graph_prefill:  # one sequence's chunk padded at its end (a prefill graph)
-            return self._finish(x, self._attend_chunk(q, c, k_pe, cache)[None], gate, residual)
+            return self._finish(x, self._attend_chunk(q, c, k_pe, cache)[None], gate, residual, residual_inplace)
         parts = []
         if nd:
             parts.append(self._decode_paged(q[:nd], cache))
@@ -214,7 +216,7 @@ class MLAttention(nn.Module):
                     parts.append(chunk_attention(q[off:off + T], k[0], v[0], n_keys, self.scale))
                 off += T
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self._finish(x, o[None], gate, residual)
+        return self._finish(x, o[None], gate, residual, residual_inplace)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One chunk with nothing before it, q, k [T, H, Dq], v [T, H, V] → [T, H, V]: plain causal SDPA (cuDNN's
@@ -280,13 +282,14 @@ class MLAttention(nn.Module):
         return torch.bmm(o_lat, w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, residual_inplace: bool = False) -> torch.Tensor:
         """o [B, T, H, V] → output gate (σ(g_proj(x)); `gate`: its logits, already computed) and o_proj
         (+ residual: in its epilogue without autograd, else residual + o_proj(·)) → [B, T, D]."""
         o = o.reshape(*x.shape[:2], self.num_heads * self.vdim)
         if self.g_proj is not None and gate is None:
             gate = linear(x, self.g_proj.weight)
-        return linear(o, self.o_proj.weight, add=residual, gate=gate)  # (o ⊙ σ(gate)) W_o^T (+ residual)
+        # (o ⊙ σ(gate)) W_o^T (+ residual)
+        return linear(o, self.o_proj.weight, add=residual, gate=gate, add_inplace=residual_inplace)
 
 
 def causal_mask(B: int, T: int, past: int, attention_mask: torch.Tensor | None, device) -> torch.Tensor:

@@ -98,9 +98,11 @@ class LatentMoE(nn.Module):
             setattr(self.experts, k, nn.Parameter(p[lo:lo + n].clone(), requires_grad=p.requires_grad))
         self.expert_parallel = ep
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_inplace: bool = False) -> torch.Tensor:
         """x [.., D] → the routed + shared experts' output (+ `residual`, x's shape: residual + output; inference
-        folds it into the shared experts' down projection, whose output is the up projection's accumulator)."""
+        folds it into the shared experts' down projection, whose output is the up projection's accumulator;
+        `residual_inplace`: the caller's own tensor, which that projection may accumulate into, see `linear`)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         sh, down, router = self.shared_experts, self.routed_expert_down_proj.weight, self.gate.weight
@@ -125,12 +127,14 @@ class LatentMoE(nn.Module):
         norm = None if rn is None else (rn.weight, rn.eps, None)
         res = None if residual is None else residual.reshape(-1, shape[-1])
         if self.shared_experts is None:
-            return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm).reshape(shape)
+            return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm,
+                          add_inplace=residual_inplace).reshape(shape)
         if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
             out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + sh(xf)).reshape(shape)
             return out if residual is None else residual + out
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
-        shared = sh.down(gate_up, res) if joined else sh(xf, res)  # a new tensor: accumulated into in place
+        # the shared experts' output is a new tensor: the up projection accumulates into it in place
+        shared = sh.down(gate_up, res, residual_inplace) if joined else sh(xf, res, residual_inplace)
         return linear(y, self.routed_expert_up_proj.weight, add=shared, norm=norm, add_inplace=True).reshape(shape)
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
