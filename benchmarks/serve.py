@@ -125,6 +125,8 @@ SWITCHES = {
                               "greedy pick by torch ops"),
     "mla_write_step_ms": ("k3.ops.mla_decode", "FUSED_WRITE", False, "MLA latent write with its norm",
                           "MLA latent write plain"),
+    "moe_routed_step_ms": ("k3.ops.moe_decode", "ROUTED", False, "MoE routing inside the expert kernels",
+                           "MoE routing by its own kernel"),
 }
 
 

@@ -402,6 +402,71 @@ def test_experts_decode_matches_the_fp64_loop(N, K, fused):
     assert rel_rmse(ref, got.cpu().double()) <= 1e-6
 
 
+@pytest.mark.parametrize("N,K,E,bias,renorm", [(1, 4, 32, True, True), (3, 2, 6, False, True),
+                                                (8, 4, 20, True, False)])
+def test_experts_decode_routed_equals_route_then_the_kernels(N, K, E, bias, renorm, monkeypatch):
+    """`experts_decode_routed` (the experts chosen inside the two decode kernels from the router's fp32 logits;
+    the CPU interpreter here, CUDA on the GPU) against `route`'s PyTorch ops followed by `experts_decode` with
+    their choices: the same experts in the same order, weights and scores within 1e-6, outputs within 1e-6
+    (fp32); E not a power of two; with and without the selection bias and the renormalisation."""
+    from k3.ops import moe_decode
+    monkeypatch.setitem(moe_decode.LAUNCH, "bi", 16)  # fewer programs through the interpreter
+    I, L = 40, 24
+    gen = rng(N * 100 + E)
+    x = torch.randn(N, L, generator=gen).to(DEV)
+    z = (torch.randn(N, E, generator=gen) * 2).to(DEV)
+    b = (torch.randn(E, generator=gen) * 0.1).to(DEV) if bias else None
+    w13 = (torch.randn(E, 2 * I, L, generator=gen) * L ** -0.5 * 3).to(DEV)
+    w2 = (torch.randn(E, L, I, generator=gen) * I ** -0.5).to(DEV)
+    w1, w3 = w13[:, :I], w13[:, I:]
+    with torch.no_grad():
+        ref_idx, ref_w, ref_s = moe_ops.route(None, None, b.cpu() if bias else None, K, renorm, 2.5,
+                                              logits=z.cpu()) if not CUDA else moe_ops.route(
+            None, None, b, K, renorm, 2.5, logits=z)
+        ref = moe_decode.experts_decode(x, ref_idx.to(DEV), ref_w.to(DEV), w1, w2, w3, 4.0, 25.0)
+        y, idx, w, sc = moe_decode.experts_decode_routed(x, z, b, K, renorm, 2.5, w1, w2, w3, 4.0, 25.0)
+    assert torch.equal(idx.cpu(), ref_idx.cpu()) and idx.dtype == torch.long
+    assert (w.cpu() - ref_w.cpu()).abs().max() <= 1e-6 and (sc.cpu() - ref_s.cpu()).abs().max() <= 1e-6
+    assert rel_rmse(ref.cpu().double(), y.cpu()) <= 1e-6
+    with pytest.raises(ValueError, match="logits must be fp32"):
+        moe_decode.experts_decode_routed(x, z.double(), b, K, renorm, 2.5, w1, w2, w3, 4.0, 25.0)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_decode.experts_decode_routed(x, z, b, E + 1, renorm, 2.5, w1, w2, w3, 4.0, 25.0)
+
+
+def test_engine_with_routing_inside_the_expert_kernels_equals_the_default(monkeypatch):
+    """The LatentMoE decode steps with the routing inside the expert kernels (forced; the interpreter here):
+    the tiny engine's fp32 greedy tokens equal the default path's and its logits within 1e-5; the routing that
+    `record_routing` keeps is the one `route` gives."""
+    from conftest import make_tiny
+    from k3.ops import moe_decode
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    model = make_tiny(seed=9)
+    prompts = [[(7 * i + 3 * j) % 4000 for j in range(4 + 5 * i)] for i in range(2)]
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    for key in ("bi", "bl"):  # whole expert rows per program: few programs through the interpreter
+        monkeypatch.setitem(moe_decode.LAUNCH, key, 128)
+    cfg = EngineConfig(block_size=8, hash_block_size=4, num_pages=64, record_logits=True)
+    ref_eng = Engine(model, cfg)
+    ref = ref_eng.generate(prompts, sp)
+    calls = []
+    real = moe_decode.experts_decode_routed
+
+    def spy(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr("k3.model.moe.routed_decode_fits",
+                        lambda x, k, *w: x.shape[0] * k <= moe_decode.MAX_ENTRIES and not torch.is_grad_enabled())
+    monkeypatch.setattr(moe_decode, "experts_decode_routed", spy)
+    eng = Engine(model, cfg)
+    out = eng.generate(prompts, sp)
+    assert calls and [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for a, b in zip(ref, out):
+        assert (torch.stack(ref_eng.recorded_logits[a.request_id]) -
+                torch.stack(eng.recorded_logits[b.request_id])).abs().max() <= 1e-5
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_experts_decode_equals_the_grouped_path_bf16():
@@ -425,6 +490,28 @@ def test_cuda_experts_decode_equals_the_grouped_path_bf16():
             finally:
                 moe_decode.MAX_ENTRIES = old
         assert rel_rmse(b.double(), a.double()) <= 1e-2, N
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_experts_decode_routed_equals_route_then_the_kernels_bf16():
+    """k3-small's router and experts in bf16 at 1 and 16 tokens: the routing inside the expert kernels against
+    the route kernel + `experts_decode` (the same selection and arithmetic: equal ids, weights and outputs)."""
+    from k3.ops import moe_decode
+    E, I, L, K = 32, 768, 512, 4
+    gen = rng(5)
+    w13 = (torch.randn(E, 2 * I, L, generator=gen) * L ** -0.5).cuda().bfloat16()
+    w2 = (torch.randn(E, L, I, generator=gen) * I ** -0.5).cuda().bfloat16()
+    b = (torch.randn(E, generator=gen) * 0.05).cuda()
+    for N in (1, 16):
+        x = torch.randn(N, L, generator=gen).cuda().bfloat16()
+        z = torch.randn(N, E, generator=gen).cuda()
+        with torch.no_grad():
+            idx, w, sc = moe_ops.route(None, None, b, K, True, 2.5, logits=z)
+            ref = moe_decode.experts_decode(x, idx, w, w13[:, :I], w2, w13[:, I:], 4.0, 25.0)
+            y, idx2, w2_, sc2 = moe_decode.experts_decode_routed(x, z, b, K, True, 2.5, w13[:, :I], w2, w13[:, I:],
+                                                                 4.0, 25.0)
+        assert torch.equal(idx, idx2) and torch.equal(w, w2_) and torch.equal(sc, sc2) and torch.equal(ref, y), N
 
 
 # ---- CUDA: k3-small sizes, bf16 under autocast, no host sync -------------------------------------------------------

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import K3TextConfig
 from ..ops.gemv import linear, linear_fp32_tail
-from ..ops.moe import experts_forward, route
+from ..ops.moe import experts_forward, route, routed_decode_fits
 from .layers import RMSNorm, SituMLP, joined_weight
 
 
@@ -116,13 +116,20 @@ class LatentMoE(nn.Module):
             lat, gate_up = y_in.split([down.shape[0], y_in.shape[-1] - down.shape[0]], dim=-1)
         else:
             lat = linear(xf, down)
-        idx, w, scores = route(xf, router, self.gate.e_score_correction_bias, self.top_k,
-                               self.cfg.moe_renormalize, self.cfg.routed_scaling_factor, logits=logits)
+        ex, beta, lbeta = self.experts, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta
+        if logits is not None and routed_decode_fits(lat, self.top_k, ex.w1, ex.w2, ex.w3):
+            # a decode step: the experts chosen inside the two expert kernels (K3_MOE_ROUTE_IN_EXPERTS=1)
+            from ..ops.moe_decode import experts_decode_routed
+            y, idx, w, scores = experts_decode_routed(
+                lat, logits, self.gate.e_score_correction_bias, self.top_k, self.cfg.moe_renormalize,
+                self.cfg.routed_scaling_factor, ex.w1, ex.w2, ex.w3, beta, lbeta)
+        else:
+            idx, w, scores = route(xf, router, self.gate.e_score_correction_bias, self.top_k,
+                                   self.cfg.moe_renormalize, self.cfg.routed_scaling_factor, logits=logits)
+            run = experts_forward if self.expert_parallel is None else self._ep_forward
+            y = run(lat, idx, w, ex.w1, ex.w2, ex.w3, beta, lbeta)
         if self.record_routing:
             self.last_routing = (idx.detach(), scores.detach())
-        run = experts_forward if self.expert_parallel is None else self._ep_forward
-        y = run(lat, idx, w, self.experts.w1, self.experts.w2, self.experts.w3,
-                self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
         rn = self.routed_expert_norm  # applied by the up projection (a GEMV's prologue in a decode step)
         norm = None if rn is None else (rn.weight, rn.eps, None)
         res = None if residual is None else residual.reshape(-1, shape[-1])

@@ -252,6 +252,15 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+def routed_decode_fits(x: torch.Tensor, top_k: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
+    """Whether a decode step's experts and their routing run as the two `moe_decode` kernels
+    (`experts_decode_routed`): the GEMV kernels' conditions (`experts_forward`) and `moe_decode.ROUTED` on."""
+    if not (grouped_mm_available(x) and importable(__name__.rsplit(".", 1)[0] + ".moe_decode")):
+        return False
+    from . import moe_decode
+    return moe_decode.routed_fits(x, top_k, w1, w2, w3)
+
+
 @eager_op
 def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,

@@ -15,17 +15,24 @@ by roundings (it rounds the gate/up and down GEMM outputs to bf16, these kernels
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ._triton import interpreted, pdl
 from ._triton_jit import pdl_sync
+from .route_triton import route_factor, route_next, route_row
 from .situ.triton import situ_glu_value
 
 MAX_ENTRIES = 64  # (token, expert) entries up to which `experts_forward` takes these kernels (H200 probe:
 # 2.39x the grouped path at 1 token, 1.55x at 16, equal at 32 -- k3-small, top 4)
 LAUNCH = {"bi": 4, "bl": 4, "chunk": 256, "warps": 4}
+# whether an inference decode step's LatentMoE chooses its experts inside these two kernels (`experts_decode_routed`,
+# K3_MOE_ROUTE_IN_EXPERTS=1: no routing kernel, 15 launches fewer per k3-small step) or by `route`'s kernel (the
+# default until `benchmarks/serve.py`, which flips it, has timed it)
+ROUTED = os.environ.get("K3_MOE_ROUTE_IN_EXPERTS", "0") == "1"
 # Each program issues ALL its weight loads at once (the loops over L, I and the K experts are unrolled at compile
 # time: the widths are constexprs), over few rows (bi / bl), so that the grid has hundreds of programs with
 # their loads in flight together. The first form looped at run time over 16-row blocks (128 and 48 programs at
@@ -37,13 +44,34 @@ LAUNCH = {"bi": 4, "bl": 4, "chunk": 256, "warps": 4}
 @triton.jit
 def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, sx, s1_e, s1_r, s3_e, s3_r, sh, beta,
                        linear_beta, L: tl.constexpr, BI: tl.constexpr, CH: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, ROUTE: tl.constexpr = False, z_ptr=None, bias_ptr=None,
+                       wt_ptr=None, sc_ptr=None, E=0, scale=1.0, KC: tl.constexpr = 1, BE: tl.constexpr = 16,
+                       HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = True):
+    """ROUTE: entry j's expert is chosen here from the router's fp32 logits z [N, E] (`route_triton`'s
+    selection, KC = top-k), and programs (j, 0) store idx [N·K] and weights wt [N·K] (and, for k = 0, token n's
+    scores [N, E]) as `route` returns them: the step has no routing kernel of its own."""
     pdl_sync(PDL)
     j = tl.program_id(0)
     rows = tl.program_id(1) * BI + tl.arange(0, BI)
     rm = rows < I
-    e = tl.load(idx_ptr + j).to(tl.int64)
     n = j // K
+    if ROUTE:
+        ee, em, sc, c = route_row(z_ptr, bias_ptr, n, E, BE, HAS_BIAS)
+        f = route_factor(ee, sc, c, E, scale, KC, BE, RENORM)
+        e = 0
+        wj = 0.0
+        for k in tl.static_range(KC):
+            i, si, c = route_next(ee, sc, c, E, BE)
+            e = tl.where(j % K == k, i, e)
+            wj = tl.where(j % K == k, si * f, wj)
+        if tl.program_id(1) == 0:
+            tl.store(idx_ptr + j, e.to(tl.int64))
+            tl.store(wt_ptr + j, wj)
+            if j % K == 0:
+                tl.store(sc_ptr + n * E + ee, sc, mask=em)
+        e = e.to(tl.int64)
+    else:
+        e = tl.load(idx_ptr + j).to(tl.int64)
     r = rows[:, None].to(tl.int64)
     g = tl.zeros([BI], tl.float32)
     u = tl.zeros([BI], tl.float32)
@@ -62,17 +90,29 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, sx, s1_e, s1
 
 @triton.jit
 def moe_down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, y_ptr, L, sh, sw_e, sw_r, sy, K: tl.constexpr,
-                    I: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
+                    I: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False,
+                    ROUTE: tl.constexpr = False, z_ptr=None, bias_ptr=None, E=0, scale=1.0, BE: tl.constexpr = 16,
+                    HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = True):
+    """ROUTE: token n's K experts and weights chosen again here from z (the same selection as the gate / up
+    kernel's, so nothing written by that kernel is read back but h)."""
     pdl_sync(PDL)
     n = tl.program_id(0)
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     rm = rows < L
     r = rows[:, None].to(tl.int64)
     acc = tl.zeros([BL], tl.float32)
+    if ROUTE:
+        ee, em, sc, c = route_row(z_ptr, bias_ptr, n, E, BE, HAS_BIAS)
+        f = route_factor(ee, sc, c, E, scale, K, BE, RENORM)
     for k in tl.static_range(K):
         j = n * K + k
-        e = tl.load(idx_ptr + j).to(tl.int64)
-        wk = tl.load(wt_ptr + j).to(tl.float32)
+        if ROUTE:
+            i, si, c = route_next(ee, sc, c, E, BE)
+            e = i.to(tl.int64)
+            wk = si * f
+        else:
+            e = tl.load(idx_ptr + j).to(tl.int64)
+            wk = tl.load(wt_ptr + j).to(tl.float32)
         part = tl.zeros([BL], tl.float32)
         for c0 in tl.static_range(0, I, CH):
             cols = c0 + tl.arange(0, CH)
@@ -101,6 +141,47 @@ def fits(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Te
             and (x.is_cuda or interpreted(moe_gate_up_kernel))
             and w1.dtype == w2.dtype == w3.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32))
+
+
+def routed_fits(x: torch.Tensor, top_k: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
+    """Whether `experts_decode_routed` takes a decode step's MoE: `ROUTED` on, and `fits` for its entries."""
+    return ROUTED and fits(x, x.new_empty(x.shape[0], top_k, dtype=torch.long), w1, w2, w3)
+
+
+def experts_decode_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                          renormalize: bool, scaling_factor: float, w1: torch.Tensor, w2: torch.Tensor,
+                          w3: torch.Tensor, beta: float, linear_beta: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`k3.ops.moe.route` (from the router's fp32 logits [N, E]) and `experts_decode` in the same two kernels:
+    returns (y [N, L], topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32), as the two calls."""
+    N, L = x.shape
+    E, I = w1.shape[0], w1.shape[1]
+    K = top_k
+    if logits.shape != (N, E) or logits.dtype != torch.float32:
+        raise ValueError(f"experts_decode_routed: logits must be fp32 [{N}, {E}], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if not 0 < K <= E:
+        raise ValueError(f"experts_decode_routed: top_k={K} must lie in [1, {E}]")
+    x, w1, w3, w2, z = _unit(x), _unit(w1), _unit(w3), _unit(w2), logits.contiguous()
+    idx = torch.empty(N, K, dtype=torch.long, device=x.device)
+    wt = torch.empty(N, K, dtype=torch.float32, device=x.device)
+    scores = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    h = torch.empty(N * K, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(N, L, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return y, idx, wt, scores
+    c = LAUNCH
+    route = dict(ROUTE=True, z_ptr=z, bias_ptr=z if bias is None else bias.float().contiguous(), E=E,
+                 scale=float(scaling_factor), BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None,
+                 RENORM=bool(renormalize))
+    moe_gate_up_kernel[(N * K, triton.cdiv(I, c["bi"]))](
+        x, idx, w1, w3, h, K, I, x.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), h.stride(0),
+        float(beta), float(linear_beta), L=L, BI=c["bi"], CH=_chunk(c["chunk"], L), num_warps=c["warps"],
+        wt_ptr=wt, sc_ptr=scores, KC=K, **route, **pdl(x))
+    moe_down_kernel[(N, triton.cdiv(L, c["bl"]))](
+        h, idx, wt, w2, y, L, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), K=K, I=I, BL=c["bl"],
+        CH=_chunk(c["chunk"], I), num_warps=c["warps"], **route, **pdl(x))
+    return y, idx, wt, scores
 
 
 def experts_decode(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,

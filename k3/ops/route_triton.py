@@ -13,6 +13,40 @@ from ._triton_jit import pdl_sync
 
 
 @triton.jit
+def route_row(logits_ptr, bias_ptr, n, E, BE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Token n's router row: (expert ids e [BE], their mask, sigmoid scores s, choice keys c = s + bias, −inf
+    past E). logits [N, E] fp32, contiguous rows."""
+    e = tl.arange(0, BE)
+    m = e < E
+    s = tl.sigmoid(tl.load(logits_ptr + n * E + e, mask=m, other=0.0).to(tl.float32))
+    c = s
+    if HAS_BIAS:
+        c = c + tl.load(bias_ptr + e, mask=m, other=0.0).to(tl.float32)
+    return e, m, s, tl.where(m, c, float("-inf"))
+
+
+@triton.jit
+def route_next(e, s, c, E, BE: tl.constexpr):
+    """The next choice: the largest key (ties: lowest expert; in range even for a NaN row), its score, and the
+    keys with it removed."""
+    best = tl.max(c, 0)
+    i = tl.minimum(tl.min(tl.where(c == best, e, BE), 0), E - 1)
+    return i, tl.sum(tl.where(e == i, s, 0.0), 0), tl.where(e == i, float("-inf"), c)
+
+
+@triton.jit
+def route_factor(e, s, c, E, scale, K: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr):
+    """What each chosen score is multiplied by: scale, ÷ (the K chosen scores' sum + 1e-20) with RENORM."""
+    total = 0.0
+    for _ in tl.static_range(K):
+        _, si, c = route_next(e, s, c, E, BE)
+        total += si
+    if RENORM:
+        return scale / (total + 1e-20)
+    return scale
+
+
+@triton.jit
 def route_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, E, scale,
                       K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                       PDL: tl.constexpr = False):
@@ -20,31 +54,13 @@ def route_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, E, scale
     descending order; weights = the chosen scores (÷ their sum + 1e-20 with RENORM) × scale."""
     pdl_sync(PDL)
     n = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BE)
-    m = e < E
-    s = tl.sigmoid(tl.load(logits_ptr + n * E + e, mask=m, other=0.0).to(tl.float32))
+    e, m, s, c = route_row(logits_ptr, bias_ptr, n, E, BE, HAS_BIAS)
     tl.store(scores_ptr + n * E + e, s, mask=m)
-    c = s
-    if HAS_BIAS:
-        c = c + tl.load(bias_ptr + e, mask=m, other=0.0).to(tl.float32)
-    c = tl.where(m, c, float("-inf"))
-    total = 0.0
-    cc = c
-    for _ in tl.static_range(K):  # pass 1: the sum of the chosen scores
-        best = tl.max(cc, 0)
-        i = tl.minimum(tl.min(tl.where(cc == best, e, BE), 0), E - 1)  # in range even for a NaN row
-        total += tl.sum(tl.where(e == i, s, 0.0), 0)
-        cc = tl.where(e == i, float("-inf"), cc)
-    if RENORM:
-        f = scale / (total + 1e-20)
-    else:
-        f = scale
-    for j in tl.static_range(K):  # pass 2: the same choices, stored
-        best = tl.max(c, 0)
-        i = tl.minimum(tl.min(tl.where(c == best, e, BE), 0), E - 1)
+    f = route_factor(e, s, c, E, scale, K, BE, RENORM)
+    for j in tl.static_range(K):  # the same choices, stored
+        i, si, c = route_next(e, s, c, E, BE)
         tl.store(idx_ptr + n * K + j, i.to(tl.int64))
-        tl.store(w_ptr + n * K + j, tl.sum(tl.where(e == i, s, 0.0), 0) * f)
-        c = tl.where(e == i, float("-inf"), c)
+        tl.store(w_ptr + n * K + j, si * f)
 
 
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
