@@ -103,17 +103,21 @@ def hot_spots(fn, n: int = 35) -> str:
     return s.getvalue()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="prefill_profile.json")
-    a = ap.parse_args()
+def engine_and_prompts():
+    """The probes' k3-small bf16 engine (8K prefill chunks, prefix cache on), its vocabulary size, a 16K shared
+    prefix, an iterator of 64-token tails and one of prompt seeds."""
     model = build("k3-small", "cuda", torch.bfloat16)
     V = model.config.text_config.vocab_size
     eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
                                      max_num_seqs=32, gpu_memory_fraction=0.5, enable_prefix_caching=True))
-    prefix = rand_prompts(1, 16384, V, 8)[0]
-    tails = iter(rand_prompts(40, 64, V, 9))
-    seeds = iter(range(100, 200))
+    return eng, V, rand_prompts(1, 16384, V, 8)[0], iter(rand_prompts(40, 64, V, 9)), iter(range(100, 200))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="prefill_profile.json")
+    a = ap.parse_args()
+    eng, V, prefix, tails, seeds = engine_and_prompts()
 
     def cold():
         eng.reset_prefix_cache()

@@ -21,9 +21,11 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serve import build, rand_prompts  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_profile import engine_and_prompts  # noqa: E402
+from serve import rand_prompts  # noqa: E402
 
-from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
+from k3.serve import SamplingParams  # noqa: E402
 from k3.serve import engine as engine_mod  # noqa: E402
 from k3.serve import runner as runner_mod  # noqa: E402
 from k3.serve import scheduler as scheduler_mod  # noqa: E402
@@ -83,13 +85,7 @@ def main():
                       (engine_mod.Engine, "_finish"), (scheduler_mod.Scheduler, "schedule"),
                       (runner_mod.ModelRunner, "forward"), (torch.cuda.CUDAGraph, "replay")):
         labelled(cls, name, f"k3.{cls.__name__}.{name}")
-    model = build("k3-small", "cuda", torch.bfloat16)
-    V = model.config.text_config.vocab_size
-    eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
-                                     max_num_seqs=32, gpu_memory_fraction=0.5, enable_prefix_caching=True))
-    prefix = rand_prompts(1, 16384, V, 8)[0]
-    tails = iter(rand_prompts(40, 64, V, 9))
-    seeds = iter(range(100, 200))
+    eng, V, prefix, tails, seeds = engine_and_prompts()
 
     def cold():
         eng.reset_prefix_cache()
