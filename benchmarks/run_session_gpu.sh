@@ -21,8 +21,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   FILES=${TEST_FILES:-"tests/test_kda_triton.py tests/test_paged_cache.py tests/test_serve_engine.py
     tests/test_decode_graphs.py tests/test_extend_graphs.py tests/test_serve_async.py tests/test_mla_decode.py
     tests/test_moe_fast.py tests/test_attn_res_fused.py tests/test_compile.py tests/test_gemv.py
-    tests/test_greedy_kernel.py"}
-  timeout ${TEST_S:-150} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m "${TEST_M-cuda}" \
+    tests/test_greedy_kernel.py tests/test_prefill_graphs.py"}
+  timeout ${TEST_S:-300} python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m "${TEST_M-cuda}" \
     -k "${TEST_K:-not nothing}" $FILES > "$OUT/tests.log" 2>&1 || echo "tests exit $?" >> "$OUT/tests.log"
   tail -3 "$OUT/tests.log"
 fi
