@@ -118,14 +118,14 @@ def no_extend_graphs(engine: Engine):
         engine.runner.use_extend_graphs = True
 
 
-# decode switches that `run` flips in the same run: result key → (module, flag, batch 1 only, what the step does
-# with the flag on, with it off)
+# decode switches that `run` flips in the same run: result key → (module, flag, what the step does with the flag
+# on, with it off)
 SWITCHES = {
-    "greedy_kernel_step_ms": ("k3.ops.sampling", "GREEDY_KERNEL", False, "greedy pick by two kernels",
+    "greedy_kernel_step_ms": ("k3.ops.sampling", "GREEDY_KERNEL", "greedy pick by two kernels",
                               "greedy pick by torch ops"),
-    "mla_write_step_ms": ("k3.ops.mla_decode", "FUSED_WRITE", False, "MLA latent write with its norm",
+    "mla_write_step_ms": ("k3.ops.mla_decode", "FUSED_WRITE", "MLA latent write with its norm",
                           "MLA latent write plain"),
-    "moe_routed_step_ms": ("k3.ops.moe_decode", "ROUTED", False, "MoE routing inside the expert kernels",
+    "moe_routed_step_ms": ("k3.ops.moe_decode", "ROUTED", "MoE routing inside the expert kernels",
                            "MoE routing by its own kernel"),
 }
 
@@ -137,35 +137,44 @@ PREFILL_SWITCHES = {
 }
 
 
-def with_setting(engine: Engine, module, name: str, value, fn):
-    """fn() with `module.name` set to value and the engine's graphs captured afresh, the setting and the
-    engine's graphs restored after (a before / after in one run): `k3.ops.gemv.MAX_ROWS = 0` (every projection
-    through cuBLAS), `k3.ops._triton.PDL = False` (no programmatic dependent launch), `k3.ops.gemv.PROLOGUE =
-    True` (norms and SiTU-GLU inside the GEMVs instead of their own kernels), and each of `SWITCHES` flipped."""
-    old, old_graphs = getattr(module, name), engine.runner.graphs
-    setattr(module, name, value)
-    engine.runner.graphs = {}
+def with_settings(engine: Engine, settings: list[tuple], fn):
+    """fn() with each (module, name, value) of `settings` set and the engine's graphs captured afresh, the
+    settings and the engine's graphs restored after (a before / after in one run): `k3.ops.gemv.MAX_ROWS = 0`
+    (every projection through cuBLAS), `k3.ops._triton.PDL = False` (no programmatic dependent launch),
+    `k3.ops.gemv.PROLOGUE = True` (norms and SiTU-GLU inside the GEMVs), each of `SWITCHES` flipped, or all."""
+    olds, old_graphs = [getattr(m, n) for m, n, _ in settings], engine.runner.graphs
     try:
+        for m, n, v in settings:
+            setattr(m, n, v)
+        engine.runner.graphs = {}
         engine.reset_prefix_cache()
         return fn()
     finally:
-        setattr(module, name, old)
+        for (m, n, _), o in zip(settings, olds):
+            setattr(m, n, o)
         engine.runner.graphs = old_graphs
 
 
-def flipped_all(engine: Engine, batch: int, fn):
-    """fn()'s step time with every applicable switch of `SWITCHES` flipped together (None if that fails)."""
-    flips = [(importlib.import_module(m), n) for m, n, batch1, _, _ in SWITCHES.values() if batch == 1 or not batch1]
-    olds = [getattr(m, n) for m, n in flips]
-    try:
-        for m, n in flips:
-            setattr(m, n, not getattr(m, n))
-        return with_setting(engine, flips[0][0], flips[0][1], getattr(*flips[0]), fn)["step_ms"]
-    except Exception:  # noqa: BLE001
-        return None
-    finally:
-        for (m, n), o in zip(flips, olds):
-            setattr(m, n, o)
+def with_setting(engine: Engine, module, name: str, value, fn):
+    """`with_settings` for one setting."""
+    return with_settings(engine, [(module, name, value)], fn)
+
+
+def flipped(table: dict) -> dict:
+    """{result key: [(module, flag, its flipped value)]} for every switch of `table`, and "all" for all at once."""
+    out = {}
+    for key, (module, name, *_) in table.items():
+        mod = importlib.import_module(module)
+        out[key] = [(mod, name, not getattr(mod, name))]
+    out["all"] = [s for v in out.values() for s in v]
+    return out
+
+
+def abort_all(engine: Engine) -> None:
+    """Drop every request in flight (after a timed run that raised)."""
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    engine.flush()
 
 
 def decode_rate(engine: Engine, prompts, steps: int, cuda: bool) -> dict:
@@ -245,17 +254,13 @@ def run(a) -> dict:
             r["prologue_step_ms"] = with_setting(eng, gemv, "PROLOGUE", True, again)["step_ms"]
         if eng.runner.use_graphs:  # the decode switches not on by default yet, each flipped in the same run
             again = lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)  # noqa: E731
-            for key, (module, name, batch1, _, _) in SWITCHES.items():
-                mod = importlib.import_module(module)
-                if b == 1 or not batch1:
-                    try:  # a switch that fails (say, a kernel that does not compile) is reported, not fatal
-                        r[key] = with_setting(eng, mod, name, not getattr(mod, name), again)["step_ms"]
-                    except Exception as e:  # noqa: BLE001
-                        r[key + "_error"] = f"{type(e).__name__}: {e}"[:500]
-                        for rid in list(eng.requests):
-                            eng.abort(rid)
-                        eng.flush()
-            r["switches_flipped_step_ms"] = flipped_all(eng, b, again)
+            for key, settings in flipped(SWITCHES).items():
+                key = "switches_flipped_step_ms" if key == "all" else key
+                try:  # a switch that fails (say, a kernel that does not compile) is reported, not fatal
+                    r[key] = with_settings(eng, settings, again)["step_ms"]
+                except Exception as e:  # noqa: BLE001
+                    r[key + "_error"] = f"{type(e).__name__}: {e}"[:500]
+                    abort_all(eng)
         if b == 1:
             ctx = prompt_len + steps // 2
             by = decode_bytes_per_token(model, ctx)
@@ -288,15 +293,17 @@ def run(a) -> dict:
         eng.runner.use_prefill_graphs = True
         res["prefill"].update(eager_seconds=eager, graph_speedup=eager / sec)
     if eng.runner.use_graphs:  # the prefill switches, each flipped in the same run (its graphs captured afresh)
-        for key, (module, name, _, _) in PREFILL_SWITCHES.items():
-            mod = importlib.import_module(module)
-            def flipped():
-                eng.generate([rand_prompts(1, long_prefill, V, 70)[0]], one)  # captures the graph again
-                return dict(seconds=cold_prefills())
+        def prefills():
+            eng.generate([rand_prompts(1, long_prefill, V, 70)[0]], one)  # captures the graph again
+            return dict(seconds=cold_prefills())
+        for key, settings in flipped(PREFILL_SWITCHES).items():
+            if key == "all":
+                continue
             try:
-                res["prefill"][key] = with_setting(eng, mod, name, not getattr(mod, name), flipped)["seconds"]
+                res["prefill"][key] = with_settings(eng, settings, prefills)["seconds"]
             except Exception as e:  # noqa: BLE001
                 res["prefill"][key + "_error"] = f"{type(e).__name__}: {e}"[:500]
+                abort_all(eng)
     if cuda:
         fl = prefill_flops_per_token(model.config, long_prefill)
         res["prefill"].update(flops_per_token=fl, tflops=fl * long_prefill / sec / 1e12,
@@ -388,10 +395,10 @@ def table(res: dict) -> str:
             extra += f"   (without PDL {r['no_pdl_step_ms']:.2f} ms)"
         if "prologue_step_ms" in r:
             extra += f"   (norms and SiTU in the GEMVs' prologues {r['prologue_step_ms']:.2f} ms)"
-        for key, (module, name, _, on, off) in SWITCHES.items():
+        for key, (module, name, on, off) in SWITCHES.items():
             if key in r:  # the switch flipped from its setting in this process
-                flipped = on if not getattr(importlib.import_module(module), name) else off
-                extra += f"   ({flipped} {r[key]:.2f} ms)"
+                state = on if not getattr(importlib.import_module(module), name) else off
+                extra += f"   ({state} {r[key]:.2f} ms)"
             if key + "_error" in r:
                 extra += f"   ({name} flipped failed: {r[key + '_error'][:120]})"
         if r.get("switches_flipped_step_ms"):
@@ -410,10 +417,10 @@ def table(res: dict) -> str:
                      f"(graph {p['graph_speedup']:.2f}x)")
     for key, (module, name, on, off) in PREFILL_SWITCHES.items():
         if key in p:
-            flipped = on if not getattr(importlib.import_module(module), name) else off
+            state = on if not getattr(importlib.import_module(module), name) else off
             mk = key.replace("_seconds", "_mfu")
             mfu_f = f", MFU {100 * p[mk]:.1f}%" if mk in p else ""
-            lines.append(f"  {flipped}: {p['tokens'] / p[key]:.0f} tok/s{mfu_f}")
+            lines.append(f"  {state}: {p['tokens'] / p[key]:.0f} tok/s{mfu_f}")
         if key + "_error" in p:
             lines.append(f"  {name} flipped failed: {p[key + '_error'][:160]}")
     t = res["ttft_shared_prefix"]

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.conv import short_conv, short_conv_split, short_conv_step
 from ..ops.gemv import linear
-from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step,
-                       kda_decode_step_gated, kda_gate)
+from ..ops.conv import short_conv, short_conv_split, short_conv_step
+from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_gated,
+                      kda_gate)
 from ..ops.norm import rms_norm, rms_norm_gated
 from .layers import RMSNorm, joined_weight
 from .paged_cache import PagedLayerCache
@@ -186,8 +186,8 @@ class KimiDeltaAttention(nn.Module):
                                             self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype,
                           multiple=64)
         y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
-        backend = cache.pc.kda_backend or self.backend
         f = linear(fa, self.f_b_proj.weight).view(N, H, K)
+        backend = cache.pc.kda_backend or self.backend
         if b.decode or b.graph_prefill:  # decode / extend / graph prefill: slots' conv windows and states in place
             if b.step_states_at is not None:  # the checkpoints' conv windows: the inputs before each
                 windows = y[b.ckpt_win_rows].transpose(1, 2)
@@ -232,4 +232,5 @@ class KimiDeltaAttention(nn.Module):
         in a decode step), o_proj (+ residual in its epilogue) → [1, N, D]."""
         N, H, K = o.shape
         return linear(o.reshape(1, N, H * K), self.o_proj.weight, add=residual, gate=gate.reshape(1, N, H * K),
-                      norm=(self.o_norm.weight, self.o_norm.eps, K), add_inplace=residual_inplace)  # a GEMV's prologue in a decode step
+                      norm=(self.o_norm.weight, self.o_norm.eps, K),  # a GEMV's prologue in a decode step
+                      add_inplace=residual_inplace)

@@ -29,9 +29,9 @@ from .situ.triton import situ_glu_value
 MAX_ENTRIES = 64  # (token, expert) entries up to which `experts_forward` takes these kernels (H200 probe:
 # 2.39x the grouped path at 1 token, 1.55x at 16, equal at 32 -- k3-small, top 4)
 LAUNCH = {"bi": 4, "bl": 4, "chunk": 256, "warps": 4}
-# whether an inference decode step's LatentMoE chooses its experts inside these two kernels (`experts_decode_routed`,
-# K3_MOE_ROUTE_IN_EXPERTS=1: no routing kernel, 15 launches fewer per k3-small step) or by `route`'s kernel (the
-# default until `benchmarks/serve.py`, which flips it, has timed it)
+# whether an inference decode step's LatentMoE chooses its experts inside the gate / up kernel
+# (`experts_decode_routed`, K3_MOE_ROUTE_IN_EXPERTS=1: no routing kernel, 15 launches fewer per k3-small step) or by
+# `route`'s kernel (the default until `benchmarks/serve.py`, which flips it, has timed it)
 ROUTED = os.environ.get("K3_MOE_ROUTE_IN_EXPERTS", "0") == "1"
 # Each program issues ALL its weight loads at once (the loops over L, I and the K experts are unrolled at compile
 # time: the widths are constexprs), over few rows (bi / bl), so that the grid has hundreds of programs with
@@ -42,14 +42,14 @@ ROUTED = os.environ.get("K3_MOE_ROUTE_IN_EXPERTS", "0") == "1"
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, sx, s1_e, s1_r, s3_e, s3_r, sh, beta,
-                       linear_beta, L: tl.constexpr, BI: tl.constexpr, CH: tl.constexpr,
+def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K: tl.constexpr, I, sx, s1_e, s1_r, s3_e, s3_r, sh,
+                       beta, linear_beta, L: tl.constexpr, BI: tl.constexpr, CH: tl.constexpr,
                        PDL: tl.constexpr = False, ROUTE: tl.constexpr = False, z_ptr=None, bias_ptr=None,
-                       wt_ptr=None, sc_ptr=None, E=0, scale=1.0, KC: tl.constexpr = 1, BE: tl.constexpr = 16,
+                       wt_ptr=None, sc_ptr=None, E=0, scale=1.0, BE: tl.constexpr = 16,
                        HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = True):
     """ROUTE: entry j's expert is chosen here from the router's fp32 logits z [N, E] (`route_triton`'s
-    selection, KC = top-k), and programs (j, 0) store idx [N·K] and weights wt [N·K] (and, for k = 0, token n's
-    scores [N, E]) as `route` returns them: the step has no routing kernel of its own."""
+    selection), and programs (j, 0) store idx [N·K] and weights wt [N·K] (and, for k = 0, token n's scores
+    [N, E]) as `route` returns them, for the down kernel and the caller: the step has no routing kernel."""
     pdl_sync(PDL)
     j = tl.program_id(0)
     rows = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -57,10 +57,10 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, sx, s1_e, s1
     n = j // K
     if ROUTE:
         ee, em, sc, c = route_row(z_ptr, bias_ptr, n, E, BE, HAS_BIAS)
-        f = route_factor(ee, sc, c, E, scale, KC, BE, RENORM)
+        f = route_factor(ee, sc, c, E, scale, K, BE, RENORM)
         e = 0
         wj = 0.0
-        for k in tl.static_range(KC):
+        for k in tl.static_range(K):
             i, si, c = route_next(ee, sc, c, E, BE)
             e = tl.where(j % K == k, i, e)
             wj = tl.where(j % K == k, si * f, wj)
@@ -90,29 +90,17 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, K, I, sx, s1_e, s1
 
 @triton.jit
 def moe_down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, y_ptr, L, sh, sw_e, sw_r, sy, K: tl.constexpr,
-                    I: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False,
-                    ROUTE: tl.constexpr = False, z_ptr=None, bias_ptr=None, E=0, scale=1.0, BE: tl.constexpr = 16,
-                    HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = True):
-    """ROUTE: token n's K experts and weights chosen again here from z (the same selection as the gate / up
-    kernel's, so nothing written by that kernel is read back but h)."""
+                    I: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
     pdl_sync(PDL)
     n = tl.program_id(0)
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     rm = rows < L
     r = rows[:, None].to(tl.int64)
     acc = tl.zeros([BL], tl.float32)
-    if ROUTE:
-        ee, em, sc, c = route_row(z_ptr, bias_ptr, n, E, BE, HAS_BIAS)
-        f = route_factor(ee, sc, c, E, scale, K, BE, RENORM)
     for k in tl.static_range(K):
         j = n * K + k
-        if ROUTE:
-            i, si, c = route_next(ee, sc, c, E, BE)
-            e = i.to(tl.int64)
-            wk = si * f
-        else:
-            e = tl.load(idx_ptr + j).to(tl.int64)
-            wk = tl.load(wt_ptr + j).to(tl.float32)
+        e = tl.load(idx_ptr + j).to(tl.int64)
+        wk = tl.load(wt_ptr + j).to(tl.float32)
         part = tl.zeros([BL], tl.float32)
         for c0 in tl.static_range(0, I, CH):
             cols = c0 + tl.arange(0, CH)
@@ -137,7 +125,11 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 def fits(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
     """Whether `experts_decode` takes this call: few entries, no autograd, weights in x's dtype, CUDA (or the
     CPU interpreter)."""
-    return (topk_idx.numel() <= MAX_ENTRIES and not torch.is_grad_enabled()
+    return _fits(x, topk_idx.numel(), w1, w2, w3)
+
+
+def _fits(x: torch.Tensor, entries: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
+    return (entries <= MAX_ENTRIES and not torch.is_grad_enabled()
             and (x.is_cuda or interpreted(moe_gate_up_kernel))
             and w1.dtype == w2.dtype == w3.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32))
@@ -145,15 +137,16 @@ def fits(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Te
 
 def routed_fits(x: torch.Tensor, top_k: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
     """Whether `experts_decode_routed` takes a decode step's MoE: `ROUTED` on, and `fits` for its entries."""
-    return ROUTED and fits(x, x.new_empty(x.shape[0], top_k, dtype=torch.long), w1, w2, w3)
+    return ROUTED and _fits(x, x.shape[0] * top_k, w1, w2, w3)
 
 
 def experts_decode_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                           renormalize: bool, scaling_factor: float, w1: torch.Tensor, w2: torch.Tensor,
                           w3: torch.Tensor, beta: float, linear_beta: float
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`k3.ops.moe.route` (from the router's fp32 logits [N, E]) and `experts_decode` in the same two kernels:
-    returns (y [N, L], topk_idx [N, k] long, topk_weight [N, k] fp32, scores [N, E] fp32), as the two calls."""
+    """`k3.ops.moe.route` (from the router's fp32 logits [N, E]) and `experts_decode` in the same two kernels
+    (the gate / up kernel routes, the down kernel reads its choices): returns (y [N, L], topk_idx [N, k] long,
+    topk_weight [N, k] fp32, scores [N, E] fp32), as the two calls."""
     N, L = x.shape
     E, I = w1.shape[0], w1.shape[1]
     K = top_k
@@ -171,16 +164,15 @@ def experts_decode_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.Ten
     if N == 0:
         return y, idx, wt, scores
     c = LAUNCH
-    route = dict(ROUTE=True, z_ptr=z, bias_ptr=z if bias is None else bias.float().contiguous(), E=E,
-                 scale=float(scaling_factor), BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None,
-                 RENORM=bool(renormalize))
     moe_gate_up_kernel[(N * K, triton.cdiv(I, c["bi"]))](
         x, idx, w1, w3, h, K, I, x.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), h.stride(0),
         float(beta), float(linear_beta), L=L, BI=c["bi"], CH=_chunk(c["chunk"], L), num_warps=c["warps"],
-        wt_ptr=wt, sc_ptr=scores, KC=K, **route, **pdl(x))
+        ROUTE=True, z_ptr=z, bias_ptr=z if bias is None else bias.float().contiguous(), wt_ptr=wt, sc_ptr=scores,
+        E=E, scale=float(scaling_factor), BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None,
+        RENORM=bool(renormalize), **pdl(x))
     moe_down_kernel[(N, triton.cdiv(L, c["bl"]))](
         h, idx, wt, w2, y, L, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), K=K, I=I, BL=c["bl"],
-        CH=_chunk(c["chunk"], I), num_warps=c["warps"], **route, **pdl(x))
+        CH=_chunk(c["chunk"], I), num_warps=c["warps"], **pdl(x))
     return y, idx, wt, scores
 
 

@@ -20,24 +20,6 @@ TILES_LAUNCH = {"bc": 64, "warps": 2}
 
 
 @triton.jit
-def conv_token(x_ptr, w_ptr, wbase, c, cm, W1: tl.constexpr, WP: tl.constexpr):
-    """One new token's channels c (mask cm): x = x_ptr[c], y = silu(Σ_j w[c, j]·win[c, j] + w[c, W1]·x) in fp32
-    against the window rows wbase[c] (W1 inputs each, oldest first). Returns (y, the advanced window (win[:, 1:],
-    x) as [BC, WP] fp32, its store mask): the caller stores it to wbase after every thread has read the window."""
-    j = tl.arange(0, WP)
-    tap = cm[:, None] & (j[None, :] < W1)
-    win = tl.load(wbase[:, None] + j[None, :], mask=tap, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + c[:, None] * (W1 + 1) + j[None, :], mask=tap, other=0.0).to(tl.float32)
-    wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
-    xv = tl.load(x_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    a = tl.sum(win * w, axis=1) + xv * wl
-    # shift[i, j] = (i == j + 1): win @ shift moves every column one step left (register-only)
-    shift = (j[:, None] == j[None, :] + 1).to(tl.float32)
-    new = tl.where(j[None, :] == W1 - 1, xv[:, None], tl.sum(win[:, :, None] * shift[None, :, :], axis=1))
-    return a * tl.sigmoid(a), new, tap
-
-
-@triton.jit
 def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot,
                            W1: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n, channel block): the one new token x of sequence n, y = silu(Σ_j w[:, j]·win[:, j] + w[:, W1]·x)
@@ -45,12 +27,21 @@ def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot
     pdl_sync(PDL)
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
+    j = tl.arange(0, WP)
     cm = c < C
-    wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1
-    y, win, tap = conv_token(x_ptr + n * sx, w_ptr, wbase, c, cm, W1, WP)
-    tl.store(y_ptr + n * C + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+    tap = cm[:, None] & (j[None, :] < W1)
+    base = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c[:, None] * W1 + j[None, :]
+    win = tl.load(base, mask=tap, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + c[:, None] * (W1 + 1) + j[None, :], mask=tap, other=0.0).to(tl.float32)
+    wl = tl.load(w_ptr + c * (W1 + 1) + W1, mask=cm, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + n * sx + c, mask=cm, other=0.0).to(tl.float32)
+    a = tl.sum(win * w, axis=1) + xv * wl
+    tl.store(y_ptr + n * C + c, (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=cm)
+    # shift[i, j] = (i == j + 1): win @ shift moves every column one step left (register-only)
+    shift = (j[:, None] == j[None, :] + 1).to(tl.float32)
+    win = tl.where(j[None, :] == W1 - 1, xv[:, None], tl.sum(win[:, :, None] * shift[None, :, :], axis=1))
     tl.debug_barrier()  # every thread has read the window before the slot is rewritten
-    tl.store(wbase[:, None] + tl.arange(0, WP)[None, :], win.to(win_ptr.dtype.element_ty), mask=tap)
+    tl.store(base, win.to(win_ptr.dtype.element_ty), mask=tap)
 
 
 @triton.jit

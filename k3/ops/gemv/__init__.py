@@ -77,8 +77,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if add is not None:
-        a2 = add.reshape(-1, w.shape[0])
-        if add_inplace and a2.dtype == x.dtype and a2.is_contiguous() and a2.data_ptr() == add.data_ptr():
+        a2 = add.reshape(-1, w.shape[0])  # a view of add when it is contiguous
+        if add_inplace and add.dtype == x.dtype and add.is_contiguous():
             y = a2.addmm_(x2, w.t())  # into the caller's temporary: addmm would copy it to a new output first
         else:
             y = torch.addmm(a2.to(x.dtype), x2, w.t())

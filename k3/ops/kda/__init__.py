@@ -29,8 +29,8 @@ from .reference import recurrent_kda
 from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces, chunk_slots
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
-           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm",
-           "fla_available", "triton_available", "BACKENDS", "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks", "chunk_slots"]
+           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS",
+           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks", "chunk_slots"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # extend steps (a few new tokens per sequence, `kda_decode_step_gated` with cu_seqlens) take the chunked kernels
@@ -339,4 +339,3 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
     return kda_decode_triton(q, k, v, f, beta_logit, state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                              scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
                              dt_bias=dt_bias, lower_bound=lower_bound, beta_logits=True)
-
