@@ -8,7 +8,6 @@
 #       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
 #       benchmarks/probe/prefill_kernels.py (the prefill's KDA recurrence and conv launch settings; PK=1);
 #       benchmarks/probe/gemv.py (decode projections: cuBLAS vs the GEMV kernel; GEMV=1);
-#       benchmarks/probe/kda_combine.py (the KDA segment states: one kernel vs the PyTorch ops; KCOMB=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -50,11 +49,6 @@ if [ "${PK:-0}" = 1 ]; then  # launch settings of the prefill's KDA recurrence a
   timeout ${PK_S:-90} python3 benchmarks/probe/prefill_kernels.py --out "$OUT/prefill_kernels.json" \
     > "$OUT/prefill_kernels.log" 2>&1 || echo "prefill kernels exit $?" >> "$OUT/prefill_kernels.log"
   tail -22 "$OUT/prefill_kernels.log"
-fi
-if [ "${KCOMB:-0}" = 1 ]; then  # the KDA segment states: one kernel vs the PyTorch ops (K3_KDA_COMBINE_KERNEL)
-  timeout 90 python3 benchmarks/probe/kda_combine.py --out "$OUT/kda_combine.json" > "$OUT/kda_combine.log" 2>&1 \
-    || echo "kda combine exit $?" >> "$OUT/kda_combine.log"
-  tail -5 "$OUT/kda_combine.log"
 fi
 if [ "${GEMV:-0}" = 1 ]; then  # the decode projections: cuBLAS vs the GEMV kernel's launch settings
   timeout ${GEMV_S:-120} python3 benchmarks/probe/gemv.py --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1 \

@@ -131,10 +131,8 @@ SWITCHES = {
 
 
 # prefill switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
-PREFILL_SWITCHES = {
-    "combine_kernel_seconds": ("k3.ops.kda.triton.chunk", "COMBINE_KERNEL", "KDA segment states by one kernel",
-                               "KDA segment states by GEMMs"),
-}
+# (none now: session 17 timed the KDA segment-state kernel slower and removed it)
+PREFILL_SWITCHES: dict = {}
 
 
 def with_settings(engine: Engine, settings: list[tuple], fn):

@@ -116,49 +116,17 @@ def test_kda_extend_split_equals_unsplit(length, want):
     args = args[:6] + (torch.full_like(args[6], -6.0),)
     chunks = token_runs(cu, T, 16, first=True)
     out = []
-    for split, kernel in ((0, False), (4, False), (4, True)):  # unsplit; the combine as GEMMs; as one kernel
+    for split in (0, 4):  # unsplit; in 4 segments
         p = pool.clone()
-        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "COMBINE_KERNEL", kernel), \
-                mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
-                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy, \
-                mock.patch.object(CH, "combine_segments", wraps=CH.combine_segments) as kspy:
+        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
+                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy:
             o, st = kda_decode_step_gated(*args, p[:, 1], slots, -5.0, backend="auto" if dev == "cuda" else "triton",
                                           cu_seqlens=cu, chunks=chunks, states_at=pos)
-        assert spy.call_count == (split > 1) and kspy.call_count == kernel
+        assert spy.call_count == (split > 1)
         out.append((o, st, p))
-    o0, s0, p0 = out[0]
-    for o1, s1, p1 in out[1:]:
-        assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
-        assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
-
-
-@pytest.mark.parametrize("P,H,K,V,bv,bk", [(4, 2, 32, 48, 16, 16), (8, 3, 16, 16, 32, 32), (2, 1, 128, 128, 32, 32)])
-def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv, bk):
-    """The segments' incoming states in one kernel (`combine.combine_segments`: the CPU interpreter here, the
-    GPU's fp32 FMA there) against the reference's batched GEMMs, both against an fp64 walk of the same recursion
-    (h[0] = the slot's state, h[j] = M h + S): within 1e-6 relative RMS; V not a multiple of the value block, K
-    over several inner chunks; the pool's other slots untouched."""
-    from k3.ops.kda.triton.combine import combine_segments, combine_segments_torch
-    dev = _triton_or_skip()
-    g = torch.Generator().manual_seed(P * 100 + K)
-    summ = torch.randn(P, H, K, V + K, generator=g)
-    summ[..., V:] *= K ** -0.5  # transitions of norm ≈ 1, as a decaying state's
-    pool = torch.randn(5, H, K, V, generator=g)
-    slot = torch.tensor([3])
-    exact = [pool[3].double()]
-    for j in range(1, P):
-        exact.append(summ[j - 1, ..., V:].double() @ exact[-1] + summ[j - 1, ..., :V].double())
-    exact = torch.stack(exact)
-    ref = combine_segments_torch(summ, pool, slot, P)
-    before = pool.clone()
-    out = combine_segments(summ.to(dev), pool.to(dev), slot.to(dev), P, block_v=bv, block_k=bk).cpu()
-    assert out.shape == (P, H, K, V) and out.dtype == torch.float32
-    assert rel_rmse(exact, ref) <= 1e-6 and rel_rmse(exact, out) <= 1e-6
-    assert torch.equal(out[0], pool[3]) and torch.equal(pool, before)
-    with pytest.raises(ValueError, match="summ must be fp32"):
-        combine_segments(summ[..., :-1].to(dev), pool.to(dev), slot.to(dev), P)
-    with pytest.raises(ValueError, match="one slot"):
-        combine_segments(summ.to(dev), pool.to(dev), torch.tensor([1, 2], device=dev), P)
+    (o0, s0, p0), (o1, s1, p1) = out
+    assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
+    assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
 
 
 def test_kda_step_states_at_rejects_bad_calls():

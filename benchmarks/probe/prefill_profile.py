@@ -64,8 +64,8 @@ def sync_sites(fn) -> dict:
     return dict(sites.most_common())
 
 
-def gpu_time_ms(fn, top: int = 25) -> tuple[float, int, list]:
-    """Summed GPU kernel time (ms), kernel count and the `top` kernels by time: (name, ms, calls)."""
+def gpu_time_ms(fn, top: int | None = None) -> tuple[float, int, list]:
+    """Summed GPU kernel time (ms), kernel count and the `top` kernels by time (all: None): (name, ms, calls)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -157,8 +157,10 @@ def main():
               f"{r['n_syncs']} syncs")
         for k, v in list(r["syncs"].items())[:25]:
             print(f"   {v:5d}  {k}")
-        for name, ms, calls in r["top_kernels"]:
+        for name, ms, calls in r["top_kernels"][:25]:
             print(f"   k {ms:8.3f} ms {calls:5d}  {name}")
+        for name, ms, calls in sorted(r["top_kernels"], key=lambda k: -k[2])[:30]:  # the most launched
+            print(f"   n {calls:5d} {ms:8.3f} ms  {name}")
         for op, calls, ms in r["op_sites"]:
             print(f"   op {ms:8.3f} ms {calls:5d}  {op}")
         print(r["cprofile"])

@@ -118,7 +118,7 @@ class LatentMoE(nn.Module):
             lat = linear(xf, down)
         ex, beta, lbeta = self.experts, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta
         if logits is not None and routed_decode_fits(lat, self.top_k, ex.w1, ex.w2, ex.w3):
-            # a decode step: the experts chosen inside the two expert kernels (K3_MOE_ROUTE_IN_EXPERTS=1)
+            # a decode step: the experts chosen inside the two expert kernels (K3_MOE_ROUTE_IN_EXPERTS=0: not)
             from ..ops.moe_decode import experts_decode_routed
             y, idx, w, scores = experts_decode_routed(
                 lat, logits, self.gate.e_score_correction_bias, self.top_k, self.cfg.moe_renormalize,

@@ -30,9 +30,10 @@ MAX_ENTRIES = 64  # (token, expert) entries up to which `experts_forward` takes 
 # 2.39x the grouped path at 1 token, 1.55x at 16, equal at 32 -- k3-small, top 4)
 LAUNCH = {"bi": 4, "bl": 4, "chunk": 256, "warps": 4}
 # whether an inference decode step's LatentMoE chooses its experts inside the gate / up kernel
-# (`experts_decode_routed`, K3_MOE_ROUTE_IN_EXPERTS=1: no routing kernel, 15 launches fewer per k3-small step) or by
-# `route`'s kernel (the default until `benchmarks/serve.py`, which flips it, has timed it)
-ROUTED = os.environ.get("K3_MOE_ROUTE_IN_EXPERTS", "0") == "1"
+# (`experts_decode_routed`: no routing kernel, 15 launches fewer per k3-small step) or by `route`'s kernel
+# (K3_MOE_ROUTE_IN_EXPERTS=0). `benchmarks/serve.py` (H200, 2026-12-03, session 17): 1.15 / 2.30 / 4.21 ms per step
+# at batch 1 / 32 / 256 against 1.16 / 2.30 / 4.20-4.67 by the route kernel: no slower, fewer launches
+ROUTED = os.environ.get("K3_MOE_ROUTE_IN_EXPERTS", "1") == "1"
 # Each program issues ALL its weight loads at once (the loops over L, I and the K experts are unrolled at compile
 # time: the widths are constexprs), over few rows (bi / bl), so that the grid has hundreds of programs with
 # their loads in flight together. The first form looped at run time over 16-row blocks (128 and 48 programs at
