@@ -127,12 +127,17 @@ SWITCHES = {
                           "MLA latent write plain"),
     "moe_routed_step_ms": ("k3.ops.moe_decode", "ROUTED", "MoE routing inside the expert kernels",
                            "MoE routing by its own kernel"),
+    "moe_tiles_step_ms": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
 }
 
 
 # prefill switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
 # (none now: session 17 timed the KDA segment-state kernel slower and removed it)
 PREFILL_SWITCHES: dict = {}
+# prefix-hit switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
+HIT_SWITCHES = {
+    "moe_tiles_seconds": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
+}
 
 
 def with_settings(engine: Engine, settings: list[tuple], fn):
@@ -342,6 +347,27 @@ def run(a) -> dict:
             for name, r in rounds.items() if r}
     ttft["speedup"] = ttft["cold"]["seconds"] / ttft["prefix_hit"]["seconds"]
     res["ttft_shared_prefix"] = ttft
+    if eng.runner.use_graphs:  # the prefix-hit switches, each flipped in the same run (graphs captured afresh)
+        def hits() -> dict:  # median seconds of the third request of `a.ttft_reps` rounds, as above
+            times = []
+            for rep in range(a.ttft_reps):
+                eng.reset_prefix_cache()
+                prefix = rand_prompts(1, shared, V, 8 + 100 * rep)[0]
+                tails = rand_prompts(4, 64, V, 9 + 100 * rep)
+                for tail in tails[:2]:
+                    eng.generate([prefix + tail], one)
+                with Clock(cuda) as c:
+                    eng.generate([prefix + tails[2]], one)
+                times.append(c.s)
+            return dict(seconds=statistics.median(times))
+        for key, settings in flipped(HIT_SWITCHES).items():
+            if key == "all":
+                continue
+            try:
+                ttft[key] = with_settings(eng, settings, hits)["seconds"]
+            except Exception as e:  # noqa: BLE001
+                ttft[key + "_error"] = f"{type(e).__name__}: {e}"[:500]
+                abort_all(eng)
 
     eng.reset_prefix_cache()
     prompts = rand_prompts(gen_batch, prompt_len, V, 10)
@@ -431,6 +457,12 @@ def table(res: dict) -> str:
         lines.append(f"  prefix hit with the tail run eagerly: {1e3 * e['seconds']:.1f} ms "
                      f"({100 * e['seconds'] / t['cold']['seconds']:.1f}% of cold; with its graph "
                      f"{100 * t['prefix_hit']['seconds'] / t['cold']['seconds']:.1f}%)")
+    for key, (module, name, on, off) in HIT_SWITCHES.items():
+        if key in t:
+            state = on if not getattr(importlib.import_module(module), name) else off
+            lines.append(f"  prefix hit with {state}: {1e3 * t[key]:.1f} ms")
+        if key + "_error" in t:
+            lines.append(f"  prefix hit, {name} flipped, failed: {t[key + '_error'][:160]}")
     if "cold_eager_prefill" in t:
         lines.append(f"  cold with its chunks run eagerly (no prefill graph): "
                      f"{1e3 * t['cold_eager_prefill']['seconds']:.1f} ms")

@@ -9,6 +9,7 @@
   output and every gradient, with the sync debug mode set to "error" (no host sync).
 """
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -186,9 +187,10 @@ def test_sort_kernel_equals_the_stable_sort(N, K, E, one_program):
     (700, 4, 32) and (37, 8, 384); one partial block at (1, 4, 32))."""
     from k3.ops.moe_triton import expert_sort
     idx = routing(N, K, E, seed=N, device=DEV)  # the kernels on the GPU, else through the CPU interpreter
-    a = moe_ops.sort_by_expert(idx, E, backend="torch")
-    b = expert_sort(idx, E, out_int32=True, one_program=one_program)
+    a = moe_ops.sort_by_expert(idx, E, backend="torch", with_src=True)
+    b = expert_sort(idx, E, out_int32=True, one_program=one_program, with_src=True)
     assert torch.equal(a[0], b[0]) and b[1].dtype == torch.int32 and torch.equal(a[1], b[1].long())
+    assert torch.equal(a[2], b[2]) and torch.equal(b[2][b[0].reshape(-1)], torch.arange(N * K, device=idx.device))
     if torch.cuda.is_available() and not one_program:  # a training batch's size through the dispatch rule
         idx = routing(32768, 4, 32, seed=5, device="cuda")
         a, b = moe_ops.sort_by_expert(idx, 32, backend="torch"), moe_ops.sort_by_expert(idx, 32)
@@ -434,6 +436,52 @@ def test_experts_decode_routed_equals_route_then_the_kernels(N, K, E, bias, reno
         moe_decode.experts_decode_routed(x, z, b, E + 1, renorm, 2.5, w1, w2, w3, 4.0, 25.0)
 
 
+@pytest.mark.parametrize("N,K,E,bm,fused", [(20, 4, 32, 16, True), (50, 2, 6, 16, False), (40, 3, 5, 32, True)])
+def test_expert_tiles_match_the_fp64_loop(N, K, E, bm, fused, monkeypatch):
+    """`moe_tiles` (two GEMM kernels over expert tiles, the rows read through the sort's `src`; the CPU
+    interpreter here, CUDA on the GPU) through `experts_forward` against the fp64 per-expert loop, fp32: relative
+    RMS ≤ 1e-6. Experts with no rows, with one partial tile and with several tiles; I and L not multiples of the
+    column blocks; w1 / w3 as the halves of one fused tensor (read in place) and as separate tensors."""
+    from k3.ops import moe_decode, moe_tiles
+    monkeypatch.setattr(moe_decode, "MAX_ENTRIES", 0)  # never the GEMV kernels
+    monkeypatch.setattr(moe_tiles, "TILE_ROWS", ((1 << 30, bm),))
+    for key, v in (("bn", 32), ("bk", 16)):  # fewer programs through the interpreter
+        monkeypatch.setitem(moe_tiles.LAUNCH, key, v)
+    I, L = 40, 24
+    gen = rng(N + E)
+    x = torch.randn(N, L, generator=gen, dtype=torch.float64)
+    logits = torch.randn(N, E, generator=gen, dtype=torch.float64)
+    logits[:, 0] -= 50  # expert 0 never chosen
+    logits[:, 1] += 3 * (torch.arange(N) % 2)  # expert 1 in half the tokens: several tiles of 16
+    idx = logits.topk(K, dim=-1).indices
+    w = torch.rand(N, K, generator=gen, dtype=torch.float64)
+    w13 = torch.randn(E, 2 * I, L, generator=gen, dtype=torch.float64) * L ** -0.5 * 3
+    w2 = torch.randn(E, L, I, generator=gen, dtype=torch.float64) * I ** -0.5
+    ref = moe_ops.experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:], grouped=False)
+    w1, w3 = (w13[:, :I], w13[:, I:]) if fused else (w13[:, :I].contiguous(), w13[:, I:].contiguous())
+    args = [t.to(DEV, torch.float32) for t in (x, idx, w, w1, w2, w3)]
+    args[1] = idx.to(DEV)
+    if fused:
+        f = w13.to(DEV, torch.float32)
+        args[3], args[5] = f[:, :I], f[:, I:]
+    spy = mock.MagicMock(wraps=moe_tiles.experts_tiles)
+    monkeypatch.setattr(moe_tiles, "experts_tiles", spy)
+    with torch.no_grad():
+        out = moe_ops.experts_forward(*args, grouped=True)
+    assert spy.call_count == 1
+    assert rel_rmse(ref, out.cpu().double()) <= 1e-6
+    with pytest.raises(ValueError, match="experts_tiles: need"):
+        moe_tiles.experts_tiles(args[0], torch.zeros(3, dtype=torch.long), torch.zeros(E, dtype=torch.long), K,
+                                *args[3:], 4.0, 25.0)
+
+
+def test_expert_tile_sizes():
+    """Rows per tile by the mean rows per expert: 16 for a prefix hit's tail (256 entries on 32 experts), 32 for a
+    decode batch of 256 at top 4 (1,024 entries), 64 above."""
+    from k3.ops.moe_tiles import tile_rows
+    assert (tile_rows(256, 32), tile_rows(1024, 32), tile_rows(4096, 32), tile_rows(3, 0)) == (16, 32, 64, 16)
+
+
 def test_engine_with_routing_inside_the_expert_kernels_equals_the_default(monkeypatch):
     """The LatentMoE decode steps with the routing inside the expert kernels (forced; the interpreter here):
     the tiny engine's fp32 greedy tokens equal those of the path with `route`'s own kernel and its logits within 1e-5; the routing that
@@ -470,26 +518,25 @@ def test_engine_with_routing_inside_the_expert_kernels_equals_the_default(monkey
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_experts_decode_equals_the_grouped_path_bf16():
-    """k3-small's expert sizes in bf16: the GEMV kernels that `experts_forward` picks for a decode step against
-    the sorted-rows pipeline (grouped GEMMs), which rounds its GEMM outputs to bf16 (within 1e-2)."""
-    from k3.ops import moe_decode
+def test_cuda_experts_decode_equals_the_grouped_path_bf16(monkeypatch):
+    """k3-small's expert sizes in bf16: the GEMV kernels that `experts_forward` picks for a decode step (N 1, 8)
+    and the expert-tile kernels it picks for a prefix hit's tail or a decode batch (N 64, 256, 700) against the
+    sorted-rows pipeline (grouped GEMMs), which rounds its GEMM outputs to bf16 (within 1e-2)."""
+    from k3.ops import moe_decode, moe_tiles
     E, I, L, K = 32, 512, 768, 4
     gen = rng(3)
     w13 = (torch.randn(E, 2 * I, L, generator=gen) * L ** -0.5).cuda().bfloat16()
     w2 = (torch.randn(E, L, I, generator=gen) * I ** -0.5).cuda().bfloat16()
-    for N in (1, 8):
+    for N in (1, 8, 64, 256, 700):
         idx = routing(N, K, E, seed=N, device="cuda")
         x = torch.randn(N, L, generator=gen).cuda().bfloat16()
         w = torch.rand(N, K, generator=gen).cuda()
-        with torch.no_grad():
-            a = moe_ops.experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # auto: the GEMV kernels
-            old = moe_decode.MAX_ENTRIES
-            moe_decode.MAX_ENTRIES = 0
-            try:
+        spy = mock.MagicMock(wraps=moe_tiles.experts_tiles)
+        with torch.no_grad(), mock.patch.object(moe_tiles, "experts_tiles", spy):
+            a = moe_ops.experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # auto: GEMV or tile kernels
+            with mock.patch.object(moe_decode, "MAX_ENTRIES", 0), mock.patch.object(moe_tiles, "ON", False):
                 b = moe_ops.experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # the grouped GEMMs
-            finally:
-                moe_decode.MAX_ENTRIES = old
+        assert spy.call_count == (N * K > moe_decode.MAX_ENTRIES), N
         assert rel_rmse(b.double(), a.double()) <= 1e-2, N
 
 

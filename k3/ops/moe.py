@@ -131,26 +131,27 @@ def route_triton_available() -> bool:
 
 
 # ---- token permutation -------------------------------------------------------------------------------
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int, out_int32: bool = False, backend: str = "auto"
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int, out_int32: bool = False, backend: str = "auto",
+                   with_src: bool = False) -> tuple[torch.Tensor, ...]:
     """topk_idx [N, K] → (pos [N, K] int64, ends [E] int64, or int32 with `out_int32`: the grouped GEMM's
     offsets): the (token, expert) entries sorted by expert (stable: token order within an expert); entry
     (n, k) goes to row pos[n, k]; expert e owns rows [ends[e−1], ends[e]), so ends[-1] = N·K. No host sync.
-    Backends: "torch" (a stable sort), "triton" (a counting sort in one or two kernels,
-    `moe_triton.expert_sort`), "auto" (the kernels on CUDA)."""
+    with_src: also src [N·K] int64, the entry n·K + k of each sorted row (the inverse of pos). Backends: "torch"
+    (a stable sort), "triton" (a counting sort in one or two kernels, `moe_triton.expert_sort`), "auto" (the
+    kernels on CUDA)."""
     if backend == "auto":
         backend = "torch"
         if topk_idx.is_cuda and importable(__name__.rsplit(".", 1)[0] + ".moe_triton"):
             backend = "triton"
     if _use_triton(backend, topk_idx):
         from .moe_triton import expert_sort
-        return expert_sort(topk_idx, num_experts, out_int32)
+        return expert_sort(topk_idx, num_experts, out_int32, with_src=with_src)
     flat = topk_idx.reshape(-1)
     sorted_e, order = torch.sort(flat, stable=True)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
     ends = torch.searchsorted(sorted_e, torch.arange(num_experts, device=flat.device, dtype=sorted_e.dtype),
                               right=True, out_int32=out_int32)
-    return pos.view(topk_idx.shape), ends
+    return (pos.view(topk_idx.shape), ends, order) if with_src else (pos.view(topk_idx.shape), ends)
 
 
 def _use_triton(backend: str, x: torch.Tensor) -> bool:
@@ -269,8 +270,9 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
 
     x [N, L] → [N, L] in x's dtype, accumulated in fp32 (fp64 for fp64 inputs). `grouped` (default: CUDA
     bf16 activations) runs the sorted-rows pipeline (module docstring) with `torch._grouped_mm` GEMMs (per-expert
-    GEMMs for fp64, which it does not take), no host sync -- for a few tokens without autograd, two GEMV kernels
-    (`moe_decode`) instead; else one loop step per used expert, host-side counts
+    GEMMs for fp64, which it does not take), no host sync -- without autograd, for a few tokens two GEMV kernels
+    (`moe_decode`) instead, for up to thousands of entries two GEMM kernels over expert tiles (`moe_tiles`);
+    else one loop step per used expert, host-side counts
     (off CUDA as `moe_recompute.experts_loop`, which saves only its inputs for the backward).
     """
     if grouped is None:
@@ -279,6 +281,11 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
         from . import moe_decode
         if moe_decode.fits(x, topk_idx, w1, w2, w3):  # a decode step's few tokens: two GEMV kernels
             return moe_decode.experts_decode(x, topk_idx, topk_weight, w1, w2, w3, beta, linear_beta)
+        from . import moe_tiles
+        if moe_tiles.fits(x, topk_idx.numel(), w1, w2, w3):  # tens to thousands of entries: expert tiles
+            pos, ends, src = sort_by_expert(topk_idx, w1.shape[0], with_src=True)
+            ys = moe_tiles.experts_tiles(x, src, ends, topk_idx.shape[1], w1, w2, w3, beta, linear_beta)
+            return combine_rows(ys, pos, topk_weight)
     if grouped:
         gmm = hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         pos, ends = sort_by_expert(topk_idx, w1.shape[0], out_int32=gmm)

@@ -109,9 +109,11 @@ def scatter(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, other:
 
 
 @triton.jit
-def expert_sort_kernel(idx_ptr, pos_ptr, ends_ptr, NK, E, EP: tl.constexpr, BLOCK: tl.constexpr):
+def expert_sort_kernel(idx_ptr, pos_ptr, ends_ptr, src_ptr, NK, E, EP: tl.constexpr, BLOCK: tl.constexpr,
+                       HAS_SRC: tl.constexpr = False):
     """One program: a stable counting sort of NK expert ids. Pass 1 counts each expert; pass 2 gives entry j
-    the row start[e] + (entries of e before j), the in-block rank from a cumulative sum over a one-hot tile."""
+    the row start[e] + (entries of e before j), the in-block rank from a cumulative sum over a one-hot tile.
+    HAS_SRC: also src[row] = j (each sorted row's entry)."""
     ee = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
     for s in range(0, NK, BLOCK):
@@ -127,7 +129,10 @@ def expert_sort_kernel(idx_ptr, pos_ptr, ends_ptr, NK, E, EP: tl.constexpr, BLOC
         e = tl.load(idx_ptr + offs, mask=m, other=-1)
         oh = (e[:, None] == ee[None, :]).to(tl.int32)
         rank = tl.cumsum(oh, 0) - oh + run[None, :]
-        tl.store(pos_ptr + offs, tl.sum(oh * rank, 1).to(tl.int64), mask=m)
+        row = tl.sum(oh * rank, 1)
+        tl.store(pos_ptr + offs, row.to(tl.int64), mask=m)
+        if HAS_SRC:
+            tl.store(src_ptr + row, offs.to(tl.int64), mask=m)
         run += tl.sum(oh, 0)
 
 
@@ -142,10 +147,11 @@ def expert_count_kernel(idx_ptr, counts_ptr, NK, EP: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def expert_rank_kernel(idx_ptr, counts_ptr, pos_ptr, ends_ptr, NK, E, NB, EP: tl.constexpr, BLOCK: tl.constexpr,
-                       RB: tl.constexpr):
+def expert_rank_kernel(idx_ptr, counts_ptr, pos_ptr, ends_ptr, src_ptr, NK, E, NB, EP: tl.constexpr,
+                       BLOCK: tl.constexpr, RB: tl.constexpr, HAS_SRC: tl.constexpr = False):
     """Program b: the rows of block b's entries, start[e] + (entries of e in earlier blocks) + (in-block rank),
-    from every block's counts (`expert_count_kernel`); program 0 also writes ends."""
+    from every block's counts (`expert_count_kernel`); program 0 also writes ends (HAS_SRC: and src, as
+    `expert_sort_kernel`)."""
     b = tl.program_id(0)
     ee = tl.arange(0, EP)
     total = tl.zeros([EP], tl.int32)
@@ -163,7 +169,10 @@ def expert_rank_kernel(idx_ptr, counts_ptr, pos_ptr, ends_ptr, NK, E, NB, EP: tl
     e = tl.load(idx_ptr + offs, mask=m, other=-1)
     oh = (e[:, None] == ee[None, :]).to(tl.int32)
     rank = tl.cumsum(oh, 0) - oh + (ends - total + before)[None, :]
-    tl.store(pos_ptr + offs, tl.sum(oh * rank, 1).to(tl.int64), mask=m)
+    row = tl.sum(oh * rank, 1)
+    tl.store(pos_ptr + offs, row.to(tl.int64), mask=m)
+    if HAS_SRC:
+        tl.store(src_ptr + row, offs.to(tl.int64), mask=m)
 
 
 # up to this many entries one program sorts them (one launch: decode, short chunks); above, the two block kernels
@@ -171,27 +180,30 @@ def expert_rank_kernel(idx_ptr, counts_ptr, pos_ptr, ends_ptr, NK, E, NB, EP: tl
 SORT_ONE_PROGRAM = 4096
 
 
-def expert_sort(topk_idx: torch.Tensor, num_experts: int, out_int32: bool, one_program: bool | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_sort(topk_idx: torch.Tensor, num_experts: int, out_int32: bool, one_program: bool | None = None,
+                with_src: bool = False) -> tuple[torch.Tensor, ...]:
     """`k3.ops.moe.sort_by_expert` as a counting sort (inputs checked by the caller): one program up to
     `SORT_ONE_PROGRAM` entries, else two launches over blocks of entries (per-block counts, then each block's
     rows from the counts of the blocks before it) -- no radix sort, scatter or search for prefill and training
-    batches. `one_program` forces either form (tests)."""
+    batches. `one_program` forces either form (tests). with_src: also src [N·K] int64, each sorted row's entry
+    (the inverse of pos), as a third result."""
     flat = topk_idx.reshape(-1).contiguous()
     NK = flat.numel()
     EP = max(16, triton.next_power_of_2(num_experts))
     BLOCK = max(16, 8192 // EP)
     pos = torch.empty(NK, dtype=torch.int64, device=flat.device)
     ends = torch.empty(num_experts, dtype=torch.int32 if out_int32 else torch.int64, device=flat.device)
+    src = torch.empty(NK if with_src else 0, dtype=torch.int64, device=flat.device)
     if one_program if one_program is not None else NK <= SORT_ONE_PROGRAM:
-        expert_sort_kernel[(1,)](flat, pos, ends, NK, num_experts, EP=EP, BLOCK=BLOCK, num_warps=8)
+        expert_sort_kernel[(1,)](flat, pos, ends, src, NK, num_experts, EP=EP, BLOCK=BLOCK, HAS_SRC=with_src,
+                                 num_warps=8)
     else:
         NB = max(1, triton.cdiv(NK, BLOCK))
         counts = torch.empty(NB, EP, dtype=torch.int32, device=flat.device)
         expert_count_kernel[(NB,)](flat, counts, NK, EP=EP, BLOCK=BLOCK, num_warps=4)
-        expert_rank_kernel[(NB,)](flat, counts, pos, ends, NK, num_experts, NB, EP=EP, BLOCK=BLOCK,
-                                  RB=max(1, min(64, 4096 // EP)), num_warps=4)
-    return pos.view(topk_idx.shape), ends
+        expert_rank_kernel[(NB,)](flat, counts, pos, ends, src, NK, num_experts, NB, EP=EP, BLOCK=BLOCK,
+                                  RB=max(1, min(64, 4096 // EP)), HAS_SRC=with_src, num_warps=4)
+    return (pos.view(topk_idx.shape), ends, src) if with_src else (pos.view(topk_idx.shape), ends)
 
 
 def interpreted() -> bool:
