@@ -128,6 +128,8 @@ SWITCHES = {
     "moe_routed_step_ms": ("k3.ops.moe_decode", "ROUTED", "MoE routing inside the expert kernels",
                            "MoE routing by its own kernel"),
     "moe_tiles_step_ms": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
+    "gemv_wide_step_ms": ("k3.ops.gemv", "WIDE", "17-64-row projections by the GEMV kernel",
+                          "17-64-row projections by cuBLAS"),
 }
 
 
@@ -137,6 +139,7 @@ PREFILL_SWITCHES: dict = {}
 # prefix-hit switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
 HIT_SWITCHES = {
     "moe_tiles_seconds": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
+    "gemv_wide_seconds": ("k3.ops.gemv", "WIDE", "its projections by the GEMV kernel", "its projections by cuBLAS"),
 }
 
 

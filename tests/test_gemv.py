@@ -19,9 +19,12 @@ def rng(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K,config", [(1, 40, 70, (16, 32, 4, 2)), (3, 17, 300, (16, 64, 4, 2)),
-                                          (16, 130, 64, (32, 128, 4, 2)), (5, 96, 33, None)])
+                                          (16, 130, 64, (32, 128, 4, 2)), (5, 96, 33, None),
+                                          (20, 70, 150, (32, 64, 4, 2)), (64, 40, 48, (16, 16, 4, 2)),
+                                          (45, 33, 40, None)])
 def test_gemv_matches_fp64_linear(M, N, K, config, dtype):
-    """Masked row and column blocks (N, K not multiples of the blocks), 1 to 16 rows, several column chunks;
+    """Masked row and column blocks (N, K not multiples of the blocks), 1 to 64 rows (MMA tiles of 16, 32 and
+    64 rows, the last two partly padding), several column chunks;
     fp32 accumulation of the inputs' exact products: within 1e-6 of fp64 on the inputs as given."""
     g = rng(M * 1000 + N)
     x = torch.randn(M, K, generator=g).to(dtype)
@@ -74,11 +77,12 @@ def test_gemv_reads_strided_weights_and_keeps_leading_dims():
 
 
 def test_linear_dispatch():
-    """`linear` takes the kernel for ≤ MAX_ROWS rows without autograd, else F.linear (same values); the
+    """`linear` takes the kernel for ≤ `max_rows()` rows without autograd, else F.linear (same values); the
     output dtype is honoured on both paths; bad shapes name the sizes."""
     g = rng(3)
     w = torch.randn(24, 32, generator=g).to(DEV)
-    few, many = torch.randn(2, 32, generator=g).to(DEV), torch.randn(gemv.MAX_ROWS + 1, 32, generator=g).to(DEV)
+    few, many = torch.randn(2, 32, generator=g).to(DEV), torch.randn(gemv.max_rows() + 1, 32, generator=g).to(DEV)
+    assert gemv.max_rows() == (64 if gemv.WIDE else gemv.MAX_ROWS)
     with torch.no_grad():
         assert gemv.fits(few, w) == CUDA  # the interpreter only through direct calls
         assert not gemv.fits(many, w)
@@ -88,13 +92,14 @@ def test_linear_dispatch():
     assert not gemv.fits(few.requires_grad_(), w)  # grad mode on: the autograd path
     with pytest.raises(ValueError, match="33 columns"):
         gemv_triton.gemv(torch.zeros(1, 33), torch.zeros(4, 32))
-    with pytest.raises(ValueError, match="at most 16"):
-        gemv_triton.gemv(torch.zeros(17, 32), torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="at most 64"):
+        gemv_triton.gemv(torch.zeros(65, 32), torch.zeros(4, 32))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("N,K,M", [(163840, 1536, 1), (6336, 1536, 4), (1536, 128, 16)])
+@pytest.mark.parametrize("N,K,M", [(163840, 1536, 1), (6336, 1536, 4), (1536, 128, 16), (6336, 1536, 64),
+                                   (1536, 3072, 40), (1536, 1536, 24)])
 def test_cuda_gemv_bf16_equals_cublas(N, K, M):
     """k3-small shapes in bf16 with the default launch settings: fp32 output within 1e-5 of fp64 (the head's
     logits), bf16 output within one rounding of cuBLAS."""
@@ -116,8 +121,8 @@ def test_linear_with_an_accumulator_matches_addmm():
         got = gemv.linear(x.to(DEV), w.to(DEV), add=add.to(DEV))
         assert gemv.fits(x.to(DEV), w.to(DEV), add.to(DEV)) == CUDA
     assert rel_rmse(ref, got.cpu()) <= 1e-6
-    big = torch.randn(gemv.MAX_ROWS + 2, 40, generator=g)  # cuBLAS
-    badd = torch.randn(gemv.MAX_ROWS + 2, 20, generator=g)
+    big = torch.randn(gemv.max_rows() + 2, 40, generator=g)  # cuBLAS
+    badd = torch.randn(gemv.max_rows() + 2, 20, generator=g)
     with torch.no_grad():
         got = gemv.linear(big.to(DEV), w.to(DEV), add=badd.to(DEV))
     assert rel_rmse(torch.addmm(badd.double(), big.double(), w.double().t()), got.cpu()) <= 1e-6
@@ -127,7 +132,7 @@ def test_linear_with_an_accumulator_matches_addmm():
         got2 = gemv.linear(big.to(DEV), w.to(DEV), add=tmp, add_inplace=True)
     assert got2.data_ptr() == tmp.data_ptr() and torch.equal(got2, got)
     # ... but never into an add of another dtype, a strided one, or under autograd
-    for a, grad in ((badd.double().to(DEV), False), (torch.randn(20, gemv.MAX_ROWS + 2).t().to(DEV), False),
+    for a, grad in ((badd.double().to(DEV), False), (torch.randn(20, gemv.max_rows() + 2).t().to(DEV), False),
                     (badd.clone().to(DEV), True)):
         before = a.clone()
         with torch.set_grad_enabled(grad):

@@ -489,7 +489,7 @@ def test_engine_with_routing_inside_the_expert_kernels_equals_the_default(monkey
     from conftest import make_tiny
     from k3.ops import moe_decode
     from k3.serve import Engine, EngineConfig, SamplingParams
-    model = make_tiny(seed=9)
+    model = make_tiny(seed=9).to(DEV)  # the kernels take device tensors (the interpreter only without CUDA)
     prompts = [[(7 * i + 3 * j) % 4000 for j in range(4 + 5 * i)] for i in range(2)]
     sp = SamplingParams(max_tokens=4, temperature=0)
     for key in ("bi", "bl"):  # whole expert rows per program: few programs through the interpreter

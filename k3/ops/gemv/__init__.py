@@ -21,10 +21,14 @@ from .._compile import eager_op
 from .._triton import device_reason
 from ..linear_ce.chunked import mm_out_dtype_available
 
-__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "MAX_ROWS"]
+__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
+# whether it also takes up to `WIDE_ROWS` rows (tiles of 32 or 64: a prefix hit's tail, a decode batch of 17-64),
+# where cuBLAS's skinny GEMMs read the weights at ≈ 1.1 TB/s (a 64-token hit, H200, 2026-12-03); K3_GEMV_WIDE=0: not
+WIDE = os.environ.get("K3_GEMV_WIDE", "1") == "1"
+WIDE_ROWS = 64
 # whether the norm / SiTU-GLU prologues run inside the GEMV (K3_GEMV_PROLOGUE=1) or as their own kernels before it
 # (the default). H200, 2026-12-03: on the MMA tile's 16 rows the batch-1 step took 2.24 ms against 1.62 ms; in
 # the one-row form each use alone is 1.0-1.23x as fast as norm kernel + GEMV (`benchmarks/probe/gemv_prologue.py`),
@@ -35,15 +39,20 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether `linear` takes the kernel: ≤ MAX_ROWS rows, w of ≤ MAX_K columns, no autograd, x and w of one float
+    """Whether `linear` takes the kernel: ≤ `max_rows()` rows, w of ≤ MAX_K columns, no autograd, x and w of one float
     dtype and device (and the optional operands `others` on that device), w [N, K] with unit column stride, on
     CUDA. Not through the CPU interpreter: a whole model's projections there take minutes (the kernel's own
     tests call it directly)."""
-    return (x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+    return (x.dim() >= 1 and x.numel() <= max_rows() * x.shape[-1] and not torch.is_grad_enabled()
             and w.dim() == 2 and w.shape[-1] <= MAX_K and w.stride(-1) == 1 and x.dtype == w.dtype
             and x.dtype in _DTYPES and x.device == w.device
             and all(t is None or (t.dtype in _DTYPES and t.device == x.device) for t in others)
             and x.is_cuda and device_reason(x, __name__) is None)
+
+
+def max_rows() -> int:
+    """Rows up to which `linear` takes the kernel: `MAX_ROWS`, or `WIDE_ROWS` with `WIDE` (MAX_ROWS 0: never)."""
+    return max(MAX_ROWS, WIDE_ROWS) if WIDE and MAX_ROWS else MAX_ROWS
 
 
 @eager_op

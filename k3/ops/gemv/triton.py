@@ -1,9 +1,9 @@
-"""The GEMV kernel behind `k3.ops.gemv.linear`: y = x W^T (+ add) for up to 16 rows of x, optionally with a
+"""The GEMV kernel behind `k3.ops.gemv.linear`: y = x W^T (+ add) for up to 64 rows of x, optionally with a
 prologue on x as it is loaded: SiTU-GLU of a gate ‖ up input, an RMSNorm (of the row or per head), a gate σ(g).
 
 Each program owns `BN` rows of W [N, K] (row-major, K contiguous) and streams them through in `CH`-column
-chunks (loads pipelined over `stages`), multiplying by the x rows padded to one 16-row MMA tile on the tensor
-cores with fp32 accumulation; an optional `add` [M, N] joins in fp32 and the output is rounded once to its dtype
+chunks (loads pipelined over `stages`), multiplying by the x rows padded to one MMA tile of 16, 32 or 64 rows
+(`tile_rows`) on the tensor cores with fp32 accumulation: every weight byte is read once, whatever the rows; an optional `add` [M, N] joins in fp32 and the output is rounded once to its dtype
 (fp32 logits straight from the head, bf16 activations elsewhere).
 """
 from __future__ import annotations
@@ -19,15 +19,19 @@ from ..situ.triton import situ_glu_value
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
 # program for the narrow projections (many programs), 64 for the wide ones and the head
 LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256, 4, 3)))
+# for tiles of 32 or 64 rows (a prefix hit's tail, a decode batch of 17-64): narrower chunks, so that the x tile
+# and the weight chunk of each pipelining stage fit the shared memory (not yet swept on the H200)
+LAUNCH_WIDE = ((4096, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
+MAX_TILE_ROWS = 64
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, sa, sg, eps, beta, linear_beta,
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
-                GS: tl.constexpr = 16,
+                GS: tl.constexpr = 16, BM: tl.constexpr = 16,
                 t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """Program p: output columns [p·BN, (p+1)·BN) of M ≤ 16 rows. The input x is, as each chunk is loaded:
+    """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
     accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each GS-column group (a head; a chunk
@@ -38,14 +42,14 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
-    m = tl.arange(0, 16)
+    m = tl.arange(0, BM)
     mm = m < M
     # the prologue's tile: MR = 1 for one row with a norm / SiTU-GLU prologue (a batch-1 decode), so its math is
     # not done 16 times over the padding rows of the MMA tile (the 16-row form made the batch-1 step 2.24 ms
     # against 1.62 with separate kernels; this one matches them, `k3.ops.gemv.PROLOGUE`)
     mr = tl.arange(0, MR)
     mrm = mr < M
-    acc = tl.zeros([16, BN], tl.float32)
+    acc = tl.zeros([BM, BN], tl.float32)
     ss = tl.zeros([MR], tl.float32)
     r64 = rows[:, None].to(tl.int64)
     dt = x_ptr.dtype.element_ty
@@ -76,7 +80,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
             g = tl.load(g_ptr + mr[:, None] * sg + cols[None, :], mask=xm, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * tl.sigmoid(g)).to(dt)
         if MR == 1:  # row 0 of the MMA tile
-            x = tl.where(m[:, None] == 0, x, tl.zeros([16, CH], dt))
+            x = tl.where(m[:, None] == 0, x, tl.zeros([BM, CH], dt))
         wm = rm[:, None] & cm[None, :]
         w = tl.load(w_ptr + r64 * sw + cols[None, :], mask=wm, other=0.0)
         if IEEE:  # fp32 inputs, or the CPU interpreter (whose dot mishandles half types): exact fp32 products
@@ -104,16 +108,22 @@ def interpreted() -> bool:
     return _interpreted(gemv_kernel)
 
 
-def launch(n: int, k: int | None = None) -> tuple[int, int, int, int]:
-    """(BN, CH, warps, stages) for an output width n (and input width k: a chunk no wider than k needs)."""
-    bn, ch, warps, stages = next(c for limit, c in LAUNCH if n <= limit)
+def tile_rows(m: int) -> int:
+    """The MMA tile's rows for m rows of x: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def launch(n: int, k: int | None = None, rows: int = 16) -> tuple[int, int, int, int]:
+    """(BN, CH, warps, stages) for an output width n (and input width k: a chunk no wider than k needs) and an
+    MMA tile of `rows` rows."""
+    bn, ch, warps, stages = next(c for limit, c in (LAUNCH if rows <= 16 else LAUNCH_WIDE) if n <= limit)
     return bn, ch if k is None else min(ch, max(16, triton.next_power_of_2(k))), warps, stages
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
          norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
-    """x [..., K] (≤ 16 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
+    """x [..., K] (≤ 64 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
@@ -125,8 +135,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                          f"{' (gate ‖ up)' if glu is not None else ''}")
     x2 = x.reshape(-1, width)
     M = x2.shape[0]
-    if M > 16:
-        raise ValueError(f"gemv: {M} rows; the kernel takes at most 16")
+    if M > MAX_TILE_ROWS:
+        raise ValueError(f"gemv: {M} rows; the kernel takes at most {MAX_TILE_ROWS}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if fp32_tail and (add is not None or not 0 < fp32_tail < N):
@@ -143,7 +153,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             raise ValueError(f"gemv: norm groups of {group} columns must be a power of two ≥ 16 dividing K = {K}")
     beta, linear_beta = glu if glu is not None else (0.0, 0.0)
     if M and N:
-        bn, ch, warps, stages = config or launch(N, K)
+        BM = tile_rows(M)
+        bn, ch, warps, stages = config or launch(N, K, BM)
         if group:  # whole groups per chunk (a chunk of one 128-column head took 2.8x as long: 12 serial chunks)
             ch = max(ch, group)
         gemv_kernel[(triton.cdiv(N, bn),)](
@@ -151,7 +162,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             a.stride(0), g.stride(0), float(eps), float(beta), float(linear_beta), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
-            MR=1 if M == 1 and (norm is not None or glu is not None) else 16, GS=group or 16, t_ptr=t, NT=fp32_tail,
+            MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
+            NT=fp32_tail,
             st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
