@@ -89,6 +89,14 @@ def test_linear_dispatch():
         for x in (few, many):
             y = gemv.linear(x, w, torch.float64 if not CUDA else None)
             assert rel_rmse(F.linear(x.double(), w.double()).cpu(), y.cpu()) <= 1e-6
+    # more than MAX_ROWS rows (a wide tile): only for the shapes where it beat cuBLAS (short inputs, wide outputs)
+    K = gemv.WIDE_MAX_K + 8
+    wide, long_in = torch.randn(gemv.MAX_ROWS + 5, 32, generator=g), torch.randn(gemv.MAX_ROWS + 5, K, generator=g)
+    w_long, w_tall = torch.randn(24, K, generator=g), torch.randn(gemv.WIDE_MIN_N, K, generator=g)
+    assert gemv.fits(wide.to(DEV), w) == (CUDA and gemv.WIDE)
+    assert not gemv.fits(long_in.to(DEV), w_long.to(DEV))
+    assert gemv.fits(long_in.to(DEV), w_tall.to(DEV)) == (CUDA and gemv.WIDE)
+    assert gemv.fits(few, torch.randn(24, 32, generator=g).to(DEV)) == CUDA  # up to MAX_ROWS: any shape
     assert not gemv.fits(few.requires_grad_(), w)  # grad mode on: the autograd path
     with pytest.raises(ValueError, match="33 columns"):
         gemv_triton.gemv(torch.zeros(1, 33), torch.zeros(4, 32))
@@ -98,16 +106,17 @@ def test_linear_dispatch():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("N,K,M", [(163840, 1536, 1), (6336, 1536, 4), (1536, 128, 16), (6336, 1536, 64),
-                                   (1536, 3072, 40), (1536, 1536, 24)])
+@pytest.mark.parametrize("N,K,M", [(163840, 1536, 1), (6336, 1536, 4), (1536, 128, 16), (2304, 512, 64),
+                                   (1536, 768, 40), (12288, 1536, 24)])
 def test_cuda_gemv_bf16_equals_cublas(N, K, M):
-    """k3-small shapes in bf16 with the default launch settings: fp32 output within 1e-5 of fp64 (the head's
-    logits), bf16 output within one rounding of cuBLAS."""
+    """k3-small shapes in bf16 with the default launch settings (1-16 rows, and wide tiles on the shapes `linear`
+    gives them): fp32 output within 1e-5 of fp64 (the head's logits), bf16 output within one rounding of cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(N + M)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
     with torch.no_grad():
         ref = F.linear(x.double(), w.double())
+        assert gemv.fits(x, w)
         assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
 

@@ -25,10 +25,15 @@ __all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "MAX_RO
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
-# whether it also takes up to `WIDE_ROWS` rows (tiles of 32 or 64: a prefix hit's tail, a decode batch of 17-64),
-# where cuBLAS's skinny GEMMs read the weights at ≈ 1.1 TB/s (a 64-token hit, H200, 2026-12-03); K3_GEMV_WIDE=0: not
+# whether it also takes 17 to `WIDE_ROWS` rows (MMA tiles of 32 or 64: a prefix hit's tail, a decode batch of 17-64)
+# for the weight shapes where that beat cuBLAS: inputs of ≤ `WIDE_MAX_K` columns or outputs of ≥ `WIDE_MIN_N` rows.
+# `benchmarks/probe/gemv.py --rows 32 64` (H200, 2026-12-03, µs at 32 / 64 rows, cuBLAS against the kernel): KDA f_b
+# [1536, 128] 2.56 / 2.79 against 1.58 / 1.78, MLA q_b [2304, 512] 3.99 / 4.02 against 3.43 / 3.43, MoE latent up
+# [1536, 768] 4.33 / 4.40 against 4.06 / 3.91, dense gate_up [12288, 1536] 13.0 / 13.2 against 12.5 / 12.8, the head
+# 127.7 / 144.2 against 125.8 / 137.2; but every other K = 1,536 projection 8-25 % slower (12 sequential chunks of
+# 128 columns: kda_in 8.9 against 9.7) and the dense down (K 6,144) twice as slow. K3_GEMV_WIDE=0: never.
 WIDE = os.environ.get("K3_GEMV_WIDE", "1") == "1"
-WIDE_ROWS = 64
+WIDE_ROWS, WIDE_MAX_K, WIDE_MIN_N = 64, 768, 12288
 # whether the norm / SiTU-GLU prologues run inside the GEMV (K3_GEMV_PROLOGUE=1) or as their own kernels before it
 # (the default). H200, 2026-12-03: on the MMA tile's 16 rows the batch-1 step took 2.24 ms against 1.62 ms; in
 # the one-row form each use alone is 1.0-1.23x as fast as norm kernel + GEMV (`benchmarks/probe/gemv_prologue.py`),
@@ -39,10 +44,13 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether `linear` takes the kernel: ≤ `max_rows()` rows, w of ≤ MAX_K columns, no autograd, x and w of one float
+    """Whether `linear` takes the kernel: ≤ `max_rows()` rows (more than `MAX_ROWS` only on `WIDE`'s shapes), w of ≤ MAX_K columns, no autograd, x and w of one float
     dtype and device (and the optional operands `others` on that device), w [N, K] with unit column stride, on
     CUDA. Not through the CPU interpreter: a whole model's projections there take minutes (the kernel's own
     tests call it directly)."""
+    if x.dim() >= 1 and x.numel() > MAX_ROWS * x.shape[-1] and w.dim() == 2 \
+            and w.shape[1] > WIDE_MAX_K and w.shape[0] < WIDE_MIN_N:
+        return False  # a wide tile on a shape where cuBLAS was faster
     return (x.dim() >= 1 and x.numel() <= max_rows() * x.shape[-1] and not torch.is_grad_enabled()
             and w.dim() == 2 and w.shape[-1] <= MAX_K and w.stride(-1) == 1 and x.dtype == w.dtype
             and x.dtype in _DTYPES and x.device == w.device

@@ -20,8 +20,9 @@ from ..situ.triton import situ_glu_value
 # program for the narrow projections (many programs), 64 for the wide ones and the head
 LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256, 4, 3)))
 # for tiles of 32 or 64 rows (a prefix hit's tail, a decode batch of 17-64): narrower chunks, so that the x tile
-# and the weight chunk of each pipelining stage fit the shared memory (not yet swept on the H200)
-LAUNCH_WIDE = ((4096, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
+# and the weight chunk of each pipelining stage fit the shared memory; `benchmarks/probe/gemv.py --rows 32 64` (H200,
+# 2026-12-03): within 6 % of the best of 7 settings on the shapes `linear` gives these tiles
+LAUNCH_WIDE = ((65536, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
 MAX_TILE_ROWS = 64
 
 
