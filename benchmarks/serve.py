@@ -130,6 +130,8 @@ SWITCHES = {
     "moe_tiles_step_ms": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
     "gemv_wide_step_ms": ("k3.ops.gemv", "WIDE", "17-64-row projections by the GEMV kernel",
                           "17-64-row projections by cuBLAS"),
+    "mla_combine_step_ms": ("k3.ops.mla_decode.triton", "COMBINE_KERNEL", "MLA splits combined by one kernel",
+                            "MLA splits combined by PyTorch ops"),
 }
 
 
@@ -140,6 +142,8 @@ PREFILL_SWITCHES: dict = {}
 HIT_SWITCHES = {
     "moe_tiles_seconds": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
     "gemv_wide_seconds": ("k3.ops.gemv", "WIDE", "its projections by the GEMV kernel", "its projections by cuBLAS"),
+    "mla_combine_seconds": ("k3.ops.mla_decode.triton", "COMBINE_KERNEL", "the MLA splits combined by one kernel",
+                            "the MLA splits combined by PyTorch ops"),
 }
 
 

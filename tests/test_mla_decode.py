@@ -52,6 +52,33 @@ def test_kernel_equals_the_fp64_oracle(H, C, R, page_size, S, dtype, tol):
     torch.testing.assert_close(out[0].double(), row.expand(H, C).to(dtype).double(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("n,NS,H,C", [(3, 3, 12, 256), (2, 8, 5, 40)])
+def test_combine_kernel_equals_the_ops(n, NS, H, C, monkeypatch):
+    """`mla_combine_kernel` (the interpreter here, CUDA on the GPU) against `combine`'s PyTorch ops on random fp32
+    partials, with empty splits (m = -inf, l = 0) among them: within 1e-6, written into a head-major strided
+    output; and through `paged_mla_decode` over three splits against the fp64 oracle."""
+    from k3.ops.mla_decode import triton as T
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(n * NS)
+    part = torch.randn(n, NS, H, C, generator=g)
+    m = torch.randn(n, NS, H, generator=g) * 3
+    l = torch.rand(n, NS, H, generator=g) + 0.5
+    m[:, -1], l[:, -1] = float("-inf"), 0.0  # the last split past every history
+    ref = T.combine(part, m, l, torch.float32)
+    out = torch.empty(H, n, C, device=dev).transpose(0, 1)
+    bh = min(16, 1 << (H - 1).bit_length())
+    T.mla_combine_kernel[(n, -(-H // bh))](part.to(dev), m.to(dev), l.to(dev), out, H, out.stride(0), out.stride(1),
+                                           NS=NS, C=C, CP=1 << (C - 1).bit_length(), BH=bh)
+    assert rel(out.cpu(), ref) <= 1e-6
+    monkeypatch.setattr(T, "COMBINE_KERNEL", True)
+    monkeypatch.setattr(T, "combine", None)  # the PyTorch ops must not run
+    q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 6144, 3, SPLIT * 2 + 77, seed=2)
+    want = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.07, backend="reference")
+    got = paged_mla_decode(*(t.float().to(dev) if t.is_floating_point() else t.to(dev)
+                             for t in (q_lat, q_pe, kv, pages, lens)), 0.07, backend="triton")
+    assert rel(got.cpu(), want) <= 1e-5
+
+
 def test_rows_past_each_length_do_not_count():
     """Positions past lens[i] point at a poisoned page (1e6 everywhere): the oracle and the kernel ignore them."""
     q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 16, 40, 60, seed=1)

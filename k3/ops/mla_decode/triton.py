@@ -5,10 +5,13 @@ rows of one sequence, e.g. a prefix-hit tail's tokens, sharing one read of each 
 split in blocks of BS gathers each position's latent row c ‖ k_pe straight from the paged pool (page from the per-position
 page table, row = position mod page size: no [n, S, C + R] gather, no mask tensor), and keeps an online
 softmax in fp32. A history in one split writes the normalised output; more splits write unnormalised partials
-and their (max, sum) statistics, combined by `combine` (torch, a few small ops). Dot products take their
+and their (max, sum) statistics, combined by `combine` (torch, a few small ops) or, with
+K3_MLA_COMBINE_KERNEL=1, by `mla_combine_kernel` (one launch). Dot products take their
 inputs in the pool's dtype and accumulate in fp32 ("ieee" for fp32 pools: no TF32).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -115,10 +118,45 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
 
 def combine(part: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Splits' unnormalised outputs part [n, NS, H, C] and statistics m, l [n, NS, H] → [n, H, C] in dtype
-    (an empty split has m = -inf, l = 0 and weighs nothing)."""
+    (an empty split has m = -inf, l = 0 and weighs nothing). The reference of `mla_combine_kernel`."""
     mx = m.amax(1, keepdim=True)
     w = torch.exp(m - mx)  # [n, NS, H]
     return ((part * w[..., None]).sum(1) / (l * w).sum(1)[..., None]).to(dtype)
+
+
+# whether the splits' outputs are combined by `mla_combine_kernel` (K3_MLA_COMBINE_KERNEL=1: one launch, written
+# straight into the caller's strided output) or by `combine`'s PyTorch ops and a copy (≈ 8 launches per MLA layer:
+# a prefix hit's tail over 16K cached tokens runs 8 splits per layer). Off until `benchmarks/serve.py` (which flips
+# it) has timed it on the GPU.
+COMBINE_KERNEL = os.environ.get("K3_MLA_COMBINE_KERNEL", "0") == "1"
+
+
+@triton.jit
+def mla_combine_kernel(P, M, L, O, H, s_on, s_oh, NS: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+                       BH: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row n, block of BH heads): o[n, h] = Σ_s e^(m_s − max) part_s / Σ_s e^(m_s − max) l_s over the NS
+    splits, in fp32, one rounding to O's dtype (part [n, NS, H, C], m / l [n, NS, H] contiguous)."""
+    pdl_sync(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = heads < H
+    cc = tl.arange(0, CP)
+    cm = cc < C
+    mx = tl.full([BH], float("-inf"), tl.float32)
+    for s in tl.static_range(NS):
+        mx = tl.maximum(mx, tl.load(M + (n * NS + s) * H + heads, mask=hm, other=float("-inf")))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # a row with no key at all (padding): zeros, not NaN
+    den = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, CP], tl.float32)
+    for s in tl.static_range(NS):
+        row = (n * NS + s) * H + heads
+        w = tl.exp(tl.load(M + row, mask=hm, other=float("-inf")) - mx)
+        den += w * tl.load(L + row, mask=hm, other=0.0)
+        part = tl.load(P + row.to(tl.int64)[:, None] * C + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+        acc += w[:, None] * part
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(O + n * s_on + heads.to(tl.int64)[:, None] * s_oh + cc[None, :], out.to(O.dtype.element_ty),
+             mask=hm[:, None] & cm[None, :])
 
 
 def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
@@ -162,6 +200,13 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     l = torch.empty_like(m)
     mla_decode_kernel[grid](q_lat, q_pe, kv, pages, lens, grp, part, m, l, float(scale), H, kv.shape[1],
                             kv.stride(0), kv.stride(1), pages.stride(0), *qs, 0, 0, NS=NS, **meta)
+    if COMBINE_KERNEL:
+        if out is None:
+            out = torch.empty(n, H, C, device=q_lat.device, dtype=q_lat.dtype)
+        bh = min(16, triton.next_power_of_2(H))
+        mla_combine_kernel[(n, triton.cdiv(H, bh))](part, m, l, out, H, out.stride(0), out.stride(1), NS=NS, C=C,
+                                                    CP=CP, BH=bh, num_warps=4, **pdl(q_lat))
+        return out
     res = combine(part, m, l, q_lat.dtype)
     if out is None:
         return res
