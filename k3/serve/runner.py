@@ -21,8 +21,10 @@ tables. Other steps (chunks beside other work, batches or histories past the lar
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache
@@ -70,6 +72,7 @@ class _Graph:
 
     def _capture(self, runner: "ModelRunner", mempool) -> None:
         self.runner, self.graph = runner, None
+        self.host_np = self.host.numpy()  # the pinned buffer as NumPy (same memory): `fill` writes through it
         self.fill([], runner.scratch)
         self.buf.copy_(self.host)
         if runner.device.type != "cuda":  # nothing to capture: `__call__` runs the same work eagerly (CPU tests)
@@ -112,9 +115,13 @@ class _Graph:
         return self.select(seqs)
 
 
-def _page_rows(seqs: list[SeqInput], width: int, pad: int) -> torch.Tensor:
-    """Each sequence's MLA page table padded (or cut) to `width` entries with page `pad`."""
-    return torch.tensor([(s.mla_pages + [pad] * width)[:width] for s in seqs])
+def _page_rows(table: np.ndarray, seqs: list[SeqInput], pad: int) -> None:
+    """Rows [0, len(seqs)) of `table` [*, width]: each sequence's MLA page table, padded (or cut) with page `pad`."""
+    width = table.shape[1]
+    for j, s in enumerate(seqs):
+        row = s.mla_pages[:width]
+        table[j, :len(row)] = row
+        table[j, len(row):] = pad
 
 
 class DecodeGraph(_Graph):
@@ -132,8 +139,8 @@ class DecodeGraph(_Graph):
 
     def fields(self, t: torch.Tensor) -> dict:
         B = self.batch_size
-        ids, src, starts, slots = t[:4 * B].view(4, B)
-        return dict(ids=ids, src=src, starts=starts, slots=slots, table=t[4 * B:].view(B, self.pages))
+        ids, src, starts, slots = t[:4 * B].reshape(4, B)  # views of a tensor or of its NumPy array (`fill`)
+        return dict(ids=ids, src=src, starts=starts, slots=slots, table=t[4 * B:].reshape(B, self.pages))
 
     def batch(self, f: dict) -> PackedBatch:
         return PackedBatch.for_decode(f["starts"], f["slots"], f["table"], self.history,
@@ -143,14 +150,14 @@ class DecodeGraph(_Graph):
         """Write the step's inputs into the pinned host buffer; entries past len(seqs) are padding that reads
         and writes only the scratch slot and page."""
         n = len(seqs)
-        h = self.host[:4 * self.batch_size].view(4, self.batch_size)
-        h[:, n:] = torch.tensor([[0], [-1], [0], [scratch[0]]])
-        table = self.fields(self.host)["table"]
-        table[n:] = scratch[1]
+        f = self.fields(self.host_np)  # NumPy: a few µs per step where torch ops on small tensors took ≈ 10 each
+        h = self.host_np[:4 * self.batch_size].reshape(4, self.batch_size)
+        h[:, n:] = np.array([[0], [-1], [0], [scratch[0]]])
+        f["table"][n:] = scratch[1]
         if n:
-            h[:, :n] = torch.tensor([[s.tokens[0] for s in seqs], [s.src for s in seqs], [s.start for s in seqs],
-                                     [s.state_page for s in seqs]])
-            table[:n] = _page_rows(seqs, self.pages, scratch[1])
+            h[:, :n] = [[s.tokens[0] for s in seqs], [s.src for s in seqs], [s.start for s in seqs],
+                        [s.state_page for s in seqs]]
+            _page_rows(f["table"], seqs, scratch[1])
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         return self.out[:len(seqs)]
@@ -176,33 +183,37 @@ class ExtendGraph(_Graph):
 
     def fields(self, t: torch.Tensor) -> dict:
         N, n = self.tokens, self.seqs
-        ids, src, pos, tdoc = t[:4 * N].view(4, N)
+        ids, src, pos, tdoc = t[:4 * N].reshape(4, N)  # views of a tensor or of its NumPy array (`fill`)
         return dict(ids=ids, src=src, pos=pos, tdoc=tdoc, cu=t[4 * N:4 * N + n + 1],
-                    slots=t[4 * N + n + 1:4 * N + 2 * n + 1], table=t[4 * N + 2 * n + 1:].view(n + 1, self.pages))
+                    slots=t[4 * N + n + 1:4 * N + 2 * n + 1],
+                    table=t[4 * N + 2 * n + 1:].reshape(n + 1, self.pages))
 
     def batch(self, f: dict) -> PackedBatch:
         return PackedBatch.for_extend(f["pos"], f["tdoc"], f["cu"], f["slots"], f["table"], self.history,
                                       self.runner.pool.layout.block_size)
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
-        f = self.fields(self.host)
+        f = self.fields(self.host_np)  # NumPy views of the pinned buffer (small torch ops cost ≈ 10 µs each)
         ids, src, pos, tdoc, cu = f["ids"], f["src"], f["pos"], f["tdoc"], f["cu"]
-        lens = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
-        m, k = int(lens.sum()), len(seqs)
+        k = len(seqs)
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, count=k)
+        m = int(lens.sum())
         cu[0] = 0
-        torch.cumsum(lens, 0, out=cu[1:k + 1])
+        np.cumsum(lens, out=cu[1:k + 1])
         cu[k + 1:] = m
         ids[m:], src[:], pos[m:], tdoc[m:] = 0, -1, 0, self.seqs
         f["slots"][k:], f["table"][k:] = scratch[0], scratch[1]
         if k:
-            ids[:m] = torch.tensor([t for s in seqs for t in s.tokens])
-            tdoc[:m] = torch.repeat_interleave(torch.arange(k), lens)
-            pos[:m] = torch.arange(m) - cu[tdoc[:m]] + torch.tensor([s.start for s in seqs])[tdoc[:m]]
-            dev = [(int(cu[j]), s.src) for j, s in enumerate(seqs) if s.src >= 0]  # decodes fed from the device
-            if dev:
-                src[[i for i, _ in dev]] = torch.tensor([j for _, j in dev])
-            f["slots"][:k] = torch.tensor([s.state_page for s in seqs])
-            f["table"][:k] = _page_rows(seqs, self.pages, scratch[1])
+            ids[:m] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in seqs), np.int64, count=m)
+            td = np.repeat(np.arange(k), lens)
+            tdoc[:m] = td
+            starts = np.fromiter((s.start for s in seqs), np.int64, count=k)
+            pos[:m] = np.arange(m) - cu[td] + starts[td]
+            for j, s in enumerate(seqs):
+                if s.src >= 0:  # a decode fed from the device: its token is the previous step's sample
+                    src[cu[j]] = s.src
+            f["slots"][:k] = [s.state_page for s in seqs]
+            _page_rows(f["table"], seqs, scratch[1])
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         want = [j for j, s in enumerate(seqs) if s.want_logits]
@@ -238,17 +249,17 @@ class PrefillGraph(_Graph):
                                        self.runner.scratch[1])
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
-        f = self.fields(self.host)
+        f = self.fields(self.host_np)  # NumPy views of the pinned buffer
         s = seqs[0] if seqs else SeqInput(tokens=[], start=0, state_page=scratch[0], mla_pages=[], want_logits=True)
         m, c = len(s.tokens), list(s.checkpoints)
         f["ids"][m:], f["start"][0], f["length"][0], f["slot"][0] = 0, s.start, m, s.state_page
         if m:
-            f["ids"][:m] = torch.tensor(s.tokens)
-        f["table"][:] = torch.tensor((s.mla_pages + [scratch[1]] * self.pages)[:self.pages])
+            f["ids"][:m] = s.tokens
+        _page_rows(f["table"][None], [s], scratch[1])
         f["ckpt_pos"][:], f["ckpt_pages"][:] = 0, scratch[0]
         if c:
-            f["ckpt_pos"][:len(c)] = torch.tensor([o for o, _ in c])
-            f["ckpt_pages"][:len(c)] = torch.tensor([p for _, p in c])
+            f["ckpt_pos"][:len(c)] = [o for o, _ in c]
+            f["ckpt_pages"][:len(c)] = [p for _, p in c]
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         return self.out[:1] if seqs[0].want_logits else self.out[:0]

@@ -1,0 +1,84 @@
+"""Host time of a prefix hit's engine phases, without the model's own work: the Python a 16K-token prefix hit runs
+before its forward starts on the GPU (submit, scheduling, the extend graph's input tables) and after (sampling,
+outputs). Runs anywhere: k3-tiny on the CPU, the graph paths on (on the CPU they run the same host code, the
+forward eagerly), perf_counter around each phase, median over the hits (ms).
+
+    python benchmarks/host_hit.py [--prefix 16384] [--tail 64] [--hits 20] [--out host_hit.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve import build  # noqa: E402
+from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
+from k3.serve import engine as engine_mod, runner as runner_mod, scheduler as scheduler_mod  # noqa: E402
+
+PHASES = ((engine_mod.Engine, "submit"), (scheduler_mod.Scheduler, "schedule"), (runner_mod.ExtendGraph, "fill"),
+          (runner_mod.ModelRunner, "graph_for"), (engine_mod.Engine, "_sample"), (engine_mod.Engine, "_finish"),
+          (runner_mod.ModelRunner, "logits"))
+times: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def timed(cls, name: str) -> None:
+    fn = getattr(cls, name)
+
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            times[f"{cls.__name__}.{name}"].append((time.perf_counter() - t) * 1e3)
+    setattr(cls, name, wrapper)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefix", type=int, default=16384)
+    ap.add_argument("--tail", type=int, default=64)
+    ap.add_argument("--hits", type=int, default=20)
+    ap.add_argument("--out", default="host_hit.json")
+    a = ap.parse_args()
+    model = build("k3-tiny", "cpu", torch.float32)
+    V = model.config.text_config.vocab_size
+    eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
+                                     max_num_seqs=32, num_pages=16, enable_prefix_caching=True))
+    eng.runner.enable_graphs()
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, V, (a.prefix,), generator=g).tolist()
+    tails = torch.randint(0, V, (a.hits + 3, a.tail), generator=g).tolist()
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for tail in tails[:3]:  # the first computes the prefix; the others hit
+        eng.generate([prefix + tail], one)
+    for cls, name in PHASES:
+        timed(cls, name)
+    per = collections.defaultdict(list)
+    cached = []
+    for tail in tails[3:]:
+        times.clear()
+        cached.append(eng.generate([prefix + tail], one)[0].num_cached_tokens)
+        for k, v in times.items():
+            per[k].append(sum(v))
+    res = {k: statistics.median(v) for k, v in per.items()}
+    before = sum(res.get(k, 0.0) for k in ("Engine.submit", "Scheduler.schedule", "ExtendGraph.fill"))
+    print(f"k3-tiny on {eng.device}, {a.prefix} cached + {a.tail} new tokens (cached {min(cached)}), "
+          f"median of {a.hits} hits, ms:")
+    for k, v in res.items():
+        print(f"  {v:8.3f}  {k}{'  (the model forward: not host overhead)' if k.endswith('logits') else ''}")
+    print(f"  {before:8.3f}  host before the forward (submit + schedule + fill)")
+    Path(a.out).write_text(json.dumps(dict(phases_ms=res, host_before_forward_ms=before), indent=1))
+
+
+if __name__ == "__main__":
+    main()
