@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import statistics
 import sys
@@ -27,6 +26,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_hit import timed as timed_method, times  # noqa: E402
 from prefill_profile import engine_and_prompts  # noqa: E402
 from serve import rand_prompts, with_settings  # noqa: E402
 
@@ -38,20 +38,6 @@ from k3.serve import runner as runner_mod  # noqa: E402
 from k3.serve import scheduler as scheduler_mod  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-times: dict[str, list[float]] = collections.defaultdict(list)
-
-
-def timed_method(cls, name: str) -> None:
-    fn = getattr(cls, name)
-
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            times[f"{cls.__name__}.{name}"].append((time.perf_counter() - t) * 1e3)
-    setattr(cls, name, wrapper)
 
 
 def replay_host_ms(graph: torch.cuda.CUDAGraph, reps: int = 30) -> float:
