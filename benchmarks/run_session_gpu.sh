@@ -7,7 +7,10 @@
 #   2b. benchmarks/probe/decode_ops.py (every op of a decode forward by source line, graph launch cost; OPS=1);
 #       benchmarks/probe/kda_extend.py (the KDA extend step token by token vs in 16-token tiles; KEXT=1);
 #       benchmarks/probe/prefill_kernels.py (the prefill's KDA recurrence and conv launch settings; PK=1);
-#       benchmarks/probe/gemv.py (decode projections: cuBLAS vs the GEMV kernel; GEMV=1);
+#       benchmarks/probe/gemv.py (decode projections: cuBLAS vs the GEMV kernel; GEMV=1, GEMV_ROWS="32 64" for
+#       the wide tiles);
+#       benchmarks/probe/moe_tiles.py (MoE expert tiles vs the grouped GEMMs, 16-1,024 tokens; MOET=1);
+#       benchmarks/probe/graph_launch.py (a prefix hit's host phases, graph launch host time; GL=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -51,9 +54,20 @@ if [ "${PK:-0}" = 1 ]; then  # launch settings of the prefill's KDA recurrence a
   tail -22 "$OUT/prefill_kernels.log"
 fi
 if [ "${GEMV:-0}" = 1 ]; then  # the decode projections: cuBLAS vs the GEMV kernel's launch settings
-  timeout ${GEMV_S:-120} python3 benchmarks/probe/gemv.py --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1 \
+  timeout ${GEMV_S:-120} python3 benchmarks/probe/gemv.py --rows ${GEMV_ROWS:-1 4 16} --out "$OUT/gemv.json" \
+    > "$OUT/gemv.log" 2>&1 \
     || echo "gemv exit $?" >> "$OUT/gemv.log"
   cat "$OUT/gemv.log" | tail -45
+fi
+if [ "${MOET:-0}" = 1 ]; then  # MoE expert tiles vs the grouped GEMMs, and their launch settings
+  timeout ${MOET_S:-150} python3 benchmarks/probe/moe_tiles.py --out "$OUT/moe_tiles.json" > "$OUT/moe_tiles.log" 2>&1 \
+    || echo "moe tiles exit $?" >> "$OUT/moe_tiles.log"
+  grep -v "^   " "$OUT/moe_tiles.log" | tail -20
+fi
+if [ "${GL:-0}" = 1 ]; then  # a prefix hit's host phases without the profiler; graph launch host time
+  timeout ${GL_S:-200} python3 benchmarks/probe/graph_launch.py --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" \
+    2>&1 || echo "graph launch exit $?" >> "$OUT/graph_launch.log"
+  grep -v Warn "$OUT/graph_launch.log" | tail -25
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
