@@ -38,9 +38,13 @@ ROOT = b"k3-prefix-root"
 
 
 def chain_hash(parent: bytes, tokens) -> bytes:
-    """H_j = blake2b-128(H_{j-1} ‖ int64 token ids); `tokens`: a list of ids or their int64 bytes (any buffer)."""
+    """H_j = the first 16 bytes of SHA-256(H_{j-1} ‖ int64 token ids); `tokens`: a list of ids or their int64 bytes
+    (any buffer). SHA-256 runs on the CPUs' SHA instructions: 2.9 µs per 512-token block against 4.9 for
+    blake2b-128 (`benchmarks/host_hit.py`: a 16K prompt hashes 32 blocks at admission)."""
     data = tokens if isinstance(tokens, (bytes, memoryview, array)) else array("q", tokens)
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
+    h = hashlib.sha256(parent)
+    h.update(data)
+    return h.digest()[:16]
 
 
 def extend_hashes(hashes: list[bytes], tokens, block: int) -> None:
