@@ -93,6 +93,7 @@ def test_linear_dispatch():
     K = gemv.WIDE_MAX_K + 8
     wide, long_in = torch.randn(gemv.MAX_ROWS + 5, 32, generator=g), torch.randn(gemv.MAX_ROWS + 5, K, generator=g)
     w_long, w_tall = torch.randn(24, K, generator=g), torch.randn(gemv.WIDE_MIN_N, K, generator=g)
+    assert gemv.max_rows(w_long) == gemv.MAX_ROWS and gemv.max_rows(w_tall) == gemv.max_rows()
     with torch.no_grad():
         assert gemv.fits(wide.to(DEV), w) == (CUDA and gemv.WIDE)
         assert not gemv.fits(long_in.to(DEV), w_long.to(DEV))

@@ -484,8 +484,8 @@ def test_expert_tile_sizes():
 
 def test_engine_with_routing_inside_the_expert_kernels_equals_the_default(monkeypatch):
     """The LatentMoE decode steps with the routing inside the expert kernels (forced; the interpreter here):
-    the tiny engine's fp32 greedy tokens equal those of the path with `route`'s own kernel and its logits within 1e-5; the routing that
-    `record_routing` keeps is the one `route` gives."""
+    the tiny engine's fp32 greedy tokens equal those of the path with `route`'s own kernel and its logits within
+    1e-5; the routing that `record_routing` keeps is the one `route` gives."""
     from conftest import make_tiny
     from k3.ops import moe_decode
     from k3.serve import Engine, EngineConfig, SamplingParams

@@ -1,8 +1,8 @@
 """Dense projections of a decode step on the GPU: cuBLAS (`F.linear`, the head as `torch.mm(out_dtype=fp32)`)
 against the GEMV kernel (`k3.ops.gemv`) in several launch settings, at every weight shape of a k3-small decode
-step and 1 / 4 / 16 rows (`--rows 32 64`: the wide tiles of a prefix hit's tail or a decode batch). Each path runs `R` calls in one CUDA graph over enough weight copies that the L2
-cache (50 MB) holds none of them from the call before; µs per call (median of 50 replays) and the weight
-bytes per call as a bandwidth.
+step and 1 / 4 / 16 rows (`--rows 32 64`: the wide tiles of a prefix hit's tail or a decode batch). Each path runs
+`R` calls in one CUDA graph over enough weight copies that the L2 cache (50 MB) holds none of them from the call
+before; µs per call (median of 50 replays) and the weight bytes per call as a bandwidth.
 
     python benchmarks/probe/gemv.py --out gemv.json
 """

@@ -67,7 +67,8 @@ def moe_tile_gate_up_kernel(x_ptr, src_ptr, ends_ptr, w1_ptr, w3_ptr, h_ptr, E, 
                             beta, linear_beta, K: tl.constexpr, L: tl.constexpr, EP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                             UPCAST: tl.constexpr, PDL: tl.constexpr = False):
-    """h[rows, cols] = SiTU-GLU(x[tok] W1[e][cols]ᵀ, x[tok] W3[e][cols]ᵀ) for tile p's sorted rows (tok = src // K)."""
+    """h[rows, cols] = SiTU-GLU(x[tok] W1[e][cols]ᵀ, x[tok] W3[e][cols]ᵀ) for tile p's sorted rows
+    (tok = src // K)."""
     pdl_sync(PDL)
     e, row0, row_end = _tile(ends_ptr, tl.program_id(0), E, EP, BM)
     if e < E:

@@ -44,23 +44,22 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether `linear` takes the kernel: ≤ `max_rows()` rows (more than `MAX_ROWS` only on `WIDE`'s shapes), w of ≤ MAX_K columns, no autograd, x and w of one float
-    dtype and device (and the optional operands `others` on that device), w [N, K] with unit column stride, on
-    CUDA. Not through the CPU interpreter: a whole model's projections there take minutes (the kernel's own
+    """Whether `linear` takes the kernel: ≤ `max_rows(w)` rows, w of ≤ MAX_K columns, no autograd, x and w of one
+    float dtype and device (and the optional operands `others` on that device), w [N, K] with unit column stride,
+    on CUDA. Not through the CPU interpreter: a whole model's projections there take minutes (the kernel's own
     tests call it directly)."""
-    if x.dim() >= 1 and x.numel() > MAX_ROWS * x.shape[-1] and w.dim() == 2 \
-            and w.shape[1] > WIDE_MAX_K and w.shape[0] < WIDE_MIN_N:
-        return False  # a wide tile on a shape where cuBLAS was faster
-    return (x.dim() >= 1 and x.numel() <= max_rows() * x.shape[-1] and not torch.is_grad_enabled()
-            and w.dim() == 2 and w.shape[-1] <= MAX_K and w.stride(-1) == 1 and x.dtype == w.dtype
+    return (x.dim() >= 1 and w.dim() == 2 and x.numel() <= max_rows(w) * x.shape[-1] and not torch.is_grad_enabled()
+            and w.shape[-1] <= MAX_K and w.stride(-1) == 1 and x.dtype == w.dtype
             and x.dtype in _DTYPES and x.device == w.device
             and all(t is None or (t.dtype in _DTYPES and t.device == x.device) for t in others)
             and x.is_cuda and device_reason(x, __name__) is None)
 
 
-def max_rows() -> int:
-    """Rows up to which `linear` takes the kernel: `MAX_ROWS`, or `WIDE_ROWS` with `WIDE` (MAX_ROWS 0: never)."""
-    return max(MAX_ROWS, WIDE_ROWS) if WIDE and MAX_ROWS else MAX_ROWS
+def max_rows(w: torch.Tensor | None = None) -> int:
+    """Rows up to which `linear` takes the kernel (for the weight w [N, K]): `MAX_ROWS`, or `WIDE_ROWS` with `WIDE`
+    where the wide tiles won (any shape when w is None; MAX_ROWS 0: never)."""
+    wide = WIDE and MAX_ROWS and (w is None or w.shape[1] <= WIDE_MAX_K or w.shape[0] >= WIDE_MIN_N)
+    return max(MAX_ROWS, WIDE_ROWS) if wide else MAX_ROWS
 
 
 @eager_op

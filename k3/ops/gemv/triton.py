@@ -3,8 +3,9 @@ prologue on x as it is loaded: SiTU-GLU of a gate ‖ up input, an RMSNorm (of t
 
 Each program owns `BN` rows of W [N, K] (row-major, K contiguous) and streams them through in `CH`-column
 chunks (loads pipelined over `stages`), multiplying by the x rows padded to one MMA tile of 16, 32 or 64 rows
-(`tile_rows`) on the tensor cores with fp32 accumulation: every weight byte is read once, whatever the rows; an optional `add` [M, N] joins in fp32 and the output is rounded once to its dtype
-(fp32 logits straight from the head, bf16 activations elsewhere).
+(`tile_rows`) on the tensor cores with fp32 accumulation: every weight byte is read once, whatever the rows; an
+optional `add` [M, N] joins in fp32 and the output is rounded once to its dtype (fp32 logits straight from the
+head, bf16 activations elsewhere).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16, BM: tl.constexpr = 16,
                 t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is loaded:
+    """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is
+    loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
     output); NORM 1: an RMSNorm of the row with weight nw (x ⊙ nw enters the product, the row's rstd scales the
     accumulator: the norm is linear in the product); NORM 2: an RMSNorm of each GS-column group (a head; a chunk
@@ -164,8 +166,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
-            NT=fp32_tail,
-            st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
+            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)

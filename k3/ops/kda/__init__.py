@@ -29,8 +29,8 @@ from .reference import recurrent_kda
 from .states_at import STATES_AT_MULTIPLE, chunk_by_pieces, chunk_slots
 
 __all__ = ["chunk_kda", "chunk_kda_gated", "chunk_kda_torch", "recurrent_kda", "fused_recurrent_kda",
-           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available", "BACKENDS",
-           "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks", "chunk_slots"]
+           "kda_decode_step", "kda_decode_step_gated", "kda_gate", "l2norm", "fla_available", "triton_available",
+           "BACKENDS", "STATES_AT_MULTIPLE", "EXTEND_CHUNKED_MIN_TOKENS", "extend_in_chunks", "chunk_slots"]
 
 BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # extend steps (a few new tokens per sequence, `kda_decode_step_gated` with cu_seqlens) take the chunked kernels
