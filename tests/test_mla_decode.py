@@ -58,6 +58,7 @@ def test_combine_kernel_equals_the_ops(n, NS, H, C, monkeypatch):
     partials, with empty splits (m = -inf, l = 0) among them: within 1e-6, written into a head-major strided
     output; and through `paged_mla_decode` over three splits against the fp64 oracle."""
     from k3.ops.mla_decode import triton as T
+    combine = T.combine
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(n * NS)
     part = torch.randn(n, NS, H, C, generator=g)
@@ -74,9 +75,12 @@ def test_combine_kernel_equals_the_ops(n, NS, H, C, monkeypatch):
     monkeypatch.setattr(T, "combine", None)  # the PyTorch ops must not run
     q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 6144, 3, SPLIT * 2 + 77, seed=2)
     want = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.07, backend="reference")
-    got = paged_mla_decode(*(t.float().to(dev) if t.is_floating_point() else t.to(dev)
-                             for t in (q_lat, q_pe, kv, pages, lens)), 0.07, backend="triton")
-    assert rel(got.cpu(), want) <= 1e-5
+    args = [t.float().to(dev) if t.is_floating_point() else t.to(dev) for t in (q_lat, q_pe, kv, pages, lens)]
+    assert rel(paged_mla_decode(*args, 0.07, backend="triton").cpu(), want) <= 1e-5
+    monkeypatch.setattr(T, "COMBINE_KERNEL", False)  # K3_MLA_COMBINE_KERNEL=0: the PyTorch ops
+    monkeypatch.setattr(T, "mla_combine_kernel", None)
+    monkeypatch.setattr(T, "combine", combine)
+    assert rel(paged_mla_decode(*args, 0.07, backend="triton").cpu(), want) <= 1e-5
 
 
 def test_rows_past_each_length_do_not_count():

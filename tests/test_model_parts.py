@@ -179,6 +179,21 @@ def test_mla_paths_match_textbook_attention(impl):
         assert rel_rmse(naive_mla(mla, x), mla(x)) < 1e-10
 
 
+def test_mla_expanded_keys_are_the_same_with_and_without_autograd():
+    """`expand_kv` without autograd fills the per-head keys by two copies instead of `torch.cat`: bitwise the same
+    keys and values, on fresh random latents."""
+    model = make_tiny(seed=4)
+    mla = model.language_model.model.layers[3].self_attn
+    cfg = model.config.text_config
+    c, k_pe = torch.randn(2, 13, cfg.kv_lora_rank), torch.randn(2, 13, cfg.qk_rope_head_dim)
+    k_grad, v_grad = mla.expand_kv(c, k_pe)
+    with torch.no_grad():
+        k, v = mla.expand_kv(c, k_pe)
+    assert k_grad.requires_grad and not k.requires_grad
+    assert torch.equal(k, k_grad.detach()) and torch.equal(v, v_grad.detach())
+    assert torch.equal(k[..., cfg.qk_nope_head_dim:], k_pe[:, :, None].expand_as(k[..., cfg.qk_nope_head_dim:]))
+
+
 def test_mla_absorbed_decode_caches_only_latent():
     model = make_tiny(seed=5).double()
     mla = model.language_model.model.layers[4].self_attn

@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+from array import array
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def _admissions(groups, max_num_seqs=1, preempt_first=None):
     """Admission order of sequences (named by group + index) when each runs alone and finishes at once."""
     sched = Scheduler(_Pool(64), None, 16, max_num_seqs, 64)
     for name, g in groups:
-        sched.waiting.append(Sequence(request_id=name, prompt=[1, 2, 3, 4], params=SamplingParams(), eos=(),
+        sched.waiting.append(Sequence(request_id=name, prompt_ids=array("q", [1, 2, 3, 4]), params=SamplingParams(), eos=(),
                                       group=g))
     if preempt_first is not None:
         seq = next(s for s in sched.waiting if s.request_id == preempt_first)
@@ -144,6 +145,32 @@ def _admissions(groups, max_num_seqs=1, preempt_first=None):
             order.append(w.seq.request_id)
             sched.remove(w.seq)
     return order
+
+
+def test_sequence_token_views_equal_the_list():
+    """A sequence keeps its prompt as the int64 array `Engine.submit` checked and builds the list only on demand:
+    token_slice, token_bytes, num_tokens and tokens equal those of prompt + output at every start / length, before
+    and after the list exists; the outputs' prompt is a copy, so editing it leaves the engine's prompt alone."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(1 << 40) for _ in range(37)]
+    seq = Sequence(request_id="s", prompt_ids=array("q", prompt), params=SamplingParams(), eos=())
+    seq.output = [rng.randrange(100) for _ in range(9)]
+    full = prompt + seq.output
+    for built in (False, True):
+        assert (seq._prompt is not None) == built
+        assert seq.num_tokens == len(full)
+        for start in range(len(full) + 1):
+            for n in (0, 1, 5, 40, 60):
+                assert seq.token_slice(start, n) == full[start:start + n], (built, start, n)
+                end = min(start + n, len(full))
+                assert array("q", seq.token_bytes(start, end)).tolist() == full[start:end]
+        assert seq.tokens == full
+    out = seq.output_prompt()
+    assert out == prompt and out is seq.output_prompt()
+    out.append(-1)
+    assert seq.prompt == prompt and seq.token_slice(0, 40) == full[:40]
+    with pytest.raises(TypeError, match="prompt_ids"):
+        Sequence(request_id="t", prompt_ids=prompt, params=SamplingParams(), eos=())
 
 
 def test_admission_is_round_robin_between_groups():

@@ -2,9 +2,10 @@
 against the sorted-rows pipeline (counting sort, dispatch, grouped GEMMs, SiTU-GLU, combine) at k3-small's sizes
 (32 experts, I 512, latent 768, top 4, bf16, gate ‖ up fused), each captured in a CUDA graph as the engine runs
 it: µs per replay (median of 200), the experts' weight bytes as a bandwidth, then a sweep of the tile kernels'
-launch settings at 64 and 256 tokens.
+launch settings at 64 and 256 tokens (`--sweep joint`: both kernels' shared settings and rows per tile; `down`,
+the default: the down kernel's own).
 
-    python benchmarks/probe/moe_tiles.py --out moe_tiles.json
+    python benchmarks/probe/moe_tiles.py [--sweep joint down] --out moe_tiles.json
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from k3.ops.moe import experts_forward  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="moe_tiles.json")
+    ap.add_argument("--sweep", nargs="*", default=["down"], choices=["joint", "down"],
+                    help="launch sweeps: both kernels' shared settings and tile rows, or the down kernel's own")
     a = ap.parse_args()
     E, I, L, K = 32, 512, 768, 4
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -57,7 +60,7 @@ def main():
               f"({gb / res['tiles'][0] * 1e6 / 1e3:5.2f} TB/s), grouped {res['grouped'][0]:6.1f} us, "
               f"{res['grouped'][0] / res['tiles'][0]:.2f}x, rel {rel:.1e}", flush=True)
     default = (dict(moe_tiles.LAUNCH), moe_tiles.TILE_ROWS)
-    for N in (64, 256):
+    for N in (64, 256) if "joint" in a.sweep else ():
         x, idx, w = inputs[N]
         run = lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # noqa: E731
         for bm, bn, bk, warps, stages in itertools.product((16, 32), (32, 64, 128), (64, 128), (4,), (2, 3, 4)):
@@ -76,6 +79,26 @@ def main():
         best = sorted((r for r in sweep if r["tokens"] == N), key=lambda r: r["us"])[:5]
         for r in best:
             print(f"sweep tokens {N}: {r}")
+    # the down kernel's own settings (gate / up at the defaults): both kernels, timed together
+    default_down = dict(moe_tiles.LAUNCH_DOWN)
+    for N in (64, 256) if "down" in a.sweep else ():
+        x, idx, w = inputs[N]
+        run = lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # noqa: E731
+        for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 3, 4)):
+            moe_tiles.LAUNCH_DOWN.update(bn=bn, bk=bk, warps=warps, stages=stages)
+            try:
+                with torch.no_grad():
+                    us = median_ms(graphed(run), 10, 100) * 1e3
+            except Exception as e:  # noqa: BLE001 (a setting that does not compile: reported)
+                us = float("nan")
+                print(f"   {type(e).__name__}: {str(e)[:100]}")
+            sweep.append(dict(kernel="down", tokens=N, bn=bn, bk=bk, warps=warps, stages=stages, us=us))
+        moe_tiles.LAUNCH_DOWN.clear()
+        moe_tiles.LAUNCH_DOWN.update(default_down)
+        mine = [r for r in sweep if r.get("kernel") == "down" and r["tokens"] == N]
+        at_default = next(r["us"] for r in mine if all(r[k] == default_down[k] for k in ("bn", "bk", "warps", "stages")))
+        for r in sorted(mine, key=lambda r: r["us"])[:5]:
+            print(f"down sweep tokens {N} (default {at_default:.1f} us): {r}")
     Path(a.out).write_text(json.dumps(dict(rows=rows, sweep=sweep), indent=1))
 
 

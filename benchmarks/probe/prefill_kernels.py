@@ -2,9 +2,9 @@
 8,192 tokens, no autograd) on the GPU: the chunked KDA forward (`chunk_kda_gated_triton`: value-block width of
 the recurrence and sequence splitting, which decide how many programs the 12 heads get) and the prefill short
 conv (`short_conv_step` with `conv_tiles`: channels per program, warps). CUDA events, median of 20 after
-warm-up; each variant's output against the default's (relative RMS).
+warm-up (the conv in a CUDA graph, tokens per tile too); each variant's output against the default's (relative RMS).
 
-    python benchmarks/probe/prefill_kernels.py --out prefill_kernels.json
+    python benchmarks/probe/prefill_kernels.py [--parts kda conv] --out prefill_kernels.json
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import median_ms  # noqa: E402
+from timing import graphed, median_ms  # noqa: E402
 
+import k3.ops.conv as CV  # noqa: E402
 import k3.ops.conv.triton_step as TS  # noqa: E402
 from k3.ops.conv import conv_tiles, short_conv_step  # noqa: E402
 from k3.ops.kda.triton import chunk_kda_gated_triton  # noqa: E402
@@ -33,6 +34,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="prefill_kernels.json")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--parts", nargs="*", default=["conv"], choices=["kda", "conv"])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under Triton's interpreter (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     T, H, K = a.tokens, 12, 128
@@ -50,8 +52,8 @@ def main():
             return chunk_kda_gated_triton(q, k, v, f, beta, A_log, dtb, initial_state=h0, output_final_state=True,
                                           cu_seqlens=torch.tensor([0, T], dtype=torch.int32))[0]
 
-    base = kda()
-    for bv in (64, 32, 16):
+    base = kda() if "kda" in a.parts else None
+    for bv in (64, 32, 16) if "kda" in a.parts else ():
         for min_chunks in (0, 128, 64, 32):
             cfg = dict(fwd_bv=bv, seq_split=8 if min_chunks else 0, split_min_chunks=max(min_chunks, 1),
                        split_below_programs=10 ** 6)
@@ -67,24 +69,29 @@ def main():
     w = torch.randn(C, 1, 4, device=dev, generator=g)
     pool = torch.randn(P, C, 3, device=dev, dtype=bf, generator=g)
     slots, cu = torch.tensor([5], device=dev), torch.tensor([0, T], dtype=torch.int32, device=dev)
-    tiles = conv_tiles([T], dev)
     pool0 = pool.clone()  # the timed calls advance `pool`'s windows; the checks start from these
-    ref = short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles, backend="triton")
-    old = dict(TS.TILES_LAUNCH)
+    ref = short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=conv_tiles([T], dev), backend="triton")
+    old, old_tile = dict(TS.TILES_LAUNCH), CV.CONV_TILE
     try:
-        for bc in (64, 128, 256):
-            for warps in (2, 4, 8):
-                TS.TILES_LAUNCH.update(bc=bc, warps=warps)
-                ms = median_ms(lambda: short_conv_step(x, w, pool, slots, cu_seqlens=cu, tiles=tiles,
-                                                       backend="triton"), warmup=3 if cuda else 0,
-                               reps=20 if cuda else 1, cuda=cuda)
-                err = rel(short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles, backend="triton"),
-                          ref)
-                gbs = 2 * T * C * 2 / (ms * 1e-3) / 1e9
-                res["conv"].append(dict(bc=bc, warps=warps, ms=ms, GBps=gbs, rel_rmse=err))
-                print(f"conv tiles BC {bc:3d} warps {warps}: {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s  rel {err:.1e}")
+        for bt in (16, 32, 64):  # tokens per tile (the host's tile table and the kernel's BT together)
+            CV.CONV_TILE = TS.CONV_TILE = bt
+            tiles = conv_tiles([T], dev)
+            for bc in (32, 64, 128):
+                for warps in (1, 2, 4, 8):
+                    TS.TILES_LAUNCH.update(bc=bc, warps=warps)
+                    step = lambda: short_conv_step(x, w, pool, slots, cu_seqlens=cu, tiles=tiles,  # noqa: E731
+                                                   backend="triton")
+                    ms = median_ms(graphed(step) if cuda else step, warmup=3 if cuda else 0, reps=50 if cuda else 1,
+                                   cuda=cuda)
+                    err = rel(short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles,
+                                              backend="triton"), ref)
+                    gbs = 2 * T * C * 2 / (ms * 1e-3) / 1e9
+                    res["conv"].append(dict(bt=bt, bc=bc, warps=warps, ms=ms, GBps=gbs, rel_rmse=err))
+                    print(f"conv tiles BT {bt:3d} BC {bc:3d} warps {warps}: {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s  "
+                          f"rel {err:.1e}")
     finally:
         TS.TILES_LAUNCH.update(old)
+        CV.CONV_TILE = TS.CONV_TILE = old_tile
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

@@ -33,7 +33,7 @@ def main():
     a = ap.parse_args()
     rng = random.Random(0)
     prompt = [rng.randrange(163840) for _ in range(a.tokens)]
-    seq = Sequence(request_id="p", prompt=prompt, params=SamplingParams(), eos=(), prompt_ids=array("q", prompt))
+    seq = Sequence(request_id="p", prompt_ids=array("q", prompt), params=SamplingParams(), eos=())
     lists, seqs = [], []
     extend_hashes(lists, prompt, a.block)
     extend_hashes(seqs, seq, a.block)

@@ -38,6 +38,9 @@ ON = os.environ.get("K3_MOE_TILES", "1") == "1"
 # the reduction chunk, warps, software-pipelining stages
 TILE_ROWS = ((16, 16), (48, 32), (1 << 30, 64))
 LAUNCH = {"bn": 64, "bk": 64, "warps": 4, "stages": 3}
+# the down kernel's own (columns of L per program, reduction chunk over I, warps, stages); `probe/moe_tiles.py`
+# sweeps it with the gate / up kernel at LAUNCH
+LAUNCH_DOWN = dict(LAUNCH)
 
 
 def interpreted() -> bool:
@@ -160,17 +163,20 @@ def experts_tiles(x: torch.Tensor, src: torch.Tensor, ends: torch.Tensor, top_k:
     if NK == 0:
         return ys
     BM = block_rows or tile_rows(NK, E)
-    c = LAUNCH
     up = interpreted()
     prec = "ieee" if x.dtype == torch.float32 or up else "tf32"
-    meta = dict(EP=max(16, triton.next_power_of_2(E)), BM=BM, BN=c["bn"], BK=c["bk"], DOT_PREC=prec, UPCAST=up,
-                num_warps=c["warps"], **pdl(x))
-    if not up:
-        meta["num_stages"] = c["stages"]
+
+    def meta(c):
+        m = dict(EP=max(16, triton.next_power_of_2(E)), BM=BM, BN=c["bn"], BK=c["bk"], DOT_PREC=prec, UPCAST=up,
+                 num_warps=c["warps"], **pdl(x))
+        if not up:
+            m["num_stages"] = c["stages"]
+        return m
+
     tiles = triton.cdiv(NK, BM) + min(E, NK)  # an upper bound of Σ_e cdiv(count_e, BM): a static grid
-    moe_tile_gate_up_kernel[(tiles, triton.cdiv(I, c["bn"]))](
+    moe_tile_gate_up_kernel[(tiles, triton.cdiv(I, LAUNCH["bn"]))](
         x, src, ends, w1, w3, h, E, I, x.stride(0), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
-        h.stride(0), float(beta), float(linear_beta), K=top_k, L=L, **meta)
-    moe_tile_down_kernel[(tiles, triton.cdiv(L, c["bn"]))](
-        h, ends, w2, ys, E, L, h.stride(0), w2.stride(0), w2.stride(1), ys.stride(0), I=I, **meta)
+        h.stride(0), float(beta), float(linear_beta), K=top_k, L=L, **meta(LAUNCH))
+    moe_tile_down_kernel[(tiles, triton.cdiv(L, LAUNCH_DOWN["bn"]))](
+        h, ends, w2, ys, E, L, h.stride(0), w2.stride(0), w2.stride(1), ys.stride(0), I=I, **meta(LAUNCH_DOWN))
     return ys

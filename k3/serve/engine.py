@@ -206,13 +206,12 @@ class Engine:
         a = np.frombuffer(ids, dtype=np.int64)
         if a.min() < 0 or a.max() >= V:
             raise ValueError(f"prompt token ids must be in [0, {V}), got {a[(a < 0) | (a >= V)][:5].tolist()}")
-        prompt = ids.tolist()
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the limit is max_model_len - 1 = "
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
                              f"{self.max_model_len - 1}")
         if params.stop and self.config.detokenize is None:
             raise ValueError("stop strings need EngineConfig.detokenize")
-        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
         need = -(-total // self.config.block_size) + 1
         usable = self.pool.num_pages - len(self.runner.reserved_pages)
         if need > usable:
@@ -221,14 +220,14 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id=rid, prompt=prompt, params=params, eos=() if params.ignore_eos else self.eos,
-                       generator=gen, group=group, prompt_ids=ids)
+        seq = Sequence(request_id=rid, prompt_ids=ids, params=params, eos=() if params.ignore_eos else self.eos,
+                       generator=gen, group=group)
         with self._inbox_lock:  # not the step lock: submitting never waits for a forward
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self.requests[rid] = seq
             self._inbox.append(seq)
-            self.prompt_tokens_total += len(prompt)
+            self.prompt_tokens_total += len(ids)
             if self.config.record_logits:
                 self.recorded_logits[rid] = []
         return rid
@@ -436,6 +435,8 @@ class Engine:
         """The host's side of a sampled step: append each sequence's token, check stops, build outputs.
         Sequences that finished meanwhile (aborted, or ended by the step before) are skipped."""
         if inf.event is not None:
+            for seq in inf.seqs:  # the outputs' prompt lists while the device works (16K ids: 0.2 ms)
+                seq.output_prompt()
             inf.event.synchronize()
         host = inf.host.tolist()
         outs = []

@@ -91,9 +91,11 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    """Engine-internal state of one request (identity-compared)."""
+    """Engine-internal state of one request (identity-compared). The prompt is kept as the int64 array
+    `Engine.submit` checked (`prompt_ids`); `prompt`, its list, is built on first use only: a 16K-token prefix hit
+    reads just its tail, and converting 16K ids to Python ints (0.2 ms) would sit on its time to first token."""
     request_id: str
-    prompt: list[int]
+    prompt_ids: array
     params: SamplingParams
     eos: tuple[int, ...]
     generator: torch.Generator | None = None
@@ -121,7 +123,18 @@ class Sequence:
     cacheable: bool = True      # False for a restored sequence: its state may come from older weights
     failures: int = 0           # failed forwards it was part of (Engine._forward_failed)
     prompt_copy: list[int] | None = field(default=None, repr=False)  # the outputs' shared prompt_token_ids
-    prompt_ids: array | None = field(default=None, repr=False)  # the prompt as int64 (`Engine.submit`'s check)
+    _prompt: list[int] | None = field(default=None, repr=False)  # `prompt`, once built
+
+    def __post_init__(self):
+        if not isinstance(self.prompt_ids, array) or self.prompt_ids.typecode != "q":
+            raise TypeError(f"Sequence.prompt_ids must be an array('q'), got {type(self.prompt_ids).__name__}")
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt as a list of ints (built from `prompt_ids` on first use; treat it as read-only)."""
+        if self._prompt is None:
+            self._prompt = self.prompt_ids.tolist()
+        return self._prompt
 
     @property
     def tokens(self) -> list[int]:
@@ -129,33 +142,37 @@ class Sequence:
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """tokens[start:start + n] without building the whole prompt + output list (a decode step needs one)."""
-        P = len(self.prompt)
+        P = len(self.prompt_ids)
         if start >= P:
             return self.output[start - P:start - P + n]
-        if start + n <= P:
-            return self.prompt[start:start + n]
-        return self.prompt[start:] + self.output[:start + n - P]
+        head = self._prompt[start:start + n] if self._prompt is not None else self.prompt_ids[start:start + n].tolist()
+        return head if start + n <= P else head + self.output[:start + n - P]
 
     def token_bytes(self, start: int, end: int):
         """tokens[start:end] as int64 bytes (a view of `prompt_ids` inside the prompt: no conversion)."""
-        if self.prompt_ids is not None and end <= len(self.prompt_ids):
+        if end <= len(self.prompt_ids):
             return memoryview(self.prompt_ids)[start:end]
         return array("q", self.token_slice(start, end - start))
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt_ids) + len(self.output)
+
+    def output_prompt(self) -> list[int]:
+        """The outputs' prompt_token_ids: one list per request, built once (a copy: a caller that edits it does
+        not change the engine's prompt). `Engine._finish` builds it while the device computes the step."""
+        if self.prompt_copy is None:
+            self.prompt_copy = self.prompt_ids.tolist()
+        return self.prompt_copy
 
     def to_output(self) -> RequestOutput:
         """This step's output (see `SamplingParams.output_kind`); marks the new tokens as emitted. The prompt
         is copied once per request and shared by its outputs (not once per step: O(prompt) per token)."""
         start, new = self.emitted, self.output[self.emitted:]
         self.emitted = len(self.output)
-        if self.prompt_copy is None:
-            self.prompt_copy = list(self.prompt)
         first = start if self.params.output_kind == "delta" else 0  # delta: this step's tokens only
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt_copy, token_ids=self.output[first:],
+            request_id=self.request_id, prompt_token_ids=self.output_prompt(), token_ids=self.output[first:],
             new_token_ids=new, logprobs=self.logprobs[first:] if self.params.logprobs else None,
             finished=self.finished, finish_reason=self.finish_reason,
             num_cached_tokens=max(self.num_cached_tokens, 0), stop_reason=self.stop_reason)
@@ -178,7 +195,7 @@ class PausedRequest:
 
     @property
     def prompt(self) -> list[int]:
-        return list(self.seq.prompt)
+        return self.seq.prompt_ids.tolist()
 
     @property
     def output(self) -> list[int]:
@@ -192,7 +209,7 @@ class PausedRequest:
         """Plain tensors, lists and strings (`torch.save(..., weights_only=True)` loads it): to keep a paused
         request in a checkpoint (RL carries its partial rollouts across a restart)."""
         s = self.seq
-        return {"request_id": s.request_id, "prompt": list(s.prompt), "output": list(s.output),
+        return {"request_id": s.request_id, "prompt": s.prompt_ids.tolist(), "output": list(s.output),
                 "logprobs": list(s.logprobs), "params": asdict(s.params), "eos": list(s.eos), "group": s.group,
                 "generator": None if s.generator is None else s.generator.get_state(),
                 "generator_device": None if s.generator is None else str(s.generator.device),
@@ -208,7 +225,7 @@ class PausedRequest:
         if d["generator"] is not None:
             gen = torch.Generator(device=d["generator_device"])
             gen.set_state(d["generator"])
-        seq = Sequence(request_id=d["request_id"], prompt=list(d["prompt"]), params=SamplingParams(**params),
+        seq = Sequence(request_id=d["request_id"], prompt_ids=array("q", d["prompt"]), params=SamplingParams(**params),
                        eos=tuple(d["eos"]), generator=gen, group=d["group"])
         seq.output, seq.logprobs = list(d["output"]), list(d["logprobs"])
         seq.emitted = len(seq.output)

@@ -167,10 +167,11 @@ class Scheduler:
         if self.interval:
             want.update(range(self.interval * self.h, N + 1, self.interval * self.h))
         seq.ckpt_positions = sorted(x for x in want if L < x <= N) if self.cache is not None else []
-        self.prefix_queries += len(seq.prompt)
-        self.prefix_hits += min(L, len(seq.prompt))
+        P = len(seq.prompt_ids)
+        self.prefix_queries += P
+        self.prefix_hits += min(L, P)
         if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = min(L, len(seq.prompt))
+            seq.num_cached_tokens = min(L, P)
         return True
 
     def _pending_keys(self) -> set[bytes]:

@@ -521,9 +521,10 @@ def combine_segments(summ: torch.Tensor, state: torch.Tensor, slot: torch.Tensor
     V = state.shape[-1]
     S_loc, M = summ[..., :V], summ[..., V:]
     h = torch.empty(P, *state.shape[1:], device=summ.device, dtype=torch.float32)
-    h[0] = state.index_select(0, slot)[0]
-    for j in range(1, P):  # one batched GEMM with the add per step, written in place (no add kernel)
-        torch.baddbmm(S_loc[j - 1], M[j - 1], h[j - 1], out=h[j])
+    torch.index_select(state, 0, slot, out=h[:1])
+    h[1:] = S_loc[:-1]  # one copy of the addends; each step then accumulates onto its own (contiguous) h[j]
+    for j in range(1, P):  # one batched GEMM per step, beta = 1 in place (no copy of the addend per step)
+        h[j].baddbmm_(M[j - 1], h[j - 1])
     return h
 
 
