@@ -11,6 +11,7 @@
 #       the wide tiles);
 #       benchmarks/probe/moe_tiles.py (MoE expert tiles vs the grouped GEMMs, 16-1,024 tokens; MOET=1);
 #       benchmarks/probe/graph_launch.py (a prefix hit's host phases, graph launch host time; GL=1);
+#       benchmarks/probe/mla_decode_cfg.py (the MLA decode kernel's launch settings; MLACFG=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -68,6 +69,11 @@ if [ "${GL:-0}" = 1 ]; then  # a prefix hit's host phases without the profiler; 
   timeout ${GL_S:-200} python3 benchmarks/probe/graph_launch.py --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" \
     2>&1 || echo "graph launch exit $?" >> "$OUT/graph_launch.log"
   grep -v Warn "$OUT/graph_launch.log" | tail -25
+fi
+if [ "${MLACFG:-0}" = 1 ]; then  # the MLA decode kernel's launch settings (MLACFG_PARTS: decode and / or groups)
+  timeout ${MLACFG_S:-150} python3 benchmarks/probe/mla_decode_cfg.py --parts ${MLACFG_PARTS:-decode groups} \
+    --out "$OUT/mla_decode_cfg.json" > "$OUT/mla_decode_cfg.log" 2>&1 || echo "mla cfg exit $?" >> "$OUT/mla_decode_cfg.log"
+  tail -6 "$OUT/mla_decode_cfg.log"
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \

@@ -97,8 +97,11 @@ def test_rows_past_each_length_do_not_count():
 
 
 @pytest.mark.parametrize("S,page_size,launch", [(90, 16, None), (SPLIT + 300, 6144, None),
-                                                (90, 16, dict(g=8, bh=4, bs=64, split=32, warps=4, stages=None))],
-                         ids=["short", "two-splits", "8-rows-4-heads-blocks-wider-than-the-split"])
+                                                (90, 16, dict(g=8, bh=4, bs=64, split=32, warps=4, stages=None)),
+                                                (90, 16, dict(g=16, bh=8, bs=32, split=32, warps=4, stages=None)),
+                                                (90, 16, dict(g=4, bh=16, bs=32, split=64, warps=4, stages=None))],
+                         ids=["short", "two-splits", "8-rows-4-heads-blocks-wider-than-the-split",
+                              "16-rows-blocks-of-128-pairs-across-rows", "4-rows-16-heads-padded"])
 def test_token_runs_equal_one_row_each(S, page_size, launch):
     """An extend step's rows (three sequences' tokens, positions ascending, and padding rows of history 1) read
     in runs of up to GROUP_ROWS rows per program (`groups`, as `PackedBatch.for_extend` builds them) equal the

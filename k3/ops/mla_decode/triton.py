@@ -36,9 +36,11 @@ LAUNCH = {"decode": dict(bh=16, bs=128, split=1024, warps=4, stages=2),
           "groups": dict(bh=8, bs=128, split=2048, warps=4, stages=2)}  # with GROUP_ROWS = 8
 # "groups" likewise (same probe and day, 64 rows after 16,384 cached): 189.4 → 118.1 µs against the former
 # 16 heads / 64 / 2,048 / 8 warps / default stages, the best of 32 settings
-# candidates for token runs, with g rows per run (GROUP_ROWS is the g in use); the CUDA tests check each
-SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=None)
-                for g, bh in ((4, 16), (8, 8), (16, 4), (8, 16), (16, 8), (32, 4)) for bs in (32, 64)
+# candidates for token runs, with g rows per run (GROUP_ROWS is the g in use; a program's M is g x bh of the run's
+# (row, head) pairs, so 16 x 4 covers a run's 192 pairs of 12 heads in three full blocks); `probe/mla_decode_cfg.py`
+# times each and the CUDA tests check each
+SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=2)
+                for g, bh in ((8, 4), (8, 8), (16, 4), (16, 8)) for bs in (64, 128)
                 for split in (1024, 2048) for w in (4, 8)]
 
 
@@ -52,8 +54,10 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
                       C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
                       G: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr,
                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_GRP: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (group j, head block, split): rows GRP[j] = (row0, count) (row j alone without groups) x BH heads
-    as the dots' M; the rows of a group share the page table of its last row and each masks past its length."""
+    """Program (group j, block b, split): rows GRP[j] = (row0, count) (row j alone without groups); its count x H
+    (row, head) pairs, row-major, in blocks of G x BH as the dots' M (no padding heads when BH does not divide H;
+    a block past a short group's pairs reads nothing). The rows of a group share the page table of its last row and
+    each masks past its length."""
     pdl_sync(PDL)
     j = tl.program_id(0)
     hb = tl.program_id(1)
@@ -64,10 +68,10 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
     else:
         row0 = j
         cnt = 1
-    idx = tl.arange(0, G * BH)
-    grow = idx // BH
-    heads = hb * BH + idx % BH
-    im = (grow < cnt) & (heads < H)
+    f = hb * (G * BH) + tl.arange(0, G * BH)  # flat (row, head) pairs of the group
+    grow = f // H
+    heads = f % H
+    im = grow < cnt
     rows = tl.where(im, row0 + grow, row0).to(tl.int64)
     h64 = heads.to(tl.int64)
     cc = tl.arange(0, CP)
@@ -83,7 +87,7 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
     qp = qp.to(dot_t)
     lens = tl.load(LENS + rows, mask=im, other=0).to(tl.int32)  # [G * BH]: each row's history
     last = (row0 + tl.maximum(cnt, 1) - 1).to(tl.int64)
-    n_valid = tl.max(lens, 0)  # the last row's (positions ascend within a group)
+    n_valid = tl.max(lens, 0)  # the last row's (positions ascend within a group); 0 for a block with no pair
     start = sp * SPLIT
     end = tl.minimum(start + SPLIT, n_valid)
     m_i = tl.full([G * BH], float("-inf"), tl.float32)
@@ -178,7 +182,7 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     SPLIT, BH = cfg["split"], cfg["bh"]
     NS = triton.cdiv(S, SPLIT)
     G = 1 if groups is None else group_rows
-    grid = (n if groups is None else groups.shape[0], triton.cdiv(H, BH), NS)
+    grid = (n if groups is None else groups.shape[0], triton.cdiv(G * H, G * BH), NS)
     grp = None if groups is None else groups.contiguous()
     up = interpreted()
     prec = "ieee" if kv.dtype == torch.float32 or up else "tf32"
