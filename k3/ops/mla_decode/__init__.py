@@ -17,7 +17,7 @@ import torch
 from .._compile import eager_op
 from .._triton import device_reason
 
-GROUP_ROWS = 8  # rows per run of `groups` (one Triton program each; `triton.LAUNCH['groups']`)
+GROUP_ROWS = 16  # rows per run of `groups` (one Triton program each; `triton.LAUNCH['groups']`)
 
 BACKENDS = ("auto", "triton", "reference")
 # whether an MLA layer of the engine writes its new latent rows with the latent RMSNorm in the same kernel
