@@ -256,6 +256,22 @@ def test_engine_with_the_fused_latent_write_equals_the_plain_write(monkeypatch):
                 torch.stack(fused.recorded_logits[y.request_id])).abs().max() <= 1e-5
 
 
+def test_latent_blocks_fit_shared_memory():
+    """The positions per block shrink for wide latents and fp32 pools (a launch that asks for more shared memory
+    than the GPU has fails): k3-small's bf16 pool keeps LAUNCH's 128; its fp32 pool and K3's 512-wide latent
+    get 64; the budget holds for every case, and never below 16 positions."""
+    from k3.ops.mla_decode.triton import LAUNCH, SMEM_BUDGET, block_positions
+    bs, st = LAUNCH["decode"]["bs"], LAUNCH["decode"]["stages"]
+    assert block_positions(bs, st, 256, 64, 2) == 128
+    assert block_positions(bs, st, 256, 64, 4) == 64
+    assert block_positions(bs, st, 512, 64, 2) == 64 and block_positions(bs, st, 512, 64, 4) == 32
+    assert block_positions(bs, None, 256, 64, 2) == 64  # Triton's default: 3 stages
+    for cp, rp, item in ((256, 64, 2), (256, 64, 4), (512, 64, 2), (512, 64, 4), (32, 16, 4)):
+        b = block_positions(bs, st, cp, rp, item)
+        assert 16 <= b <= bs and st * b * (cp + rp) * item <= SMEM_BUDGET
+    assert block_positions(128, 2, 1 << 16, 64, 4) == 16
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])

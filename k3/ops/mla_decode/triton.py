@@ -45,6 +45,20 @@ SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=2)
                 for split in (1024, 2048) for w in (4, 8)]
 
 
+# shared memory the pipelined latent blocks may take (stages x BS x (C + R) x bytes; the H200 gives a block 227 KB,
+# the rest goes to the dots' operands): larger latents or fp32 pools halve BS until they fit
+SMEM_BUDGET = 180 * 1024
+
+
+def block_positions(bs: int, stages: int | None, CP: int, RP: int, itemsize: int) -> int:
+    """History positions per block: `bs` halved (not below 16) until `stages` buffered blocks of latent rows (CP +
+    RP padded columns of `itemsize` bytes) fit `SMEM_BUDGET`. LAUNCH's 128 fits k3-small's bf16 pool (2 x 128 x 320 x
+    2 B = 160 KB); an fp32 pool or K3's 512-wide latent needs 64 (a launch at 128 asked for 340 KB: out of resources)."""
+    while bs > 16 and (stages or 3) * bs * (CP + RP) * itemsize > SMEM_BUDGET:
+        bs //= 2
+    return bs
+
+
 def interpreted() -> bool:
     return _interpreted(mla_decode_kernel)
 
@@ -69,10 +83,15 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
     else:
         row0 = j
         cnt = 1
-    f = hb * (G * BH) + tl.arange(0, G * BH)  # flat (row, head) pairs of the group
-    grow = f // H
-    heads = f % H
-    im = grow < cnt
+    if HAS_GRP:
+        f = hb * (G * BH) + tl.arange(0, G * BH)  # flat (row, head) pairs of the group
+        grow = f // H
+        heads = f % H
+        im = grow < cnt
+    else:  # one row: its heads (as before the runs' flat blocks: the decode step's code as timed)
+        grow = tl.zeros([G * BH], tl.int32)
+        heads = hb * BH + tl.arange(0, G * BH)
+        im = heads < H
     rows = tl.where(im, row0 + grow, row0).to(tl.int64)
     h64 = heads.to(tl.int64)
     cc = tl.arange(0, CP)
@@ -189,7 +208,8 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     prec = "ieee" if kv.dtype == torch.float32 or up else "tf32"
     CP, RP = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
     warps = cfg["warps"] or (8 if CP * G >= 512 else 4)
-    meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=cfg["bs"], SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
+    BS = block_positions(cfg["bs"], cfg["stages"], CP, RP, kv.element_size())
+    meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=BS, SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
                 HAS_GRP=groups is not None, num_warps=warps, **pdl(q_lat))
     if cfg["stages"]:
         meta["num_stages"] = cfg["stages"]
