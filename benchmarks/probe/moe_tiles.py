@@ -25,6 +25,16 @@ from k3.ops import moe_decode, moe_tiles  # noqa: E402
 from k3.ops.moe import experts_forward  # noqa: E402
 
 
+def time_setting(run) -> float:
+    """µs per graph replay of run() at the current launch settings (NaN, reported, for one that does not compile)."""
+    try:
+        with torch.no_grad():
+            return median_ms(graphed(run), 10, 100) * 1e3
+    except Exception as e:  # noqa: BLE001 (a setting that does not compile: reported)
+        print(f"   {type(e).__name__}: {str(e)[:100]}")
+        return float("nan")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="moe_tiles.json")
@@ -66,17 +76,12 @@ def main():
         for bm, bn, bk, warps, stages in itertools.product((16, 32), (32, 64, 128), (64, 128), (4,), (2, 3, 4)):
             moe_tiles.LAUNCH.update(bn=bn, bk=bk, warps=warps, stages=stages)
             moe_tiles.TILE_ROWS = ((1 << 30, bm),)
-            try:
-                with torch.no_grad():
-                    us = median_ms(graphed(run), 10, 100) * 1e3
-            except Exception as e:  # noqa: BLE001 (a setting that does not compile: reported)
-                us = float("nan")
-                print(f"   {type(e).__name__}: {str(e)[:100]}")
-            sweep.append(dict(tokens=N, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, us=us))
+            us = time_setting(run)
+            sweep.append(dict(kernel="joint", tokens=N, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, us=us))
         moe_tiles.LAUNCH.clear()
         moe_tiles.LAUNCH.update(default[0])
         moe_tiles.TILE_ROWS = default[1]
-        best = sorted((r for r in sweep if r["tokens"] == N), key=lambda r: r["us"])[:5]
+        best = sorted((r for r in sweep if r["kernel"] == "joint" and r["tokens"] == N), key=lambda r: r["us"])[:5]
         for r in best:
             print(f"sweep tokens {N}: {r}")
     # the down kernel's own settings (gate / up at the defaults): both kernels, timed together
@@ -86,16 +91,11 @@ def main():
         run = lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # noqa: E731
         for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 3, 4)):
             moe_tiles.LAUNCH_DOWN.update(bn=bn, bk=bk, warps=warps, stages=stages)
-            try:
-                with torch.no_grad():
-                    us = median_ms(graphed(run), 10, 100) * 1e3
-            except Exception as e:  # noqa: BLE001 (a setting that does not compile: reported)
-                us = float("nan")
-                print(f"   {type(e).__name__}: {str(e)[:100]}")
+            us = time_setting(run)
             sweep.append(dict(kernel="down", tokens=N, bn=bn, bk=bk, warps=warps, stages=stages, us=us))
         moe_tiles.LAUNCH_DOWN.clear()
         moe_tiles.LAUNCH_DOWN.update(default_down)
-        mine = [r for r in sweep if r.get("kernel") == "down" and r["tokens"] == N]
+        mine = [r for r in sweep if r["kernel"] == "down" and r["tokens"] == N]
         at_default = next(r["us"] for r in mine if all(r[k] == default_down[k] for k in ("bn", "bk", "warps", "stages")))
         for r in sorted(mine, key=lambda r: r["us"])[:5]:
             print(f"down sweep tokens {N} (default {at_default:.1f} us): {r}")

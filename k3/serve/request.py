@@ -161,8 +161,8 @@ class Sequence:
     def output_prompt(self) -> list[int]:
         """The outputs' prompt_token_ids: one list per request, built once (a copy: a caller that edits it does
         not change the engine's prompt). `Engine._finish` builds it while the device computes the step."""
-        if self.prompt_copy is None:
-            self.prompt_copy = self.prompt_ids.tolist()
+        if self.prompt_copy is None:  # a list copy is 10x cheaper than converting the array again
+            self.prompt_copy = list(self._prompt) if self._prompt is not None else self.prompt_ids.tolist()
         return self.prompt_copy
 
     def to_output(self) -> RequestOutput:
