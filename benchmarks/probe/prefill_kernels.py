@@ -1,10 +1,13 @@
 """Launch settings of the two kernels that dominate a one-sequence prefill of k3-small (H 12, K = V 128, bf16,
 8,192 tokens, no autograd) on the GPU: the chunked KDA forward (`chunk_kda_gated_triton`: value-block width of
-the recurrence and sequence splitting, which decide how many programs the 12 heads get) and the prefill short
-conv (`short_conv_step` with `conv_tiles`: channels per program, warps). CUDA events, median of 20 after
-warm-up (the conv in a CUDA graph, tokens per tile too); each variant's output against the default's (relative RMS).
+the recurrence and sequence splitting, which decide how many programs the 12 heads get), the prefill short
+conv (`short_conv_step` with `conv_tiles`: the window-skipping tiles against the former every-tile window loads,
+channels per program, warps, tokens per tile; x a row slice of the model's 64-aligned projection output) and
+SiTU-GLU (the one-division form against the former five-division one, defined here as the baseline, at the
+prefill's routed-expert and shared-expert shapes). CUDA events, median of 20-50 after warm-up (the conv in a CUDA
+graph); each variant's output against the default's (relative RMS).
 
-    python benchmarks/probe/prefill_kernels.py [--parts kda conv] --out prefill_kernels.json
+    python benchmarks/probe/prefill_kernels.py [--parts kda conv situ] --out prefill_kernels.json
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import graphed, median_ms  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import k3.ops.situ.triton as ST  # noqa: E402
 
 import k3.ops.conv as CV  # noqa: E402
 import k3.ops.conv.triton_step as TS  # noqa: E402
@@ -30,11 +37,56 @@ def rel(a, b):
     return ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()).sqrt().item()
 
 
+@triton.jit
+def _situ_five_divisions(g_ptr, u_ptr, o_ptr, M, I, s_g, s_o, beta, linear_beta, BM: tl.constexpr, BI: tl.constexpr):
+    """The baseline: SiTU-GLU as `k3.ops.situ.triton` computed it before the one-division form (three exp, five
+    divisions per element), tiled like `situ_fwd_kernel`."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    r = rows.to(tl.int64)[:, None]
+    g = tl.load(g_ptr + r * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    t1, _ = ST._tanh_sech2(g / beta)
+    sg, _ = ST._sigmoids(g)
+    t2, _ = ST._tanh_sech2(u / linear_beta)
+    o = (beta * t1 * sg) * (linear_beta * t2)
+    tl.store(o_ptr + r * s_o + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def situ_case(M, I, dev, dtype, cuda):
+    """SiTU-GLU of a [M, 2I] gate ‖ up GEMM output: the kernel against the five-division baseline (µs, GB/s)."""
+    gen = torch.Generator(device=dev).manual_seed(M + I)
+    gu = torch.randn(M, 2 * I, device=dev, dtype=dtype, generator=gen) * 4
+    g, u = gu[:, :I], gu[:, I:]
+    BM, BI = ST._blocks(I)
+    out = torch.empty(M, I, device=dev, dtype=dtype)
+
+    def base():
+        _situ_five_divisions[(triton.cdiv(M, BM), triton.cdiv(I, BI))](g, u, out, M, I, gu.stride(0), out.stride(0),
+                                                                       4.0, 25.0, BM=BM, BI=BI,
+                                                                       num_warps=ST.CFG["warps"])
+        return out
+
+    def new():
+        return ST.situ_fwd(g, u, 4.0, 25.0)  # the config's β₁, β₂
+
+    row = dict(M=M, I=I)
+    for name, fn in (("five_divisions", base), ("one_division", new)):
+        ms = median_ms(fn, warmup=3 if cuda else 0, reps=50 if cuda else 1, cuda=cuda)
+        row[name] = dict(us=ms * 1e3, GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9)
+    row["rel_rmse"] = rel(new(), base().clone())
+    print(f"situ [{M}, 2x{I}]: five divisions {row['five_divisions']['us']:7.1f} us "
+          f"({row['five_divisions']['GBps']:5.0f} GB/s), one {row['one_division']['us']:7.1f} us "
+          f"({row['one_division']['GBps']:5.0f} GB/s), rel {row['rel_rmse']:.1e}")
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="prefill_kernels.json")
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--parts", nargs="*", default=["conv"], choices=["kda", "conv"])
+    ap.add_argument("--parts", nargs="*", default=["conv"], choices=["kda", "conv", "situ"])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under Triton's interpreter (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     T, H, K = a.tokens, 12, 128
@@ -65,7 +117,8 @@ def main():
                   f"rel {err:.1e}")
 
     C, P = 3 * H * K, 64
-    x = torch.randn(T, C + 1764, device=dev, dtype=bf, generator=g)[:, :C]  # a row slice, as the model passes it
+    # a row slice of the joined projection's output, whose width the model pads to a multiple of 64 (6,336)
+    x = torch.randn(T, C + 1728, device=dev, dtype=bf, generator=g)[:, :C]
     w = torch.randn(C, 1, 4, device=dev, generator=g)
     pool = torch.randn(P, C, 3, device=dev, dtype=bf, generator=g)
     slots, cu = torch.tensor([5], device=dev), torch.tensor([0, T], dtype=torch.int32, device=dev)
@@ -73,25 +126,27 @@ def main():
     ref = short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=conv_tiles([T], dev), backend="triton")
     old, old_tile = dict(TS.TILES_LAUNCH), CV.CONV_TILE
     try:
-        for bt in (16, 32, 64):  # tokens per tile (the host's tile table and the kernel's BT together)
-            CV.CONV_TILE = TS.CONV_TILE = bt
-            tiles = conv_tiles([T], dev)
-            for bc in (32, 64, 128):
-                for warps in (1, 2, 4, 8):
-                    TS.TILES_LAUNCH.update(bc=bc, warps=warps)
-                    step = lambda: short_conv_step(x, w, pool, slots, cu_seqlens=cu, tiles=tiles,  # noqa: E731
-                                                   backend="triton")
-                    ms = median_ms(graphed(step) if cuda else step, warmup=3 if cuda else 0, reps=50 if cuda else 1,
-                                   cuda=cuda)
-                    err = rel(short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles,
-                                              backend="triton"), ref)
-                    gbs = 2 * T * C * 2 / (ms * 1e-3) / 1e9
-                    res["conv"].append(dict(bt=bt, bc=bc, warps=warps, ms=ms, GBps=gbs, rel_rmse=err))
-                    print(f"conv tiles BT {bt:3d} BC {bc:3d} warps {warps}: {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s  "
-                          f"rel {err:.1e}")
+        for skip in (False, True) if "conv" in a.parts else ():  # False: the former kernel (window loads everywhere)
+            for bt in (16, 32, 64):  # tokens per tile (the host's tile table and the kernel's BT together)
+                CV.CONV_TILE = TS.CONV_TILE = bt
+                tiles = conv_tiles([T], dev)
+                for bc in (64, 128):
+                    for warps in (2, 4):
+                        TS.TILES_LAUNCH.update(bc=bc, warps=warps, skip=skip)
+                        step = lambda: short_conv_step(x, w, pool, slots, cu_seqlens=cu, tiles=tiles,  # noqa: E731
+                                                       backend="triton")
+                        ms = median_ms(graphed(step) if cuda else step, warmup=3 if cuda else 0,
+                                       reps=50 if cuda else 1, cuda=cuda)
+                        err = rel(short_conv_step(x, w, pool0.clone(), slots, cu_seqlens=cu, tiles=tiles,
+                                                  backend="triton"), ref)
+                        gbs = 2 * T * C * 2 / (ms * 1e-3) / 1e9
+                        res["conv"].append(dict(skip=skip, bt=bt, bc=bc, warps=warps, ms=ms, GBps=gbs, rel_rmse=err))
+                        print(f"conv tiles skip {int(skip)} BT {bt:3d} BC {bc:3d} warps {warps}: {ms * 1e3:7.1f} us  "
+                              f"{gbs:6.0f} GB/s  rel {err:.1e}")
     finally:
         TS.TILES_LAUNCH.update(old)
         CV.CONV_TILE = TS.CONV_TILE = old_tile
+    res["situ"] = [situ_case(M, I, dev, bf, cuda) for M, I in ((4 * T, 512), (T, 1024))] if "situ" in a.parts else []
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

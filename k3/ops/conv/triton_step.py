@@ -15,7 +15,9 @@ from .._triton_jit import pdl_sync
 
 # channels per program and warps of `short_conv_tiles_kernel` (`benchmarks/probe/prefill_kernels.py`, H200, 8,192
 # tokens x 4,608 channels bf16: 64 / 2 warps 191 us, 64 / 4 264 us, 128 / 4 226 us, 256 / 4 277 us)
-TILES_LAUNCH = {"bc": 64, "warps": 2}
+# skip: tiles that no tap of which reaches the window skip its loads (False: every tile gathers them, the former
+# kernel, kept for the probe's before/after)
+TILES_LAUNCH = {"bc": 64, "warps": 2, "skip": True}
 
 
 
@@ -46,10 +48,12 @@ def short_conv_step_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, y_ptr, C, sx, s_slot
 
 @triton.jit
 def _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1: tl.constexpr, BT: tl.constexpr,
-               zero_end=0):
+               zero_end=0, WIN: tl.constexpr = True):
     """Tokens t0 .. t0 + BT (below eos) of the sequence starting at bos, channels c, all in parallel: token t's tap
     at distance d reads x[t - d] inside the sequence, else window column W1 - (bos - (t - d)) (window rows `wbase`);
-    y = silu(conv) in fp32. Rows eos .. zero_end (padding after the last sequence) get y = 0."""
+    y = silu(conv) in fp32. Rows eos .. zero_end (padding after the last sequence) get y = 0.
+    WIN=False: the caller knows t0 - W1 >= bos (no tap reaches the window): x loads only, no window gathers (the
+    strided window addresses and their masks cost more instructions per element than the rest of the tile)."""
     t = t0 + tl.arange(0, BT)
     tm = (t < eos)[:, None] & cm[None, :]
     sm = (t < tl.maximum(eos, zero_end))[:, None] & cm[None, :]
@@ -57,16 +61,20 @@ def _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1: tl.co
     a = tl.load(x_ptr + t[:, None] * sx + c[None, :], mask=tm, other=0.0).to(tl.float32) * wl[None, :]
     for d in tl.static_range(1, W1 + 1):
         s = t - d
-        inx = (s >= bos)[:, None]
-        v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm & inx, other=0.0).to(tl.float32) \
-            + tl.load(wbase[None, :] + (W1 + s - bos)[:, None], mask=tm & (s < bos)[:, None], other=0.0).to(tl.float32)
+        if WIN:
+            inx = (s >= bos)[:, None]
+            v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm & inx, other=0.0).to(tl.float32) \
+                + tl.load(wbase[None, :] + (W1 + s - bos)[:, None], mask=tm & (s < bos)[:, None],
+                          other=0.0).to(tl.float32)
+        else:
+            v = tl.load(x_ptr + s[:, None] * sx + c[None, :], mask=tm, other=0.0).to(tl.float32)
         a += v * tl.load(w_ptr + c * (W1 + 1) + (W1 - d), mask=cm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + t[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty), mask=sm)
 
 
 @triton.jit
 def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y_ptr, C, sx, s_slot, NSEQ, N,
-                            W1: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                            W1: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr = True):
     """Program (tile, channel block) of a prefill: tile = (sequence n, first token t0), BT tokens of sequence n, in
     parallel with every other tile (a long prompt is many programs); windows only read (`short_conv_extend_kernel`
     with CONV=False advances them afterwards). The last sequence's tiles also zero the rows after it up to N (a
@@ -78,7 +86,11 @@ def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
     wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1
-    _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT, tl.where(n == NSEQ - 1, N, 0))
+    zero_end = tl.where(n == NSEQ - 1, N, 0)
+    if SKIP and t0 - W1 >= bos:  # every tile but a sequence's first: no tap reaches the window
+        _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT, zero_end, WIN=False)
+    else:
+        _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT, zero_end)
 
 
 @triton.jit
@@ -144,6 +156,7 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                                                                        y, C, x.stride(0), windows.stride(0), n, N,
                                                                        W1=W1,
                                                                        BT=CONV_TILE, BC=bc,
+                                                                       SKIP=TILES_LAUNCH["skip"],
                                                                        num_warps=TILES_LAUNCH["warps"])
     short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),
                                                       W1=W1, WP=WP, BT=CONV_TILE, BC=BC, CONV=tiles is None,
