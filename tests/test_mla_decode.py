@@ -52,25 +52,31 @@ def test_kernel_equals_the_fp64_oracle(H, C, R, page_size, S, dtype, tol):
     torch.testing.assert_close(out[0].double(), row.expand(H, C).to(dtype).double(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("n,NS,H,C", [(3, 3, 12, 256), (2, 8, 5, 40)])
+@pytest.mark.parametrize("n,NS,H,C", [(3, 3, 12, 256), (2, 8, 5, 40), (4, 5, 12, 512)])
 def test_combine_kernel_equals_the_ops(n, NS, H, C, monkeypatch):
     """`mla_combine_kernel` (the interpreter here, CUDA on the GPU) against `combine`'s PyTorch ops on random fp32
     partials, with empty splits (m = -inf, l = 0) among them: within 1e-6, written into a head-major strided
-    output; and through `paged_mla_decode` over three splits against the fp64 oracle."""
+    output. Each row reads only its first ceil(len / split) splits: the later ones hold NaN here (the decode
+    kernel leaves them unwritten). Then through `paged_mla_decode` over three splits against the fp64 oracle."""
     from k3.ops.mla_decode import triton as T
     combine = T.combine
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(n * NS)
+    split = 64
     part = torch.randn(n, NS, H, C, generator=g)
     m = torch.randn(n, NS, H, generator=g) * 3
     l = torch.rand(n, NS, H, generator=g) + 0.5
-    m[:, -1], l[:, -1] = float("-inf"), 0.0  # the last split past every history
-    ref = T.combine(part, m, l, torch.float32)
+    m[:, 1], l[:, 1] = float("-inf"), 0.0  # a split a row's heads have nothing in (masked in every block)
+    lens = torch.tensor([NS * split, (NS - 1) * split + 1, split + 7, 0][:n])  # all, all, 2 splits, none
+    used = torch.arange(NS)[None, :] < (-(-lens // split))[:, None]  # [n, NS]
+    ref = T.combine(part, m.masked_fill(~used[..., None], float("-inf")), l.masked_fill(~used[..., None], 0.0),
+                    torch.float32).nan_to_num(0.0)  # the row with no split: zeros (the ops' 0 / 0 is NaN)
+    part[~used], m[~used], l[~used] = float("nan"), float("nan"), float("nan")
     out = torch.empty(H, n, C, device=dev).transpose(0, 1)
-    bh = min(16, 1 << (H - 1).bit_length())
-    T.mla_combine_kernel[(n, -(-H // bh))](part.to(dev), m.to(dev), l.to(dev), out, H, out.stride(0), out.stride(1),
-                                           NS=NS, C=C, CP=1 << (C - 1).bit_length(), BH=bh)
-    assert rel(out.cpu(), ref) <= 1e-6
+    bh, bc = T.combine_launch(H, C)
+    T.mla_combine_kernel[(n, -(-H // bh), -(-C // bc))](part.to(dev), m.to(dev), l.to(dev), out, lens.to(dev), H, NS,
+                                                         out.stride(0), out.stride(1), C=C, SPLIT=split, BH=bh, BC=bc)
+    assert torch.isfinite(out).all() and rel(out.cpu(), ref) <= 1e-6
     monkeypatch.setattr(T, "COMBINE_KERNEL", True)
     monkeypatch.setattr(T, "combine", None)  # the PyTorch ops must not run
     q_lat, q_pe, kv, pages, lens = case(4, 32, 8, 6144, 3, SPLIT * 2 + 77, seed=2)

@@ -3,8 +3,7 @@
 the recurrence and sequence splitting, which decide how many programs the 12 heads get), the prefill short
 conv (`short_conv_step` with `conv_tiles`: the window-skipping tiles against the former every-tile window loads,
 channels per program, warps, tokens per tile; x a row slice of the model's 64-aligned projection output) and
-SiTU-GLU (the one-division form against the former five-division one, defined here as the baseline, at the
-prefill's routed-expert and shared-expert shapes). CUDA events, median of 20-50 after warm-up (the conv in a CUDA
+SiTU-GLU (elements per program and warps, at the prefill's routed-expert and shared-expert shapes). CUDA events, median of 20-50 after warm-up (the conv in a CUDA
 graph); each variant's output against the default's (relative RMS).
 
     python benchmarks/probe/prefill_kernels.py [--parts kda conv situ] --out prefill_kernels.json
@@ -21,8 +20,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import graphed, median_ms  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 import k3.ops.situ.triton as ST  # noqa: E402
 
@@ -37,49 +34,29 @@ def rel(a, b):
     return ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()).sqrt().item()
 
 
-@triton.jit
-def _situ_five_divisions(g_ptr, u_ptr, o_ptr, M, I, s_g, s_o, beta, linear_beta, BM: tl.constexpr, BI: tl.constexpr):
-    """The baseline: SiTU-GLU as `k3.ops.situ.triton` computed it before the one-division form (three exp, five
-    divisions per element), tiled like `situ_fwd_kernel`."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BI + tl.arange(0, BI)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    r = rows.to(tl.int64)[:, None]
-    g = tl.load(g_ptr + r * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    t1, _ = ST._tanh_sech2(g / beta)
-    sg, _ = ST._sigmoids(g)
-    t2, _ = ST._tanh_sech2(u / linear_beta)
-    o = (beta * t1 * sg) * (linear_beta * t2)
-    tl.store(o_ptr + r * s_o + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
-
-
 def situ_case(M, I, dev, dtype, cuda):
-    """SiTU-GLU of a [M, 2I] gate ‖ up GEMM output: the kernel against the five-division baseline (µs, GB/s)."""
+    """SiTU-GLU of a [M, 2I] gate ‖ up GEMM output (`situ_fwd`) at each (elements per program, warps), the default
+    first (µs, GB/s of g, u read and the output written)."""
     gen = torch.Generator(device=dev).manual_seed(M + I)
     gu = torch.randn(M, 2 * I, device=dev, dtype=dtype, generator=gen) * 4
     g, u = gu[:, :I], gu[:, I:]
-    BM, BI = ST._blocks(I)
-    out = torch.empty(M, I, device=dev, dtype=dtype)
-
-    def base():
-        _situ_five_divisions[(triton.cdiv(M, BM), triton.cdiv(I, BI))](g, u, out, M, I, gu.stride(0), out.stride(0),
-                                                                       4.0, 25.0, BM=BM, BI=BI,
-                                                                       num_warps=ST.CFG["warps"])
-        return out
-
-    def new():
-        return ST.situ_fwd(g, u, 4.0, 25.0)  # the config's β₁, β₂
-
-    row = dict(M=M, I=I)
-    for name, fn in (("five_divisions", base), ("one_division", new)):
-        ms = median_ms(fn, warmup=3 if cuda else 0, reps=50 if cuda else 1, cuda=cuda)
-        row[name] = dict(us=ms * 1e3, GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9)
-    row["rel_rmse"] = rel(new(), base().clone())
-    print(f"situ [{M}, 2x{I}]: five divisions {row['five_divisions']['us']:7.1f} us "
-          f"({row['five_divisions']['GBps']:5.0f} GB/s), one {row['one_division']['us']:7.1f} us "
-          f"({row['one_division']['GBps']:5.0f} GB/s), rel {row['rel_rmse']:.1e}")
-    return row
+    base = ST.situ_fwd(g, u, 4.0, 25.0)  # the config's β₁, β₂
+    old, rows = dict(ST.CFG), []
+    try:
+        for tile, warps in ((old["tile"], old["warps"]), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8),
+                            (8192, 8)):
+            ST.CFG.update(tile=tile, warps=warps)
+            ms = median_ms(lambda: ST.situ_fwd(g, u, 4.0, 25.0), warmup=3 if cuda else 0, reps=50 if cuda else 1,
+                           cuda=cuda)
+            row = dict(M=M, I=I, tile=tile, warps=warps, us=ms * 1e3,
+                       GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9,
+                       rel_rmse=rel(ST.situ_fwd(g, u, 4.0, 25.0), base))
+            rows.append(row)
+            print(f"situ [{M}, 2x{I}] tile {tile:5d} warps {warps}: {row['us']:7.1f} us ({row['GBps']:5.0f} GB/s) "
+                  f"rel {row['rel_rmse']:.1e}")
+    finally:
+        ST.CFG.update(old)
+    return rows
 
 
 def main():
@@ -146,7 +123,8 @@ def main():
     finally:
         TS.TILES_LAUNCH.update(old)
         CV.CONV_TILE = TS.CONV_TILE = old_tile
-    res["situ"] = [situ_case(M, I, dev, bf, cuda) for M, I in ((4 * T, 512), (T, 1024))] if "situ" in a.parts else []
+    res["situ"] = [r for M, I in ((4 * T, 512), (T, 1024)) for r in situ_case(M, I, dev, bf, cuda)] \
+        if "situ" in a.parts else []
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

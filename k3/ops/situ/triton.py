@@ -2,8 +2,7 @@
 
 fp32 math in registers, g, u and the outputs in the input dtype; nothing fp32 is stored. tanh, sech² and
 σ are built from exp(−|x|) ≤ 1 (no overflow at any |x|; the caps saturate exactly), with a short series for
-tanh near 0 so that it keeps its relative accuracy there. The forward value multiplies the three factors as
-fractions and divides once. Works on [M, I] row views of any row stride, so the
+tanh near 0 so that it keeps its relative accuracy there. Works on [M, I] row views of any row stride, so the
 fused variant reads the gate and up halves of one [M, 2I] GEMM output in place.
 """
 
@@ -52,29 +51,12 @@ def _sigmoids(x):
 
 
 @triton.jit
-def _tanh_frac(a):
-    """tanh(a) of fp32 tiles a >= 0 as (numerator, denominator): ((1 − e) / (1 + e) with e = exp(−2a), or the
-    series over 1 below 0.25), so that several such factors share one division."""
-    e = tl.exp(-2.0 * a)
-    a2 = a * a
-    ts = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (-0.05396825396825397
-                                                                                    + a2 * 0.021869488536155203))))
-    small = a < 0.25
-    return tl.where(small, ts, 1.0 - e), tl.where(small, 1.0, 1.0 + e)
-
-
-@triton.jit
 def situ_glu_value(g, u, beta, linear_beta):
-    """β₁·tanh(g/β₁)·σ(g)·β₂·tanh(u/β₂) of fp32 tiles (also the epilogue of the expert and GEMV kernels).
-    The three factors are fractions of exponentials multiplied into one numerator and one denominator (each
-    factor's in [0, 1] and [1, 2]): three exp and one division per element instead of three exp and five
-    divisions; the special-function unit, not HBM, bounded the kernel before."""
-    n1, d1 = _tanh_frac(tl.abs(g) * (1.0 / beta))
-    em = tl.exp(-tl.abs(g))
-    n2, d2 = _tanh_frac(tl.abs(u) * (1.0 / linear_beta))
-    ns = tl.where(g >= 0, 1.0, em)  # σ(g) = ns / (1 + em)
-    mag = (beta * linear_beta) * ((n1 * ns) * n2) / ((d1 * (1.0 + em)) * d2)
-    return tl.where((g < 0) != (u < 0), -mag, mag)
+    """β₁·tanh(g/β₁)·σ(g)·β₂·tanh(u/β₂) of fp32 tiles (also the epilogue of `moe_decode`'s gate/up kernel)."""
+    t1, _ = _tanh_sech2(g / beta)
+    s, _ = _sigmoids(g)
+    t2, _ = _tanh_sech2(u / linear_beta)
+    return (beta * t1 * s) * (linear_beta * t2)
 
 
 @triton.jit
