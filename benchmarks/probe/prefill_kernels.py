@@ -56,6 +56,14 @@ def situ_case(M, I, dev, dtype, cuda):
                   f"rel {row['rel_rmse']:.1e}")
     finally:
         ST.CFG.update(old)
+    # references for the memory system at the default tiles: the same kernel on contiguous copies of g and u, and
+    # PyTorch's g + u on the strided views (the same bytes moved, no special functions)
+    gc, uc = g.contiguous(), u.contiguous()
+    for name, fn in (("situ_contiguous_inputs", lambda: ST.situ_fwd(gc, uc, 4.0, 25.0)),
+                     ("torch_add_strided", lambda: torch.add(g, u))):
+        ms = median_ms(fn, warmup=3 if cuda else 0, reps=50 if cuda else 1, cuda=cuda)
+        rows.append(dict(M=M, I=I, variant=name, us=ms * 1e3, GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9))
+        print(f"situ [{M}, 2x{I}] {name}: {rows[-1]['us']:7.1f} us ({rows[-1]['GBps']:5.0f} GB/s)")
     return rows
 
 
