@@ -121,6 +121,25 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
 
+def _valid_ids(ids, vocab_size: int) -> array | None:
+    """A non-empty list or tuple of integers in [0, vocab_size) as the int64 array `Engine.submit` keeps; None for
+    anything else (`submit`'s own checks then convert it or raise). The fast path of a long prompt: array('Q')
+    converts Python ints 2.7x faster than array('q') (its item setter skips the argument parser: 16K ids 90 against
+    250 µs), and one unsigned max checks both bounds (a negative id is refused by 'Q'). Other iterables take
+    `submit`'s path directly: an iterator cannot be read twice."""
+    if not isinstance(ids, (list, tuple)):
+        return None
+    try:
+        u = array("Q", ids)
+    except Exception:  # whatever it is, `submit`'s path raises it again, with its own message
+        return None
+    if not u or np.frombuffer(u, dtype=np.uint64).max() >= vocab_size:
+        return None
+    q = array("q")
+    q.frombytes(memoryview(u).cast("B"))  # the same bytes: every id is below 2**63
+    return q
+
+
 @functools.cache
 def _unfreeze_at_exit() -> None:
     """Once per process: at exit everything is collectable again (no "leaked" reports from extensions)."""
@@ -196,16 +215,18 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        try:  # integers only (a float or a string is an error, not truncated or parsed), checked in C
-            ids = array("q", prompt_token_ids)
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"prompt token ids must be integers: {e}") from None
         V = self.text_config.vocab_size
-        if not ids:
-            raise ValueError("prompt_token_ids is empty; need at least one token")
-        a = np.frombuffer(ids, dtype=np.int64)
-        if a.min() < 0 or a.max() >= V:
-            raise ValueError(f"prompt token ids must be in [0, {V}), got {a[(a < 0) | (a >= V)][:5].tolist()}")
+        ids = _valid_ids(prompt_token_ids, V)
+        if ids is None:  # not a list / tuple of valid ids: the checks below convert it or say what is wrong
+            try:  # integers only (a float or a string is an error, not truncated or parsed), checked in C
+                ids = array("q", prompt_token_ids)
+            except (TypeError, OverflowError) as e:
+                raise ValueError(f"prompt token ids must be integers: {e}") from None
+            if not ids:
+                raise ValueError("prompt_token_ids is empty; need at least one token")
+            a = np.frombuffer(ids, dtype=np.int64)
+            if a.min() < 0 or a.max() >= V:
+                raise ValueError(f"prompt token ids must be in [0, {V}), got {a[(a < 0) | (a >= V)][:5].tolist()}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
                              f"{self.max_model_len - 1}")

@@ -95,6 +95,7 @@ class PagePool:
         off = _round_up(L.state_bytes, _ALIGN)
         self.conv = (self.storage[:, off:off + L.conv_bytes].view(L.dtype)
                      .view(P, L.num_kda_layers, 3, L.conv_channels, L.conv_width))
+        self.slot_bytes = L.slot_bytes  # `copy_slot` on every admission: the layout computes it (a torch call)
         self.refcount = [0] * P
         self._free = list(range(P - 1, -1, -1))  # pop() hands out low ids first
 
@@ -146,7 +147,7 @@ class PagePool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy only the KDA slot bytes of a page (cheaper than a whole page when MLA pages are larger)."""
-        n = self.layout.slot_bytes
+        n = self.slot_bytes
         self.storage[dst, :n].copy_(self.storage[src, :n])
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:

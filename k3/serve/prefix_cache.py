@@ -58,6 +58,45 @@ def extend_hashes(hashes: list[bytes], tokens, block: int) -> None:
         hashes.append(chain_hash(hashes[-1] if hashes else ROOT, get(a, b) if get is not None else tokens[a:b]))
 
 
+class RecentPrompts:
+    """The fine keys of the prompts hashed last (`size` of them, LRU), by the tokens of their first block. A prompt
+    that starts like a recent one takes the keys of the leading blocks the two share, found by comparing their
+    int64 bytes (exact: equal tokens, equal keys; `bytes.startswith` is a memcmp), and hashes only the rest: a
+    16K-token prefix hit compares 128 KB (a few µs) instead of hashing 32 blocks (≈ 120 µs right after a forward).
+    Holds a copy of each prompt's full blocks (at most `size` prompts)."""
+
+    def __init__(self, block: int, size: int = 32):
+        self.h, self.size = block, size
+        self.keys: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()  # block 0 -> (full blocks, keys)
+
+    def extend(self, hashes: list[bytes], seq) -> None:
+        """`extend_hashes(hashes, seq, block)` for a `Sequence`; its first call reuses a recent prompt's keys."""
+        h, ids = self.h, seq.prompt_ids
+        n = len(ids) // h  # full blocks inside the prompt
+        if hashes or not n:
+            return extend_hashes(hashes, seq, h)
+        w = 8 * h  # bytes per block
+        cur = memoryview(ids).cast("B")[:n * w]
+        first = cur[:w].tobytes()
+        prev = self.keys.pop(first, None)
+        same = 0
+        if prev is not None:  # the most leading blocks both have (block 0 at least: the key)
+            lo, hi = 1, min(n, len(prev[1]))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if prev[0].startswith(cur[:mid * w]) else (lo, mid - 1)
+            same = lo
+            hashes += prev[1][:same]
+        extend_hashes(hashes, seq, h)
+        # keep the recent prompt if it has every block of this one, else this one replaces it
+        self.keys[first] = prev if same == n else (cur.tobytes(), hashes[:n])
+        if len(self.keys) > self.size:
+            self.keys.popitem(last=False)
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
 @dataclass
 class Hit:
     num_tokens: int = 0                 # L: prompt tokens served from the cache
@@ -80,6 +119,7 @@ class PrefixCache:
         self.ckpt_key: dict[int, bytes] = {}          # checkpoint page -> key
         self.lru: OrderedDict[int, None] = OrderedDict()  # pages the cache holds a reference to
         self.host = HostTier(pool, host_bytes) if host_bytes > 0 else None
+        self.recent = RecentPrompts(hash_block_size)
         self.evictions = 0
 
     # ---- queries -----------------------------------------------------------------------------
@@ -223,6 +263,7 @@ class PrefixCache:
             del self.page_keys[p], self.lru[p]
             self.pool.decref(p)
         self.mla.clear()
+        self.recent.clear()
         if self.host is not None:
             self.host.clear()
 

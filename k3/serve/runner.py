@@ -73,6 +73,7 @@ class _Graph:
     def _capture(self, runner: "ModelRunner", mempool) -> None:
         self.runner, self.graph = runner, None
         self.host_np = self.host.numpy()  # the pinned buffer as NumPy (same memory): `fill` writes through it
+        self.host_f = self.fields(self.host_np)  # its fields as views, built once (≈ 20 µs a step after a forward)
         self.fill([], runner.scratch)
         self.buf.copy_(self.host)
         if runner.device.type != "cuda":  # nothing to capture: `__call__` runs the same work eagerly (CPU tests)
@@ -150,7 +151,7 @@ class DecodeGraph(_Graph):
         """Write the step's inputs into the pinned host buffer; entries past len(seqs) are padding that reads
         and writes only the scratch slot and page."""
         n = len(seqs)
-        f = self.fields(self.host_np)  # NumPy: a few µs per step where torch ops on small tensors took ≈ 10 each
+        f = self.host_f  # NumPy: a few µs per step where torch ops on small tensors took ≈ 10 each
         h = self.host_np[:4 * self.batch_size].reshape(4, self.batch_size)
         h[:, n:] = np.array([[0], [-1], [0], [scratch[0]]])
         f["table"][n:] = scratch[1]
@@ -175,6 +176,7 @@ class ExtendGraph(_Graph):
     def __init__(self, runner: "ModelRunner", tokens: int, seqs: int, history: int, mempool):
         ps = runner.pool.layout.block_size
         self.tokens, self.seqs, self.history, self.pages = tokens, seqs, history, -(-history // ps)
+        self._pad_for, self._arange = None, np.arange(max(tokens, seqs))  # `_padding`'s scratch pages; 0, 1, 2, …
         N, n = tokens, seqs
         self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * self.pages, dtype=torch.long,
                                 pin_memory=runner.device.type == "cuda")
@@ -192,28 +194,39 @@ class ExtendGraph(_Graph):
         return PackedBatch.for_extend(f["pos"], f["tdoc"], f["cu"], f["slots"], f["table"], self.history,
                                       self.runner.pool.layout.block_size)
 
+    def _padding(self, scratch: tuple[int, int]) -> np.ndarray:
+        """The buffer of an empty batch (every token and sequence padding), built once: `fill` starts from a copy."""
+        if self._pad_for != scratch:
+            pad = np.empty_like(self.host_np)
+            f = self.fields(pad)
+            f["ids"][:], f["src"][:], f["pos"][:], f["tdoc"][:], f["cu"][:] = 0, -1, 0, self.seqs, 0
+            f["slots"][:], f["table"][:] = scratch
+            self._pad, self._pad_for = pad, scratch
+        return self._pad
+
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
-        f = self.fields(self.host_np)  # NumPy views of the pinned buffer (small torch ops cost ≈ 10 µs each)
-        ids, src, pos, tdoc, cu = f["ids"], f["src"], f["pos"], f["tdoc"], f["cu"]
-        k = len(seqs)
-        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, count=k)
-        m = int(lens.sum())
-        cu[0] = 0
-        np.cumsum(lens, out=cu[1:k + 1])
-        cu[k + 1:] = m
-        ids[m:], src[:], pos[m:], tdoc[m:] = 0, -1, 0, self.seqs
-        f["slots"][k:], f["table"][k:] = scratch[0], scratch[1]
-        if k:
-            ids[:m] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in seqs), np.int64, count=m)
-            td = np.repeat(np.arange(k), lens)
-            tdoc[:m] = td
-            starts = np.fromiter((s.start for s in seqs), np.int64, count=k)
-            pos[:m] = np.arange(m) - cu[td] + starts[td]
-            for j, s in enumerate(seqs):
-                if s.src >= 0:  # a decode fed from the device: its token is the previous step's sample
-                    src[cu[j]] = s.src
-            f["slots"][:k] = [s.state_page for s in seqs]
-            _page_rows(f["table"], seqs, scratch[1])
+        """One copy of the padding, then the sequences' entries. Each NumPy operation costs ≈ 10 µs right after a
+        forward (cold caches), so few of them: 11 for one sequence (a prefix hit's tail) where there were ≈ 35."""
+        self.host_np[:] = self._padding(scratch)
+        if not seqs:
+            return
+        f, ar = self.host_f, self._arange
+        lens = [len(s.tokens) for s in seqs]
+        ends = list(itertools.accumulate(lens))
+        k, m = len(seqs), ends[-1]
+        f["cu"][1:k + 1], f["cu"][k + 1:] = ends, m
+        f["ids"][:m] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in seqs), np.int64, count=m)
+        f["tdoc"][:m] = np.repeat(ar[:k], lens)
+        # position of token i of sequence j: start_j + i - cu_j
+        np.add(ar[:m], np.repeat([s.start + n - e for s, n, e in zip(seqs, lens, ends)], lens), out=f["pos"][:m])
+        for s, n, e in zip(seqs, lens, ends):
+            if s.src >= 0:  # a decode fed from the device: its token is the previous step's sample
+                f["src"][e - n] = s.src
+        f["slots"][:k] = [s.state_page for s in seqs]
+        table, width = f["table"], self.pages  # padding rows and columns are the scratch page already
+        for j, s in enumerate(seqs):
+            row = s.mla_pages[:width]
+            table[j, :len(row)] = row
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         want = [j for j, s in enumerate(seqs) if s.want_logits]
@@ -249,7 +262,7 @@ class PrefillGraph(_Graph):
                                        self.runner.scratch[1])
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
-        f = self.fields(self.host_np)  # NumPy views of the pinned buffer
+        f = self.host_f  # NumPy views of the pinned buffer
         s = seqs[0] if seqs else SeqInput(tokens=[], start=0, state_page=scratch[0], mla_pages=[], want_logits=True)
         m, c = len(s.tokens), list(s.checkpoints)
         f["ids"][m:], f["start"][0], f["length"][0], f["slot"][0] = 0, s.start, m, s.state_page

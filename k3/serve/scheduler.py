@@ -22,7 +22,7 @@ from typing import Callable
 
 from ..ops.kda import STATES_AT_MULTIPLE
 from .pool import PagePool
-from .prefix_cache import Hit, PrefixCache, extend_hashes
+from .prefix_cache import Hit, PrefixCache
 from .request import Sequence
 
 
@@ -95,7 +95,7 @@ class Scheduler:
     def _lookup(self, seq: Sequence) -> Hit:
         if self.cache is None:
             return Hit()
-        extend_hashes(seq.hashes, seq, self.h)
+        self.cache.recent.extend(seq.hashes, seq)
         return self.cache.lookup(seq.hashes, seq.num_tokens)
 
     def _restore(self, seq: Sequence) -> bool:
@@ -187,7 +187,7 @@ class Scheduler:
         several times, or an RL group) instead of recomputing the same prefix in parallel."""
         if not pending or seq.preempted:
             return False
-        extend_hashes(seq.hashes, seq, self.h)
+        self.cache.recent.extend(seq.hashes, seq)
         for j in range(min(len(seq.hashes), (seq.num_tokens - 1) // self.h), 0, -1):
             if seq.hashes[j - 1] in pending:
                 return j * self.h > self._lookup(seq).num_tokens
@@ -205,8 +205,8 @@ class Scheduler:
                     break
         if not cands:
             return None
-        head = best = cands[0]
-        if affinity and not head.preempted and self._head_skips < self.window:
+        head = best = cands[0]  # (a lone candidate: nothing to compare, its lookup is its admission's)
+        if affinity and len(cands) > 1 and not head.preempted and self._head_skips < self.window:
             best_hit = self._lookup(head).num_tokens
             for seq in cands[1:]:
                 if seq.preempted:
@@ -432,7 +432,7 @@ class Scheduler:
     def on_token(self, seq: Sequence) -> None:
         """A token was appended to seq: hash the fine block it completed, if any."""
         if self.cache is not None and seq.num_tokens % self.h == 0:
-            extend_hashes(seq.hashes, seq, self.h)
+            self.cache.recent.extend(seq.hashes, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted), releasing its pages."""
