@@ -67,12 +67,15 @@ def test_submit_converts_and_rejects_ids_as_before():
         assert outcome(new) == want, make()
 
 
-def test_recent_prompts_give_the_keys_of_hashing_every_block():
+@pytest.mark.parametrize("max_bytes", [64 << 20, 8 * 40], ids=["by-count", "by-bytes"])
+def test_recent_prompts_give_the_keys_of_hashing_every_block(max_bytes):
+    """Reused keys equal hashing every block, with entries evicted by count (3) or by bytes (40 tokens: a
+    60-token prompt's blocks are not kept at all)."""
     rng = random.Random(1)
     H = 4
     bases = [[rng.randrange(50) for _ in range(60)] for _ in range(4)]
     bases.append(bases[0][:H] + [rng.randrange(50) for _ in range(56)])  # block 0 shared, then different
-    recent = RecentPrompts(H, size=3)  # small: entries get evicted
+    recent = RecentPrompts(H, size=3, max_bytes=max_bytes)  # small: entries get evicted
     for i in range(400):
         base = rng.choice(bases)
         p = base[:rng.randrange(0, 61)] + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
@@ -91,7 +94,7 @@ def test_recent_prompts_give_the_keys_of_hashing_every_block():
             recent.extend(seq.hashes, seq)
         extend_hashes(want, p + seq.output, H)
         assert seq.hashes == want
-        assert len(recent.keys) <= 3
+        assert len(recent.keys) <= 3 and recent.bytes == sum(len(b) for b, _ in recent.keys.values()) <= max_bytes
 
 
 def test_recent_prompts_hash_only_the_blocks_not_shared(monkeypatch):

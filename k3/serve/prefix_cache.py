@@ -63,11 +63,13 @@ class RecentPrompts:
     that starts like a recent one takes the keys of the leading blocks the two share, found by comparing their
     int64 bytes (exact: equal tokens, equal keys; `bytes.startswith` is a memcmp), and hashes only the rest: a
     16K-token prefix hit compares 128 KB (a few µs) instead of hashing 32 blocks (≈ 120 µs right after a forward).
-    Holds a copy of each prompt's full blocks (at most `size` prompts)."""
+    Holds a copy of each prompt's full blocks: at most `size` prompts and `max_bytes` of tokens (8 per token; the
+    oldest go first), so a few 1M-token prompts do not pin hundreds of MB of host memory."""
 
-    def __init__(self, block: int, size: int = 32):
-        self.h, self.size = block, size
+    def __init__(self, block: int, size: int = 32, max_bytes: int = 64 << 20):
+        self.h, self.size, self.max_bytes = block, size, max_bytes
         self.keys: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()  # block 0 -> (full blocks, keys)
+        self.bytes = 0  # sum of the held prompts' full-block bytes
 
     def extend(self, hashes: list[bytes], seq) -> None:
         """`extend_hashes(hashes, seq, block)` for a `Sequence`; its first call reuses a recent prompt's keys."""
@@ -79,6 +81,8 @@ class RecentPrompts:
         cur = memoryview(ids).cast("B")[:n * w]
         first = cur[:w].tobytes()
         prev = self.keys.pop(first, None)
+        if prev is not None:
+            self.bytes -= len(prev[0])
         same = 0
         if prev is not None:  # the most leading blocks both have (block 0 at least: the key)
             lo, hi = 1, min(n, len(prev[1]))
@@ -89,12 +93,16 @@ class RecentPrompts:
             hashes += prev[1][:same]
         extend_hashes(hashes, seq, h)
         # keep the recent prompt if it has every block of this one, else this one replaces it
-        self.keys[first] = prev if same == n else (cur.tobytes(), hashes[:n])
-        if len(self.keys) > self.size:
-            self.keys.popitem(last=False)
+        kept = prev if same == n else (cur.tobytes(), hashes[:n])
+        if len(kept[0]) <= self.max_bytes:
+            self.keys[first] = kept
+            self.bytes += len(kept[0])
+        while len(self.keys) > self.size or self.bytes > self.max_bytes:
+            self.bytes -= len(self.keys.popitem(last=False)[1][0])
 
     def clear(self) -> None:
         self.keys.clear()
+        self.bytes = 0
 
 
 @dataclass
