@@ -12,25 +12,12 @@ import torch
 
 from conftest import make_tiny
 from k3.serve import Engine, EngineConfig, SamplingParams
+from k3.serve.engine import _checked_ids
 from k3.serve.prefix_cache import RecentPrompts, extend_hashes
 from k3.serve.request import Sequence
 from k3.serve.runner import ExtendGraph, SeqInput, _page_rows
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
-
-
-def reference_ids(ids, V: int) -> array:
-    """`Engine.submit`'s conversion and checks before the fast path (ValueError with the same messages)."""
-    try:
-        a = array("q", ids)
-    except (TypeError, OverflowError) as e:
-        raise ValueError(f"prompt token ids must be integers: {e}") from None
-    if not a:
-        raise ValueError("prompt_token_ids is empty; need at least one token")
-    x = np.frombuffer(a, dtype=np.int64)
-    if x.min() < 0 or x.max() >= V:
-        raise ValueError(f"prompt token ids must be in [0, {V}), got {x[(x < 0) | (x >= V)][:5].tolist()}")
-    return a
 
 
 def outcome(fn):
@@ -56,7 +43,7 @@ def test_submit_converts_and_rejects_ids_as_before():
     # each case fresh for both paths (an iterator is read once: it takes the old path)
     makers = [lambda c=c: c for c in cases] + [lambda c=c: iter(c) for c in cases if isinstance(c, list)]
     for make in makers:
-        want = outcome(lambda: reference_ids(make(), V).tolist())
+        want = outcome(lambda: _checked_ids(make(), V).tolist())
 
         def new():
             rid = eng.submit(make(), ONE)

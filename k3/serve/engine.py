@@ -140,6 +140,22 @@ def _valid_ids(ids, vocab_size: int) -> array | None:
     return q
 
 
+def _checked_ids(ids, vocab_size: int) -> array:
+    """Any iterable of integers in [0, vocab_size) as an int64 array, else ValueError naming what is wrong: the
+    general path of `Engine.submit` (and the oracle of `_valid_ids`)."""
+    try:  # integers only (a float or a string is an error, not truncated or parsed), checked in C
+        a = array("q", ids)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"prompt token ids must be integers: {e}") from None
+    if not a:
+        raise ValueError("prompt_token_ids is empty; need at least one token")
+    x = np.frombuffer(a, dtype=np.int64)
+    if x.min() < 0 or x.max() >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
+                         f"{x[(x < 0) | (x >= vocab_size)][:5].tolist()}")
+    return a
+
+
 @functools.cache
 def _unfreeze_at_exit() -> None:
     """Once per process: at exit everything is collectable again (no "leaked" reports from extensions)."""
@@ -217,16 +233,8 @@ class Engine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         V = self.text_config.vocab_size
         ids = _valid_ids(prompt_token_ids, V)
-        if ids is None:  # not a list / tuple of valid ids: the checks below convert it or say what is wrong
-            try:  # integers only (a float or a string is an error, not truncated or parsed), checked in C
-                ids = array("q", prompt_token_ids)
-            except (TypeError, OverflowError) as e:
-                raise ValueError(f"prompt token ids must be integers: {e}") from None
-            if not ids:
-                raise ValueError("prompt_token_ids is empty; need at least one token")
-            a = np.frombuffer(ids, dtype=np.int64)
-            if a.min() < 0 or a.max() >= V:
-                raise ValueError(f"prompt token ids must be in [0, {V}), got {a[(a < 0) | (a >= V)][:5].tolist()}")
+        if ids is None:  # not a list / tuple of valid ids: the general path converts it or says what is wrong
+            ids = _checked_ids(prompt_token_ids, V)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
                              f"{self.max_model_len - 1}")
