@@ -3,9 +3,12 @@ against the sorted-rows pipeline (counting sort, dispatch, grouped GEMMs, SiTU-G
 (32 experts, I 512, latent 768, top 4, bf16, gate ‖ up fused), each captured in a CUDA graph as the engine runs
 it: µs per replay (median of 200), the experts' weight bytes as a bandwidth, then a sweep of the tile kernels'
 launch settings at 64 and 256 tokens (`--sweep joint`: both kernels' shared settings and rows per tile; `down`,
-the default: the down kernel's own).
+the default: the down kernel's own). `--tokens 2048 8192` with `--prefill-rows 64 128`: prefill sizes (8,192 to 32,768
+entries, past `MAX_ENTRIES`, lifted here), where the tiles' fused SiTU-GLU epilogue would save the grouped path's
+separate SiTU pass, at each of those rows per tile (the first is the default's).
 
-    python benchmarks/probe/moe_tiles.py [--sweep joint down] --out moe_tiles.json
+    python benchmarks/probe/moe_tiles.py [--tokens N ...] [--sweep joint down] [--prefill-rows 64 128] \
+        --out moe_tiles.json
 """
 
 from __future__ import annotations
@@ -40,15 +43,20 @@ def main():
     ap.add_argument("--out", default="moe_tiles.json")
     ap.add_argument("--sweep", nargs="*", default=["down"], choices=["joint", "down"],
                     help="launch sweeps: both kernels' shared settings and tile rows, or the down kernel's own")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[16, 32, 64, 128, 256, 512, 1024])
+    ap.add_argument("--prefill-rows", type=int, nargs="*", default=[],
+                    help="rows per tile to time at the token counts past MAX_ENTRIES / top-k (each a tiles row)")
     a = ap.parse_args()
     E, I, L, K = 32, 512, 768, 4
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * I, L, device="cuda", generator=gen).bfloat16() * L ** -0.5
     w2 = torch.randn(E, L, I, device="cuda", generator=gen).bfloat16() * I ** -0.5
     moe_decode.MAX_ENTRIES = 0
+    limit = moe_tiles.MAX_ENTRIES
+    moe_tiles.MAX_ENTRIES = 1 << 30  # the tiles at every size asked for (the engine stops at `limit`)
     rows, sweep = [], []
     inputs = {}
-    for N in (16, 32, 64, 128, 256, 512, 1024):
+    for N in a.tokens:
         idx = torch.rand(N, E, device="cuda", generator=gen).topk(K, dim=-1).indices
         x = torch.randn(N, L, device="cuda", generator=gen).bfloat16()
         w = torch.rand(N, K, device="cuda", generator=gen)
@@ -69,8 +77,16 @@ def main():
         print(f"tokens {N:5d} ({used:2d} experts, {gb * 1e3:5.1f} MB): tiles {res['tiles'][0]:6.1f} us "
               f"({gb / res['tiles'][0] * 1e6 / 1e3:5.2f} TB/s), grouped {res['grouped'][0]:6.1f} us, "
               f"{res['grouped'][0] / res['tiles'][0]:.2f}x, rel {rel:.1e}", flush=True)
+        if N * K > limit:  # a prefill's size: the tiles at other rows per tile
+            default_rows = moe_tiles.TILE_ROWS
+            for bm in a.prefill_rows:
+                moe_tiles.TILE_ROWS = ((1 << 30, bm),)
+                us = time_setting(run)
+                sweep.append(dict(kernel="prefill_rows", tokens=N, bm=bm, us=us, grouped_us=res["grouped"][0]))
+                print(f"   tiles of {bm} rows: {us:7.1f} us ({res['grouped'][0] / us:.2f}x the grouped path)")
+            moe_tiles.TILE_ROWS = default_rows
     default = (dict(moe_tiles.LAUNCH), moe_tiles.TILE_ROWS)
-    for N in (64, 256) if "joint" in a.sweep else ():
+    for N in [n for n in (64, 256) if n in inputs] if "joint" in a.sweep else ():
         x, idx, w = inputs[N]
         run = lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # noqa: E731
         for bm, bn, bk, warps, stages in itertools.product((16, 32), (32, 64, 128), (64, 128), (4,), (2, 3, 4)):
@@ -86,7 +102,7 @@ def main():
             print(f"sweep tokens {N}: {r}")
     # the down kernel's own settings (gate / up at the defaults): both kernels, timed together
     default_down = dict(moe_tiles.LAUNCH_DOWN)
-    for N in (64, 256) if "down" in a.sweep else ():
+    for N in [n for n in (64, 256) if n in inputs] if "down" in a.sweep else ():
         x, idx, w = inputs[N]
         run = lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # noqa: E731
         for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 3, 4)):
@@ -99,6 +115,7 @@ def main():
         at_default = next(r["us"] for r in mine if all(r[k] == default_down[k] for k in ("bn", "bk", "warps", "stages")))
         for r in sorted(mine, key=lambda r: r["us"])[:5]:
             print(f"down sweep tokens {N} (default {at_default:.1f} us): {r}")
+    moe_tiles.MAX_ENTRIES = limit
     Path(a.out).write_text(json.dumps(dict(rows=rows, sweep=sweep), indent=1))
 
 
