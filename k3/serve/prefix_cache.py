@@ -81,10 +81,9 @@ class RecentPrompts:
         cur = memoryview(ids).cast("B")[:n * w]
         first = cur[:w].tobytes()
         prev = self.keys.pop(first, None)
-        if prev is not None:
-            self.bytes -= len(prev[0])
         same = 0
         if prev is not None:  # the most leading blocks both have (block 0 at least: the key)
+            self.bytes -= len(prev[0])
             lo, hi = 1, min(n, len(prev[1]))
             while lo < hi:
                 mid = (lo + hi + 1) // 2

@@ -116,13 +116,15 @@ class _Graph:
         return self.select(seqs)
 
 
-def _page_rows(table: np.ndarray, seqs: list[SeqInput], pad: int) -> None:
-    """Rows [0, len(seqs)) of `table` [*, width]: each sequence's MLA page table, padded (or cut) with page `pad`."""
+def _page_rows(table: np.ndarray, seqs: list[SeqInput], pad: int | None) -> None:
+    """Rows [0, len(seqs)) of `table` [*, width]: each sequence's MLA page table, padded (or cut) with page `pad`
+    (None: the rows already hold the padding)."""
     width = table.shape[1]
     for j, s in enumerate(seqs):
         row = s.mla_pages[:width]
         table[j, :len(row)] = row
-        table[j, len(row):] = pad
+        if pad is not None:
+            table[j, len(row):] = pad
 
 
 class DecodeGraph(_Graph):
@@ -176,7 +178,8 @@ class ExtendGraph(_Graph):
     def __init__(self, runner: "ModelRunner", tokens: int, seqs: int, history: int, mempool):
         ps = runner.pool.layout.block_size
         self.tokens, self.seqs, self.history, self.pages = tokens, seqs, history, -(-history // ps)
-        self._pad_for, self._arange = None, np.arange(max(tokens, seqs))  # `_padding`'s scratch pages; 0, 1, 2, …
+        # `_padding`'s buffer and the scratch pages it was built for; 0, 1, 2, …
+        self._pad, self._pad_for, self._arange = None, None, np.arange(max(tokens, seqs))
         N, n = tokens, seqs
         self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * self.pages, dtype=torch.long,
                                 pin_memory=runner.device.type == "cuda")
@@ -223,10 +226,7 @@ class ExtendGraph(_Graph):
             if s.src >= 0:  # a decode fed from the device: its token is the previous step's sample
                 f["src"][e - n] = s.src
         f["slots"][:k] = [s.state_page for s in seqs]
-        table, width = f["table"], self.pages  # padding rows and columns are the scratch page already
-        for j, s in enumerate(seqs):
-            row = s.mla_pages[:width]
-            table[j, :len(row)] = row
+        _page_rows(f["table"], seqs, None)  # padding rows and columns are the scratch page already
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         want = [j for j, s in enumerate(seqs) if s.want_logits]
