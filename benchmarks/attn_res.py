@@ -79,7 +79,7 @@ def sweep(N, src, query, norm_w, dh, unit, warmup, reps):
     from k3.ops.attn_res import triton as AT
     flat = [s.detach() for s in src]
     w = fold_query(query.detach(), norm_w.detach(), torch.float32)
-    base_f = AT.attn_res_fwd_triton(flat, w, EPS)
+    base_f = AT.attn_res_fwd_triton(flat, w, EPS, **AT.LAUNCH["fwd"])  # the block kernel
     base_b = AT.attn_res_bwd_triton(flat, w, *base_f[1:], dh, [True] * N, True)
     base_b = [*base_b[0], base_b[1]]
     out = []
@@ -96,20 +96,30 @@ def sweep(N, src, query, norm_w, dh, unit, warmup, reps):
                                                             **cfg)
                 got, ref = fn(), base_b
                 got = [*got[0], got[1]]
-            err = max(rel_rmse(r, g) for r, g in zip(ref, got))
-            ms = median_ms(fn, warmup, reps)
-            r = dict(kind=kind, N=N, setting=setting, ms=ms, gbps=moved / ms / 1e6, err_vs_default=err)
-            out.append(r)
-            bad = "  MISMATCH" if err > 1e-2 else ""
-            print(f"{N:>3} {kind:<4} {str(setting):<41} {ms:8.3f} {r['gbps']:7.0f} {err:9.1e}{bad}", flush=True)
+            out.append(_time_setting(kind, N, setting, fn, got, ref, moved, warmup, reps))
+    moved = (N + 1) * unit  # the one-pass forward (whole rows, online softmax), against the block kernel's outputs
+    default = tuple(AT.LAUNCH_STREAM[k] for k in AT.STREAM_SETTINGS)
+    for setting in dict.fromkeys([default, *AT.SWEEP_STREAM]):
+        fn = lambda setting=setting: AT.attn_res_fwd_triton(  # noqa: E731
+            flat, w, EPS, stream=dict(zip(AT.STREAM_SETTINGS, setting)))
+        out.append(_time_setting("stream", N, setting, fn, fn(), base_f, moved, warmup, reps))
     return out
+
+
+def _time_setting(kind, N, setting, fn, got, ref, moved, warmup, reps):
+    err = max(rel_rmse(r, g) for r, g in zip(ref, got))
+    ms = median_ms(fn, warmup, reps)
+    r = dict(kind=kind, N=N, setting=setting, ms=ms, gbps=moved / ms / 1e6, err_vs_default=err)
+    bad = "  MISMATCH" if err > 1e-2 else ""
+    print(f"{N:>3} {kind:<6} {str(setting):<41} {ms:8.3f} {r['gbps']:7.0f} {err:9.1e}{bad}", flush=True)
+    return r
 
 
 def report_sweep(rows):
     """Best setting per kernel and N, and the LAUNCH table of the least total time over every N."""
     from k3.ops.attn_res import triton as AT
     launch = {}
-    for kind in ("fwd", "bwd"):
+    for kind in ("fwd", "bwd", "stream"):
         mine = [r for r in rows if r["kind"] == kind and r["err_vs_default"] <= 1e-2]
         for N in sorted({r["N"] for r in mine}):
             best = min((r for r in mine if r["N"] == N), key=lambda r: r["ms"])
@@ -119,57 +129,83 @@ def report_sweep(rows):
         for r in mine:
             total.setdefault(r["setting"], {})[r["N"]] = r["ms"]
         full = {s: sum(v.values()) for s, v in total.items() if set(v) == Ns}
-        launch[kind] = dict(zip(AT.SETTINGS, min(full, key=full.get)))
+        keys = AT.STREAM_SETTINGS if kind == "stream" else AT.SETTINGS
+        launch[kind] = dict(zip(keys, min(full, key=full.get)))
     print("LAUNCH = {")
     for kind, cfg in launch.items():
         print(f'    "{kind}": dict(' + ", ".join(f"{k}={v}" for k, v in cfg.items()) + "),")
     print("}")
 
 
-def regs(dtypes, NPs=(2, 4, 8, 16)):
-    """Compile both kernels for sm_90a at every LAUNCH / SWEEP setting with the installed Triton (no GPU needed;
-    ptxas -v, as scripts/kda_regs.py) and print registers, spill bytes and shared memory; True if none spills."""
+def _ptxas(ptxas, ptx):
+    """(registers, (spill store bytes, spill load bytes)) of one kernel's PTX by `ptxas -v` for sm_90a."""
     import re
     import subprocess
     import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(ptx)
+    txt = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    os.unlink(fh.name)
+    nreg = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    return (nreg.group(1) if nreg else "?"), ((int(spill.group(1)), int(spill.group(2))) if spill else None)
 
+
+def regs(dtypes, NPs=(2, 4, 8, 16)):
+    """Compile both kernels for sm_90a at every LAUNCH / SWEEP setting with the installed Triton (no GPU needed;
+    ptxas -v, as scripts/kda_regs.py) and print registers, spill bytes and shared memory; True if none spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from k3.ops.attn_res import triton as AT
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     fp = {n: "*fp32" for n in ("w_ptr", "alpha_ptr", "rstd_ptr", "s_ptr", "c_ptr", "e_ptr", "dwp_ptr")}
     clean = True
     print(f"triton {triton.__version__}, sm_90a")
     for kind, fn in (("fwd", AT.attn_res_fwd_kernel), ("bwd", AT.attn_res_bwd_kernel)):
         default = tuple(AT.LAUNCH[kind][k] for k in AT.SETTINGS)
         for dt in dtypes:
-            types = dict(fp, src_tab="*i64", dv_tab="*i64", h_ptr="*" + dt, dh_ptr="*" + dt, eps="fp32")
+            types = dict(fp, src_tab="*i64", dv_tab="*i64", h_ptr="*" + dt, dh_ptr="*" + dt, eps="fp32",
+                         q_ptr="*fp32", nw_ptr="*fp32", out_eps="fp32")
             for NP in NPs:
                 for setting in dict.fromkeys([default, *AT.SWEEP[kind]]):
                     BR, BD, W, S, U = setting
                     consts = dict(BR=BR, BD=BD, NP=NP, STAGES=S, UNROLL=U)
-                    if kind == "bwd":
-                        consts["HAS_DW"] = True
+                    consts.update(HAS_DW=True) if kind == "bwd" else consts.update(NORM=True, FOLD=True)
                     names = fn.arg_names
                     sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
                     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
                              if a == "D" or a.endswith(("_ptr", "_tab"))}
                     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W))
-                    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-                        fh.write(k.asm["ptx"])
-                    txt = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
-                                         capture_output=True, text=True).stderr
-                    os.unlink(fh.name)
-                    nreg = re.search(r"Used (\d+) registers", txt)
-                    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
-                    spill = (int(spill.group(1)), int(spill.group(2))) if spill else None
+                    nreg, spill = _ptxas(ptxas, k.asm["ptx"])
                     clean &= spill == (0, 0)
                     mark = " (LAUNCH)" if setting == default else ""
-                    print(f"{kind} {dt:<4} NP={NP:<2} {str(setting):<21} regs={nreg.group(1) if nreg else '?':>3} "
+                    print(f"{kind} {dt:<4} NP={NP:<2} {str(setting):<21} regs={nreg:>3} "
                           f"spill={spill} smem={k.metadata.shared}{mark}", flush=True)
+    fn = AT.attn_res_stream_kernel  # the one-pass forward at D = 1536 (2048 columns) and 7168 (8192), worst flags
+    default = tuple(AT.LAUNCH_STREAM[k] for k in AT.STREAM_SETTINGS)
+    for dt in dtypes:
+        types = dict(fp, src_tab="*i64", h_ptr="*" + dt, q_ptr="*fp32", nw_ptr="*fp32", eps="fp32", out_eps="fp32")
+        for D in (1536, 7168):
+            for NP in NPs:
+                for setting in dict.fromkeys([default, *AT.SWEEP_STREAM]):
+                    cfg = AT.stream_config(D, *setting)
+                    consts = dict(BR=cfg["block_r"], BD=cfg["block_d"], NP=NP, STAGES=cfg["num_stages"], STATS=True,
+                                  NORM=True, FOLD=True)
+                    names = fn.arg_names
+                    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
+                    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+                             if a == "D" or a.endswith(("_ptr", "_tab"))}
+                    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+                    nreg, spill = _ptxas(ptxas, k.asm["ptx"])
+                    clean &= spill == (0, 0)
+                    mark = " (LAUNCH_STREAM)" if setting == default else ""
+                    print(f"stream {dt:<4} D={D} NP={NP:<2} {str(setting):<11} regs={nreg:>3} spill={spill} "
+                          f"smem={k.metadata.shared}{mark}", flush=True)
     print("no spills" if clean else "SPILLS (see above)")
     return clean
 

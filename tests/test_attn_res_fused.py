@@ -272,6 +272,55 @@ def test_rows_kernel_equals_the_block_kernel(N, D, one_thread):
             assert rel_rmse(ref, rows.cpu()) <= 1e-5
 
 
+@pytest.mark.parametrize("N,D,R", [(1, 40, 9), (2, 48, 37), (5, 40, 37), (10, 1100, 7)])
+def test_stream_kernel_equals_the_block_kernel_and_the_oracle(N, D, R, one_thread):
+    """The one-pass kernel (whole rows, online softmax over the sources) against fp64 formulas of h, α, rstd and
+    the scores (1e-5; fp32 kernels) and against the block kernel (same fp32 math, sums in another order: 1e-6),
+    in blocks of 4 rows (R = 37: the last block ragged; loads prefetched by hand) and of 1 row (loads pipelined by
+    Triton; D = 1100: 2048 columns), N = 1 (NP padded
+    to 2) to 10; with the query folded in the kernel and with the norm epilogue (h only, stats=False)."""
+    src, query, norm_w, _, _ = make(N, (R, D), seed=70 + N)
+    flat = [t.to(DEV, torch.float32) for t in src]
+    q, n = query.to(DEV, torch.float32), norm_w.to(DEV, torch.float32)
+    v = torch.stack([t.float().double() for t in src])
+    w = (query.reshape(-1).float() * norm_w.float()).double()
+    rstd_ref = torch.rsqrt(v.pow(2).mean(-1) + EPS)
+    s_ref = (v @ w) * rstd_ref
+    alpha_ref = torch.softmax(s_ref, 0)
+    h_ref = (alpha_ref.unsqueeze(-1) * v).sum(0)
+    for block_r, stages in ((4, 0), (1, 2)):
+        got = AT.attn_res_fwd_triton(flat, n, EPS, query=q, stream=dict(block_r=block_r, num_stages=stages))
+        block = AT.attn_res_fwd_triton(flat, n, EPS, query=q, block_r=8, block_d=16)
+        for name, ref, g, b in zip(("h", "alpha", "rstd", "s"), (h_ref, alpha_ref, rstd_ref, s_ref), got, block):
+            assert g.shape == ref.shape and g.dtype == torch.float32, name
+            assert rel_rmse(ref, g.cpu()) < 1e-5, (name, block_r, stages, rel_rmse(ref, g.cpu()))
+            assert rel_rmse(b.double(), g) < 1e-6, (name, block_r, stages, rel_rmse(b.double(), g))
+    nw = (1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(N), dtype=torch.float64)).float().to(DEV)
+    normed = AT.attn_res_fwd_triton(flat, n, EPS, norm=(nw, 1e-6), query=q, stats=False, stream={})
+    assert normed[1:] == (None, None, None)
+    ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double().cpu()
+    assert rel_rmse(ref, normed[0].cpu()) < 1e-5
+
+
+def test_stream_config():
+    """Whole rows of next_pow2(D) columns, rows per program capped by STREAM_MAX_TILE, warps raised to 32 tile
+    elements per thread; too wide: None (the block kernel); bad values named."""
+    assert AT.stream_config(1536, 2, 4, 3) == dict(block_r=2, block_d=2048, num_warps=4, num_stages=3)
+    assert AT.stream_config(1536)["block_d"] == 2048 and AT.stream_config(1536)["block_r"] == AT.LAUNCH_STREAM["block_r"]
+    assert AT.stream_config(7168, block_r=8, num_warps=2) == dict(block_r=1, block_d=8192, num_warps=8,
+                                                                  num_stages=AT.LAUNCH_STREAM["num_stages"])
+    assert AT.stream_config(40, block_r=2)["block_d"] == 64
+    assert AT.stream_config(AT.STREAM_MAX_TILE + 1) is None
+    for setting in AT.SWEEP_STREAM:
+        assert AT.stream_config(1536, *setting)["num_stages"] == setting[2]
+    with pytest.raises(ValueError, match=r"stream block_r=3, expected a power of two"):
+        AT.stream_config(48, block_r=3)
+    with pytest.raises(ValueError, match=r"stream num_warps=0, expected a power of two"):
+        AT.stream_config(48, num_warps=0)
+    with pytest.raises(ValueError, match=r"stream num_stages=-1, expected an integer >= 0"):
+        AT.stream_config(48, num_stages=-1)
+
+
 def test_triton_zero_rows():
     """An empty batch: empty output, empty source gradients, zero parameter gradients; no launch."""
     x = make(3, (0, 16), seed=51)
@@ -398,6 +447,27 @@ def test_cuda_every_sweep_setting(kind, setting):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("setting", AT.SWEEP_STREAM, ids=["-".join(map(str, s)) for s in AT.SWEEP_STREAM])
+def test_cuda_every_stream_setting(setting):
+    """Every launch setting of the one-pass kernel the sweep may pick: bf16 sources, 1003 rows, D = 1536, N = 1,
+    3, 10, h, α, rstd and s against the block kernel's (1e-2: bf16 h; the statistics are fp32 from the same
+    bf16 values, 1e-5) and the norm epilogue against the block kernel's (1e-2)."""
+    g = torch.Generator(device="cuda").manual_seed(80)
+    nw = 1 + 0.3 * torch.randn(1536, device="cuda", generator=g)
+    for N in (1, 3, 10):
+        flat = [(torch.randn(1003, 1536, device="cuda", generator=g) * (0.5 + i)).bfloat16() for i in range(N)]
+        w = 0.1 * torch.randn(1536, device="cuda", generator=g)
+        got = AT.attn_res_fwd_triton(flat, w, EPS, stream=dict(zip(AT.STREAM_SETTINGS, setting)))
+        ref = AT.attn_res_fwd_triton(flat, w, EPS, block_r=16)
+        for name, r, o in zip(("h", "alpha", "rstd", "s"), ref, got):
+            assert rel_rmse(r.double(), o) <= (1e-2 if name == "h" else 1e-5), (N, name, rel_rmse(r.double(), o))
+        one = AT.attn_res_fwd_triton(flat, w, EPS, norm=(nw, 1e-6), stats=False, stream=dict(block_r=setting[0]))
+        two = AT.attn_res_fwd_triton(flat, w, EPS, norm=(nw, 1e-6), block_r=16)
+        assert rel_rmse(two[0].double(), one[0]) <= 1e-2
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_fp32_fp16_sources(dtype):
     """The kernels' other source dtypes against the fp64 reference on the same values: fp32 1e-5 (measured in the
@@ -469,17 +539,19 @@ def test_cuda_autocast_dispatches_to_triton_and_matches_torch(monkeypatch):
 
 
 # ---------------------------------------------------------------- inference: AttnRes with its output RMSNorm fused
-@pytest.mark.parametrize("rows_kernel", [True, False], ids=["rows-kernel", "block-kernel"])
+@pytest.mark.parametrize("rows_kernel,stream", [(True, True), (False, True), (False, False)],
+                         ids=["rows-kernel", "stream-kernel", "block-kernel"])
 @pytest.mark.parametrize("D", [48, 1100])
-def test_attn_res_norm_fused_equals_the_two_ops(D, rows_kernel, one_thread, monkeypatch):
+def test_attn_res_norm_fused_equals_the_two_ops(D, rows_kernel, stream, one_thread, monkeypatch):
     """rms_norm(attn_res(...)) as one kernel without autograd: against the fp64 two-op oracle (fp32, 1e-5; D =
     1100 spans two 1024-wide tiles of the small-rows launch, so the norm's third pass revisits written tiles),
     against the two Triton ops in bf16 (the norm reads the rounded mix, as they do: within bf16 rounding), and
     with autograd on it is the two ops (gradients flow)."""
     from k3.ops.attn_res import attn_res_norm
     from k3.ops.norm.reference import rms_norm_reference
-    if not rows_kernel:  # the block kernel's NORM epilogue (what more than ROWS_KERNEL_MAX_ROWS rows take)
+    if not rows_kernel:  # the NORM epilogue of the kernels that more than ROWS_KERNEL_MAX_ROWS rows take
         monkeypatch.setattr(AT, "ROWS_KERNEL_MAX_ROWS", 0)
+    monkeypatch.setattr(AT, "STREAM", stream)
     assert AT.rows_kernel_fits(9, 3, D) == rows_kernel
     src, query, norm_w, _, _ = make(3, (9, D), seed=60)
     out_w = 1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(61), dtype=torch.float64)

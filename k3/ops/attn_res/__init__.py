@@ -129,5 +129,5 @@ def attn_res_norm(sources: list[torch.Tensor], query: torch.Tensor, norm_weight:
     if rows_kernel_fits(flat[0].shape[0], len(flat), D):
         h = attn_res_rows_triton(flat, norm_weight, eps, norm=(out_weight, out_eps), query=query)
     else:
-        h, *_ = attn_res_fwd_triton(flat, norm_weight, eps, norm=(out_weight, out_eps), query=query)
+        h = attn_res_fwd_triton(flat, norm_weight, eps, norm=(out_weight, out_eps), query=query, stats=False)[0]
     return h.reshape(sources[0].shape)

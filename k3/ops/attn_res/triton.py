@@ -25,6 +25,7 @@ reads + N writes, plus the misses of pass 2 (few when BLOCK_R x D x N x resident
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -170,6 +171,110 @@ def attn_res_rows_kernel(src_tab, w_ptr, q_ptr, h_ptr, nw_ptr, D, N, eps, out_ep
         r2 = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + out_eps)
         h = (hf * r2 * tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + r * D + d, h, mask=dm)
+
+
+@triton.jit
+def _stream_step(v, w, i, m, l, acc, rstd_ptr, s_ptr, R, D, eps, row, rmask, STATS: tl.constexpr):
+    """Fold source i's fp32 rows v [BR, BD] into the online softmax (m, l, acc); STATS: store its rstd, score."""
+    r = 1.0 / tl.sqrt(tl.sum(v * v, 1) / D + eps)
+    s = tl.sum(v * w[None, :], 1) * r
+    if STATS:
+        tl.store(rstd_ptr + i * R + row, r, mask=rmask)
+        tl.store(s_ptr + i * R + row, s, mask=rmask)
+    mn = tl.maximum(m, s)
+    c = tl.exp(m - mn)  # 0 for the first source (m = -inf)
+    p = tl.exp(s - mn)
+    return mn, l * c + p, acc * c[:, None] + p[:, None] * v
+
+
+@triton.jit
+def attn_res_stream_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, nw_ptr, R, D, N, eps, out_eps,
+                           BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
+                           STATS: tl.constexpr, NORM: tl.constexpr = False, FOLD: tl.constexpr = False):
+    """Rows [pid*BR, pid*BR + BR), each whole (BD >= D), in ONE pass over the sources: source i's [BR, D] tile is
+    loaded once (STAGES = 0: the next one's load issued before this one's math; else Triton's pipelining, STAGES
+    deep), its rstd and score formed from registers,
+    and folded into h by an online softmax (running max m and sum l per row, the fp32 accumulator rescaled by
+    exp(m_old - m_new)), so no source is read twice and no pass waits on another. The block kernel's outputs:
+    h (NORM: RMSNorm(h) with nw_ptr and out_eps, from h rounded to its dtype) and, with STATS, alpha, rstd and
+    s [N, R] fp32 (alpha from the stored scores and the final m, l). Same math in fp32, sums in another order."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * BR * D
+    ri = tl.arange(0, BR)
+    rmask = ri < R - pid * BR
+    row = pid * BR + ri
+    dc = tl.arange(0, BD)
+    dmask = dc < D
+    m2 = rmask[:, None] & dmask[None, :]
+    off = (ri * D)[:, None] + dc[None, :]
+    w = tl.load(w_ptr + dc, mask=dmask, other=0.0).to(tl.float32)
+    if FOLD:
+        w = w * tl.load(q_ptr + dc, mask=dmask, other=0.0).to(tl.float32)
+    ids = tl.arange(0, NP)
+    tab = tl.load(src_tab + ids, mask=ids < N, other=0)  # the N source addresses, int64, read once
+    ty = tl.pointer_type(h_ptr.dtype.element_ty)
+    m = tl.full([BR], float("-inf"), tl.float32)
+    l = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, BD], tl.float32)
+    if STAGES == 0:  # the next source's load issued by hand before this one's math (a register tile each)
+        first = tl.sum(tl.where(ids == 0, tab, 0), 0).to(ty)
+        nxt = tl.load(tl.multiple_of(first, 16) + base + off, mask=m2, other=0.0, eviction_policy="evict_first")
+        for i in range(N):
+            v = nxt.to(tl.float32)
+            later = tl.sum(tl.where(ids == i + 1, tab, 0), 0).to(ty)  # null past the last source: nothing loaded
+            nxt = tl.load(tl.multiple_of(later, 16) + base + off, mask=m2 & (ri * 0 + i + 1 < N)[:, None],
+                          other=0.0, eviction_policy="evict_first")
+            m, l, acc = _stream_step(v, w, i, m, l, acc, rstd_ptr, s_ptr, R, D, eps, row, rmask, STATS)
+    else:  # Triton's software pipelining of the loads (through shared memory, STAGES deep)
+        for i in tl.range(0, N, num_stages=STAGES):
+            src = tl.sum(tl.where(ids == i, tab, 0), 0).to(ty)
+            v = tl.load(tl.multiple_of(src, 16) + base + off, mask=m2, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            m, l, acc = _stream_step(v, w, i, m, l, acc, rstd_ptr, s_ptr, R, D, eps, row, rmask, STATS)
+    hb = (acc / l[:, None]).to(h_ptr.dtype.element_ty)
+    if NORM:
+        hf = hb.to(tl.float32)
+        r2 = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / D + out_eps)
+        hb = (hf * r2[:, None] * tl.load(nw_ptr + dc, mask=dmask, other=0.0).to(tl.float32)[None, :]
+              ).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + base + off, hb, mask=m2, eviction_policy="evict_first")
+    if STATS:
+        tl.debug_barrier()  # this block's scores, written by any thread, are visible to all
+        so = ids[None, :] * R + row[:, None]
+        smask = rmask[:, None] & (ids < N)[None, :]
+        s = tl.load(s_ptr + so, mask=smask, other=0.0)
+        tl.store(alpha_ptr + so, tl.exp(s - m[:, None]) / l[:, None], mask=smask)
+
+
+# The one-pass kernel holds BR whole rows: BR x next_pow2(D) <= STREAM_MAX_TILE elements (D = 1536: 4 rows;
+# 7168: 1). Wider rows take the block kernel. K3_ATTN_RES_STREAM=0: always the block kernel.
+STREAM = os.environ.get("K3_ATTN_RES_STREAM", "1") == "1"
+STREAM_MAX_TILE = 8192
+LAUNCH_STREAM = dict(block_r=4, num_warps=8, num_stages=0)
+STREAM_SETTINGS = ("block_r", "num_warps", "num_stages")
+SWEEP_STREAM = [(1, 2, 0), (1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0), (8, 16, 0), (1, 4, 2), (2, 4, 2),
+                (2, 8, 3), (4, 8, 2), (4, 8, 3)]  # STREAM_SETTINGS
+
+
+def stream_config(D: int, block_r: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> dict | None:
+    """The one-pass kernel's launch for rows of width D (None when a row does not fit): block_r rows (capped so
+    that the tile holds STREAM_MAX_TILE elements), next_pow2(D) columns, num_warps (raised to 32 tile elements
+    per thread), num_stages (0: the next source's load by hand; >= 1: Triton's pipelining)."""
+    bd = max(16, triton.next_power_of_2(D))
+    if bd > STREAM_MAX_TILE:
+        return None
+    br = block_r if block_r is not None else LAUNCH_STREAM["block_r"]
+    nw = num_warps if num_warps is not None else LAUNCH_STREAM["num_warps"]
+    ns = num_stages if num_stages is not None else LAUNCH_STREAM["num_stages"]
+    for k, v in (("block_r", br), ("num_warps", nw)):
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"attn_res triton: stream {k}={v!r}, expected a power of two")
+    if not isinstance(ns, int) or ns < 0:
+        raise ValueError(f"attn_res triton: stream num_stages={ns!r}, expected an integer >= 0")
+    br = min(br, STREAM_MAX_TILE // bd)
+    # at most 32 elements of the tile per thread: more spill (D = 7168 at 2 warps: 10 KB)
+    return dict(block_r=br, block_d=bd, num_warps=max(nw, br * bd // 1024), num_stages=ns)
 
 
 ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MAX_TILE = 512, 16384  # rows, NP x BD elements held by one program
@@ -353,26 +458,39 @@ def _consts(cfg: dict, N: int) -> dict:
 
 
 def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, norm: tuple | None = None,
-                        query: torch.Tensor | None = None, **launch):
+                        query: torch.Tensor | None = None, stats: bool = True, stream: dict | None = None,
+                        **launch):
     """flat: N contiguous [R, D] sources of one dtype; w: [D] (used in fp32), or with `query` [D] given, the
     norm weight that the kernel folds with it (w ⊙ query in fp32, equal to `fold_query`). Returns h [R, D] in
-    the sources' dtype, alpha, rstd and s (the scores) [N, R] fp32. norm = (weight [D], eps): h is RMSNorm(h)
-    instead (inference; `attn_res_norm`). launch: overrides of LAUNCH["fwd"] (`launch_config`)."""
+    the sources' dtype, alpha, rstd and s (the scores) [N, R] fp32 (None each without `stats`). norm = (weight
+    [D], eps): h is RMSNorm(h) instead (inference; `attn_res_norm`). The one-pass kernel (`stream`: overrides of
+    LAUNCH_STREAM, `stream_config`) runs when STREAM and a row fits, unless `launch` overrides LAUNCH["fwd"] of
+    the block kernel (`launch_config`), which runs otherwise."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
-    cfg = launch_config("fwd", D, **({**LAUNCH_SMALL_FWD, **launch} if R <= SMALL_ROWS else launch))
+    one = stream_config(D, **(stream or {})) if (STREAM or stream is not None) and not launch else None
+    if one is None:
+        cfg = launch_config("fwd", D, **({**LAUNCH_SMALL_FWD, **launch} if R <= SMALL_ROWS else launch))
     h = torch.empty(R, D, dtype=flat[0].dtype, device=dev)
-    alpha, rstd, s = torch.empty(3, N, R, dtype=torch.float32, device=dev).unbind(0)
+    stat = torch.empty(3, N, R, dtype=torch.float32, device=dev).unbind(0) if stats or one is None else None
+    out = (h, *(stat if stats else (None,) * 3))
     if R == 0:
-        return h, alpha, rstd, s
+        return out
     tab = _table([t.data_ptr() for t in flat], dev)
     nw, out_eps = norm if norm is not None else (None, 0.0)
     q = None if query is None else query.reshape(-1).contiguous()
-    attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](tab, w.reshape(-1).contiguous(), q, h, alpha, rstd, s,
-                                                           None if nw is None else nw.contiguous(), R, D, N,
-                                                           float(eps), float(out_eps), NORM=norm is not None,
-                                                           FOLD=query is not None, **_consts(cfg, N))
-    return h, alpha, rstd, s
+    alpha, rstd, s = stat if stat is not None else (None,) * 3
+    args = (tab, w.reshape(-1).contiguous(), q, h, alpha, rstd, s, None if nw is None else nw.contiguous(), R, D,
+            N, float(eps), float(out_eps))
+    if one is not None:
+        attn_res_stream_kernel[(triton.cdiv(R, one["block_r"]),)](
+            *args, BR=one["block_r"], BD=one["block_d"], NP=max(2, triton.next_power_of_2(N)),
+            STAGES=one["num_stages"], STATS=stats, NORM=norm is not None, FOLD=query is not None,
+            num_warps=one["num_warps"])
+    else:
+        attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](*args, NORM=norm is not None, FOLD=query is not None,
+                                                               **_consts(cfg, N))
+    return out
 
 
 def attn_res_bwd_triton(flat: list[torch.Tensor], w: torch.Tensor, alpha: torch.Tensor, rstd: torch.Tensor,
