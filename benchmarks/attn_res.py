@@ -6,10 +6,11 @@ gradient). GB/s is against the bytes the op must move at least: forward N reads 
 forward + backward that plus N + 1 reads (sources, dh) and N writes (dv). Also the peak memory above the
 inputs of one forward + backward.
 
---sweep then times the two Triton kernels alone over the candidate launch settings
-`k3.ops.attn_res.triton.SWEEP` (block_r, block_d, num_warps, num_stages, unroll): forward against N reads + 1
-write, backward against N + 1 reads + N writes; each setting's outputs are checked against the default
-setting's. It prints the best setting per kernel and N, and a `LAUNCH` table (the setting with the least total
+--sweep then times the Triton kernels alone, each captured in a CUDA graph (replays: no host work in the
+time), over the candidate launch settings `k3.ops.attn_res.triton.SWEEP` (block_r, block_d, num_warps,
+num_stages, unroll) and `SWEEP_STREAM` (the one-pass forward: block_r, num_warps, num_stages): forwards against
+N reads + 1 write, backward against N + 1 reads + N writes; each setting's outputs are checked against the
+block kernels' at their defaults. It prints the best setting per kernel and N, and a `LAUNCH` table (the setting with the least total
 time over the N given) to paste at the top of k3/ops/attn_res/triton.py.
 
     python benchmarks/attn_res.py                          # B·T = 32768, D = 1536, N = 2..6
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from timing import median_ms  # noqa: E402
+from timing import graphed, median_ms  # noqa: E402
 
 from k3.ops.attn_res import attn_res  # noqa: E402
 from k3.ops.attn_res.fused import fold_query  # noqa: E402
@@ -108,7 +109,7 @@ def sweep(N, src, query, norm_w, dh, unit, warmup, reps):
 
 def _time_setting(kind, N, setting, fn, got, ref, moved, warmup, reps):
     err = max(rel_rmse(r, g) for r, g in zip(ref, got))
-    ms = median_ms(fn, warmup, reps)
+    ms = median_ms(graphed(fn), warmup, reps)  # replays: no host work (pointer tables, launches) in the time
     r = dict(kind=kind, N=N, setting=setting, ms=ms, gbps=moved / ms / 1e6, err_vs_default=err)
     bad = "  MISMATCH" if err > 1e-2 else ""
     print(f"{N:>3} {kind:<6} {str(setting):<41} {ms:8.3f} {r['gbps']:7.0f} {err:9.1e}{bad}", flush=True)
