@@ -197,7 +197,7 @@ def attn_res_stream_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_
     and folded into h by an online softmax (running max m and sum l per row, the fp32 accumulator rescaled by
     exp(m_old - m_new)), so no source is read twice and no pass waits on another. The block kernel's outputs:
     h (NORM: RMSNorm(h) with nw_ptr and out_eps, from h rounded to its dtype) and, with STATS, alpha, rstd and
-    s [N, R] fp32 (alpha from the stored scores and the final m, l). Same math in fp32, sums in another order."""
+    s [N, R] fp32 (alpha from the stored scores, as the block kernel). Same math in fp32, sums in another order."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BR * D
     ri = tl.arange(0, BR)
@@ -242,15 +242,19 @@ def attn_res_stream_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_
         tl.debug_barrier()  # this block's scores, written by any thread, are visible to all
         so = ids[None, :] * R + row[:, None]
         smask = rmask[:, None] & (ids < N)[None, :]
-        s = tl.load(s_ptr + so, mask=smask, other=0.0)
-        tl.store(alpha_ptr + so, tl.exp(s - m[:, None]) / l[:, None], mask=smask)
+        s = tl.where(ids[None, :] < N, tl.load(s_ptr + so, mask=smask, other=0.0), float("-inf"))
+        p = tl.exp(s - tl.max(s, 1)[:, None])  # the block kernel's softmax of the same scores, not m and l:
+        tl.store(alpha_ptr + so, p / tl.sum(p, 1)[:, None], mask=smask)  # α = 1 exactly for one source
 
 
 # The one-pass kernel holds BR whole rows: BR x next_pow2(D) <= STREAM_MAX_TILE elements (D = 1536: 4 rows;
 # 7168: 1). Wider rows take the block kernel. K3_ATTN_RES_STREAM=0: always the block kernel.
 STREAM = os.environ.get("K3_ATTN_RES_STREAM", "1") == "1"
 STREAM_MAX_TILE = 8192
-LAUNCH_STREAM = dict(block_r=4, num_warps=8, num_stages=0)
+# `benchmarks/attn_res.py --sweep` (H200, 2026-12-04, graph replays, D 1536 bf16): one row at 2 warps (32 elements
+# per thread) was the best setting at every N and size: rows 8,192, N 2 / 4 / 6 / 9: 0.039 / 0.058 / 0.074 / 0.104
+# ms against 0.038 / 0.066 / 0.086 / 0.130 for the block kernel's best; rows 32,768, N 6: 0.275 against 0.321.
+LAUNCH_STREAM = dict(block_r=1, num_warps=2, num_stages=0)
 STREAM_SETTINGS = ("block_r", "num_warps", "num_stages")
 SWEEP_STREAM = [(1, 2, 0), (1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0), (8, 16, 0), (1, 4, 2), (2, 4, 2),
                 (2, 8, 3), (4, 8, 2), (4, 8, 3)]  # STREAM_SETTINGS
