@@ -106,6 +106,30 @@ def test_situ_triton_strided_3d_and_empty():
     assert situ_glu_fused(torch.zeros(0, 6, device=DEV), backend="triton").shape == (0, 3)
 
 
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_situ_hardware_tanh_forward(dtype, monkeypatch):
+    """The bf16 / fp16 forward through the hardware tanh (`situ_glu_value_approx`) against the fp64 formula on the
+    same rounded inputs: every element within one output rounding plus 3 x 2^-10.9 (two tanh.approx, the
+    approximate division and exp) relative, where the value is a normal number of the dtype; its rel RMS within
+    1.5x that of the exact-in-fp32 kernel (K3_SITU_APPROX=0, taken here) plus 5e-4; the backward unchanged."""
+    import k3.ops.situ.triton as ST
+    g, u, do = situ_inputs(301, 512, seed=9)
+    gd, ud = g.to(dtype), u.to(dtype)
+    ref = situ_glu_reference(gd.double(), ud.double())
+    assert ST.approx(gd.cuda())
+    fast = situ_glu(gd.cuda(), ud.cuda(), backend="triton").cpu().double()
+    monkeypatch.setattr(ST, "APPROX", False)
+    exact = situ_glu(gd.cuda(), ud.cuda(), backend="triton").cpu().double()
+    normal = ref.abs() > torch.finfo(dtype).tiny * 64
+    rel = ((fast - ref).abs() / ref.abs())[normal]
+    unit = torch.finfo(dtype).eps / 2  # one rounding
+    assert rel.max() <= unit + 3 * 2 ** -10.9, rel.max()
+    assert rel_rmse(ref, fast) <= 1.5 * rel_rmse(ref, exact) + 5e-4, (rel_rmse(ref, fast), rel_rmse(ref, exact))
+    assert (fast[~normal].abs() <= torch.finfo(dtype).tiny * 128).all()
+
+
 def test_situ_dispatch_errors():
     x = torch.randn(4, 6)
     with pytest.raises(ValueError, match="unknown backend 'fast'"):

@@ -35,33 +35,40 @@ def rel(a, b):
 
 
 def situ_case(M, I, dev, dtype, cuda):
-    """SiTU-GLU of a [M, 2I] gate ‖ up GEMM output (`situ_fwd`) at each (elements per program, warps), the default
-    first (µs, GB/s of g, u read and the output written)."""
+    """SiTU-GLU of a [M, 2I] gate ‖ up GEMM output (`situ_fwd`) with the hardware tanh and without (K3_SITU_APPROX),
+    each at every (elements per program, warps), the default first (µs of CUDA graph replays, GB/s of g, u read
+    and the output written)."""
     gen = torch.Generator(device=dev).manual_seed(M + I)
     gu = torch.randn(M, 2 * I, device=dev, dtype=dtype, generator=gen) * 4
     g, u = gu[:, :I], gu[:, I:]
     base = ST.situ_fwd(g, u, 4.0, 25.0)  # the config's β₁, β₂
-    old, rows = dict(ST.CFG), []
+    old, approx, rows = dict(ST.CFG), ST.APPROX, []
+
+    def timed(fn):  # CUDA graph replays: a launch's host time (~20 µs) would hide these 30-100 µs kernels
+        return median_ms(graphed(fn) if cuda else fn, warmup=3 if cuda else 0, reps=50 if cuda else 1, cuda=cuda)
+
     try:
-        for tile, warps in ((old["tile"], old["warps"]), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8),
-                            (8192, 8)):
-            ST.CFG.update(tile=tile, warps=warps)
-            ms = median_ms(lambda: ST.situ_fwd(g, u, 4.0, 25.0), warmup=3 if cuda else 0, reps=50 if cuda else 1,
-                           cuda=cuda)
-            row = dict(M=M, I=I, tile=tile, warps=warps, us=ms * 1e3,
-                       GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9,
-                       rel_rmse=rel(ST.situ_fwd(g, u, 4.0, 25.0), base))
-            rows.append(row)
-            print(f"situ [{M}, 2x{I}] tile {tile:5d} warps {warps}: {row['us']:7.1f} us ({row['GBps']:5.0f} GB/s) "
-                  f"rel {row['rel_rmse']:.1e}")
+        for hw in (approx, not approx):  # the hardware-tanh forward (K3_SITU_APPROX) and the exact one
+            ST.APPROX = hw
+            for tile, warps in ((old["tile"], old["warps"]), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8),
+                                (8192, 8)):
+                ST.CFG.update(tile=tile, warps=warps)
+                ms = timed(lambda: ST.situ_fwd(g, u, 4.0, 25.0))
+                row = dict(M=M, I=I, approx=hw, tile=tile, warps=warps, us=ms * 1e3,
+                           GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9,
+                           rel_rmse=rel(ST.situ_fwd(g, u, 4.0, 25.0), base))
+                rows.append(row)
+                print(f"situ [{M}, 2x{I}] approx {int(hw)} tile {tile:5d} warps {warps}: {row['us']:7.1f} us "
+                      f"({row['GBps']:5.0f} GB/s) rel {row['rel_rmse']:.1e}")
     finally:
         ST.CFG.update(old)
+        ST.APPROX = approx
     # references for the memory system at the default tiles: the same kernel on contiguous copies of g and u, and
     # PyTorch's g + u on the strided views (the same bytes moved, no special functions)
     gc, uc = g.contiguous(), u.contiguous()
     for name, fn in (("situ_contiguous_inputs", lambda: ST.situ_fwd(gc, uc, 4.0, 25.0)),
                      ("torch_add_strided", lambda: torch.add(g, u))):
-        ms = median_ms(fn, warmup=3 if cuda else 0, reps=50 if cuda else 1, cuda=cuda)
+        ms = timed(fn)
         rows.append(dict(M=M, I=I, variant=name, us=ms * 1e3, GBps=3 * M * I * gu.element_size() / (ms * 1e-3) / 1e9))
         print(f"situ [{M}, 2x{I}] {name}: {rows[-1]['us']:7.1f} us ({rows[-1]['GBps']:5.0f} GB/s)")
     return rows
