@@ -190,7 +190,8 @@ def _stream_step(v, w, i, m, l, acc, rstd_ptr, s_ptr, R, D, eps, row, rmask, STA
 @triton.jit
 def attn_res_stream_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_ptr, nw_ptr, R, D, N, eps, out_eps,
                            BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
-                           STATS: tl.constexpr, NORM: tl.constexpr = False, FOLD: tl.constexpr = False):
+                           STATS: tl.constexpr, NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
     """Rows [pid*BR, pid*BR + BR), each whole (BD >= D), in ONE pass over the sources: source i's [BR, D] tile is
     loaded once (STAGES = 0: the next one's load issued before this one's math; else Triton's pipelining, STAGES
     deep), its rstd and score formed from registers,
@@ -198,6 +199,7 @@ def attn_res_stream_kernel(src_tab, w_ptr, q_ptr, h_ptr, alpha_ptr, rstd_ptr, s_
     exp(m_old - m_new)), so no source is read twice and no pass waits on another. The block kernel's outputs:
     h (NORM: RMSNorm(h) with nw_ptr and out_eps, from h rounded to its dtype) and, with STATS, alpha, rstd and
     s [N, R] fp32 (alpha from the stored scores, as the block kernel). Same math in fp32, sums in another order."""
+    pdl_sync(PDL)
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BR * D
     ri = tl.arange(0, BR)
@@ -490,7 +492,7 @@ def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, n
         attn_res_stream_kernel[(triton.cdiv(R, one["block_r"]),)](
             *args, BR=one["block_r"], BD=one["block_d"], NP=max(2, triton.next_power_of_2(N)),
             STAGES=one["num_stages"], STATS=stats, NORM=norm is not None, FOLD=query is not None,
-            num_warps=one["num_warps"])
+            num_warps=one["num_warps"], **pdl(h))
     else:
         attn_res_fwd_kernel[(triton.cdiv(R, cfg["block_r"]),)](*args, NORM=norm is not None, FOLD=query is not None,
                                                                **_consts(cfg, N))
