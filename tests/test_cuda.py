@@ -68,6 +68,11 @@ def test_fla_backend_inside_kda_layer_bf16():
 
 
 def test_bf16_autocast_training_reduces_loss():
+    """k3-tiny under bf16 autocast, AdamW 3e-3, one random batch of 4 x 128 repeated 30 steps: the loss stays
+    finite and falls by more than 20 %. Below about 0.74 x the start (the batch's unigram entropy, ~6.1) the curve
+    is chaotic: `benchmarks/probe/autocast_loss.py` (H200, 2026-12-04) ended at 0.37 / 0.74 / 0.73 of the start
+    for seeds 0 / 1 / 2 with session 19's kernels and 0.73 / 0.46 / 0.63 with session 20's (each kernel change
+    alone: 0.29, 0.36), so a bound under that plateau tested the seed, not the training."""
     torch.manual_seed(0)
     model = make_tiny(seed=3).cuda().train()
     ids = torch.randint(0, 4000, (4, 128), device="cuda")
@@ -81,7 +86,7 @@ def test_bf16_autocast_training_reduces_loss():
         loss.backward()
         opt.step()
         losses.append(out.loss.item())
-    assert all(map(lambda x: x == x, losses)) and losses[-1] < 0.6 * losses[0], losses
+    assert all(map(lambda x: x == x, losses)) and losses[-1] < 0.8 * losses[0], losses
 
 
 def test_grouped_mm_experts_match_the_expert_loop_bf16():
