@@ -45,6 +45,22 @@ def make_tiny(seed: int = 0, vision: bool = False, **text_overrides) -> K3ForCon
     return model.eval()
 
 
+def overfit_losses(model, ids: torch.Tensor, steps: int, autocast: torch.dtype | None = None) -> list[float]:
+    """The LM loss of each of `steps` AdamW (lr 3e-3) steps of `model` on the one batch `ids` (labels = ids, plus
+    0.1 x the MTP loss in the objective), under `autocast` on ids' device when given."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
+            out = model(ids, labels=ids)
+        loss = out.loss + 0.1 * out.mtp_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    return losses
+
+
 def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
     """n prompts of random k3-tiny token ids (below its special ids), lengths in [lo, hi)."""
     g = random.Random(seed)

@@ -4,7 +4,7 @@ incremental decoding and bf16-autocast training on the GPU."""
 import pytest
 import torch
 
-from conftest import make_tiny, rel_rmse
+from conftest import make_tiny, overfit_losses, rel_rmse
 from k3 import K3Cache
 from k3.ops.kda import fla_available
 
@@ -75,17 +75,7 @@ def test_bf16_autocast_training_reduces_loss():
     alone: 0.29, 0.36), so a bound under that plateau tested the seed, not the training."""
     torch.manual_seed(0)
     model = make_tiny(seed=3).cuda().train()
-    ids = torch.randint(0, 4000, (4, 128), device="cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(ids, labels=ids)
-        loss = out.loss + 0.1 * out.mtp_loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    losses = overfit_losses(model, torch.randint(0, 4000, (4, 128), device="cuda"), 30, torch.bfloat16)
     assert all(map(lambda x: x == x, losses)) and losses[-1] < 0.8 * losses[0], losses
 
 

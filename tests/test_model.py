@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny, rel_rmse
+from conftest import make_tiny, overfit_losses, rel_rmse
 from k3 import K3Cache, K3Config, K3ForConditionalGeneration
 from k3.io.checkpoint import CheckpointError
 from k3.model.state_dict import checkpoint_tensors
@@ -244,16 +244,7 @@ def test_interrupted_save_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
 def test_overfit_one_batch_halves_loss():
     torch.manual_seed(0)
     model = make_tiny(seed=15).train()
-    ids = torch.randint(0, 4000, (4, 48))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(50):
-        out = model(ids, labels=ids)
-        loss = out.loss + 0.1 * out.mtp_loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    losses = overfit_losses(model, torch.randint(0, 4000, (4, 48)), 50)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

@@ -10,21 +10,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from conftest import make_tiny  # noqa: E402
+from conftest import make_tiny, overfit_losses  # noqa: E402
 
 SEED = int(os.environ.get("SEED", "0"))  # 0: the test's seeds
 torch.manual_seed(SEED)
 model = make_tiny(seed=3 + SEED).cuda().train()
-ids = torch.randint(0, 4000, (4, 128), device="cuda")
-opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-losses = []
-for _ in range(30):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = model(ids, labels=ids)
-    loss = out.loss + 0.1 * out.mtp_loss
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    losses.append(out.loss.item())
+losses = overfit_losses(model, torch.randint(0, 4000, (4, 128), device="cuda"), 30, torch.bfloat16)
 sw = {k: os.environ.get(k, "default") for k in ("K3_SITU_APPROX", "K3_ATTN_RES_STREAM")}
-print(sw, f"seed {SEED}", " ".join(f"{x:.2f}" for x in losses[::5]), f"last {losses[-1]:.3f} ratio {losses[-1] / losses[0]:.3f}")
+print(sw, f"seed {SEED}", " ".join(f"{x:.2f}" for x in losses[::5]), f"last {losses[-1]:.3f} ratio "
+      f"{losses[-1] / losses[0]:.3f}")
