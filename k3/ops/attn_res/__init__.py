@@ -2,8 +2,9 @@
 
     α_i = softmax_i( w · RMSNorm(v_i) ),   h = Σ_i α_i v_i,   w = query ⊙ norm_weight (the release's folding)
 
-Backends: "triton" (`triton.py`: a forward and a backward kernel reading the candidates through a table of
-data pointers; CUDA, or Triton's interpreter on CPU), "torch" (`fused.py`: the same autograd Function with
+Backends: "triton" (`triton.py`: forward kernels (one pass over whole rows with an online softmax where a row
+fits, else two passes over row blocks) and a backward kernel, reading the candidates through a table of data
+pointers; CUDA, or Triton's interpreter on CPU), "torch" (`fused.py`: the same autograd Function with
 the math in PyTorch over chunks of rows, any device), "reference" (`reference.py`: stacks the candidates,
 fp32 [N, ..., D] intermediates; the oracle). "torch" and "triton" keep for backward only the sources
 themselves (no stack, no copy, no cast) plus α and rstd [N, rows] fp32. "auto": triton on CUDA when the

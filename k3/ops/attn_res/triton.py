@@ -1,4 +1,6 @@
-"""Triton kernels of Block AttnRes: a forward and a backward, each program a block of BLOCK_R rows.
+"""Triton kernels of Block AttnRes: a block forward and backward, each program a block of BLOCK_R rows; a one-pass
+forward over whole rows (`attn_res_stream_kernel`, the default where a row fits: below); and, for a decode step's
+few rows, one program per row holding every source (`attn_res_rows_kernel`).
 
 The N candidates are not stacked: each kernel reads them through a device table of data pointers (int64
 `t.data_ptr()`, one scalar load per source, cast back to a pointer of the sources' dtype). Every load is a 2-D
