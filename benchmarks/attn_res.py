@@ -10,8 +10,8 @@ inputs of one forward + backward.
 time), over the candidate launch settings `k3.ops.attn_res.triton.SWEEP` (block_r, block_d, num_warps,
 num_stages, unroll) and `SWEEP_STREAM` (the one-pass forward: block_r, num_warps, num_stages): forwards against
 N reads + 1 write, backward against N + 1 reads + N writes; each setting's outputs are checked against the
-block kernels' at their defaults. It prints the best setting per kernel and N, and a `LAUNCH` table (the setting with the least total
-time over the N given) to paste at the top of k3/ops/attn_res/triton.py.
+block kernels' at their defaults. It prints the best setting per kernel and N, and a `LAUNCH` table (the
+setting with the least total time over the N given) to paste at the top of k3/ops/attn_res/triton.py.
 
     python benchmarks/attn_res.py                          # B·T = 32768, D = 1536, N = 2..6
     python benchmarks/attn_res.py --D 7168 --N 6 10 --out attn_res.json
@@ -138,30 +138,39 @@ def report_sweep(rows):
     print("}")
 
 
-def _ptxas(ptxas, ptx):
-    """(registers, (spill store bytes, spill load bytes)) of one kernel's PTX by `ptxas -v` for sm_90a."""
+def _compile(fn, types, consts, num_warps):
+    """`fn` compiled for sm_90a with the installed Triton (no GPU needed; arguments typed by `types`, i32 by
+    default, pointers and D 16-divisible), and its registers and (spill store, spill load) bytes by `ptxas -v`
+    (as scripts/kda_regs.py)."""
     import re
     import subprocess
     import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a == "D" or a.endswith(("_ptr", "_tab"))}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(ptx)
+        fh.write(k.asm["ptx"])
     txt = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
                          capture_output=True, text=True).stderr
     os.unlink(fh.name)
     nreg = re.search(r"Used (\d+) registers", txt)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
-    return (nreg.group(1) if nreg else "?"), ((int(spill.group(1)), int(spill.group(2))) if spill else None)
+    return k, (nreg.group(1) if nreg else "?"), ((int(spill.group(1)), int(spill.group(2))) if spill else None)
 
 
 def regs(dtypes, NPs=(2, 4, 8, 16)):
-    """Compile both kernels for sm_90a at every LAUNCH / SWEEP setting with the installed Triton (no GPU needed;
-    ptxas -v, as scripts/kda_regs.py) and print registers, spill bytes and shared memory; True if none spills."""
+    """Compile the kernels for sm_90a at every LAUNCH / SWEEP / SWEEP_STREAM setting (`_compile`) and print
+    registers, spill bytes and shared memory; True if none spills."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from k3.ops.attn_res import triton as AT
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     fp = {n: "*fp32" for n in ("w_ptr", "alpha_ptr", "rstd_ptr", "s_ptr", "c_ptr", "e_ptr", "dwp_ptr")}
     clean = True
     print(f"triton {triton.__version__}, sm_90a")
@@ -175,13 +184,7 @@ def regs(dtypes, NPs=(2, 4, 8, 16)):
                     BR, BD, W, S, U = setting
                     consts = dict(BR=BR, BD=BD, NP=NP, STAGES=S, UNROLL=U)
                     consts.update(HAS_DW=True) if kind == "bwd" else consts.update(NORM=True, FOLD=True)
-                    names = fn.arg_names
-                    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
-                    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-                             if a == "D" or a.endswith(("_ptr", "_tab"))}
-                    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W))
-                    nreg, spill = _ptxas(ptxas, k.asm["ptx"])
+                    k, nreg, spill = _compile(fn, types, consts, W)
                     clean &= spill == (0, 0)
                     mark = " (LAUNCH)" if setting == default else ""
                     print(f"{kind} {dt:<4} NP={NP:<2} {str(setting):<21} regs={nreg:>3} "
@@ -196,13 +199,7 @@ def regs(dtypes, NPs=(2, 4, 8, 16)):
                     cfg = AT.stream_config(D, *setting)
                     consts = dict(BR=cfg["block_r"], BD=cfg["block_d"], NP=NP, STAGES=cfg["num_stages"], STATS=True,
                                   NORM=True, FOLD=True)
-                    names = fn.arg_names
-                    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
-                    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-                             if a == "D" or a.endswith(("_ptr", "_tab"))}
-                    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
-                    nreg, spill = _ptxas(ptxas, k.asm["ptx"])
+                    k, nreg, spill = _compile(fn, types, consts, cfg["num_warps"])
                     clean &= spill == (0, 0)
                     mark = " (LAUNCH_STREAM)" if setting == default else ""
                     print(f"stream {dt:<4} D={D} NP={NP:<2} {str(setting):<11} regs={nreg:>3} spill={spill} "
