@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from conftest import make_tiny, rel_rmse
 from k3.ops.conv import short_conv, short_conv_reference, short_conv_split
-from k3.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_reference, rms_norm_reference
+from k3.ops.norm import output_gate, rms_norm, rms_norm_gated, rms_norm_gated_reference, rms_norm_reference
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -295,6 +295,38 @@ def test_norm_gated_reads_a_head_split_row_slice_in_place():
 
     _assert_close(gated("reference", torch.float64), gated("triton", torch.float32), TOL,
                   ["y", "dx", "dweight", "dgate"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_gate_kernel_reads_a_row_slice_and_rounds_once(dtype):
+    """The MLA output gate x * sigmoid(gate) as one forward kernel (the interpreter on CPU), gate a column range of
+    the joined projection [N, W] (row stride W) read in place: equals the fp64 formula within one rounding to
+    dtype (fp32: 1e-6 relative RMS; bf16: each element within half a unit in the last place, 2^-8 of its
+    magnitude, on CUDA; one unit, 2^-7, through the CPU interpreter, whose fp32 → bf16 cast truncates). With autograd "auto" takes the plain ops (gradients flow), "triton" refuses."""
+    N, D, W = 37, 48, 48 + 70
+    g = _gen(9)
+    x = 2 * torch.randn(1, N, D, generator=g, dtype=torch.float64)
+    wide = 3 * torch.randn(1, N, W, generator=g, dtype=torch.float64)
+    exact = x * torch.sigmoid(wide[..., 11:11 + D])
+    xd, wd = x.to(DEV, dtype), wide.to(DEV, dtype)
+    gate = wd[..., 11:11 + D]
+    assert not gate.is_contiguous()
+    got = output_gate(xd, gate, backend="triton").double().cpu()
+    assert got.shape == x.shape
+    if dtype == torch.float32:
+        assert rel_rmse(exact, got) <= 1e-6
+    else:  # the inputs' bf16 rounding is the same on both sides
+        ref = xd.double().cpu() * torch.sigmoid(gate.double().cpu())
+        ulps = 2 ** -8 if DEV == "cuda" else 2 ** -7
+        assert ((got - ref).abs() <= ref.abs() * ulps + 1e-30).all()
+    xg = xd.detach().clone().requires_grad_()
+    y = output_gate(xg, gate)
+    y.sum().backward()
+    assert torch.allclose(xg.grad, torch.sigmoid(gate)) and torch.equal(y, xg * torch.sigmoid(gate))
+    with pytest.raises(ValueError, match="no backward"):
+        output_gate(xg, gate, backend="triton")
+    with pytest.raises(ValueError, match="gate must have x's shape"):
+        output_gate(xd, gate[..., 1:])
 
 
 def test_norm_dispatch():

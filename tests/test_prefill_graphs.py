@@ -116,17 +116,65 @@ def test_kda_extend_split_equals_unsplit(length, want):
     args = args[:6] + (torch.full_like(args[6], -6.0),)
     chunks = token_runs(cu, T, 16, first=True)
     out = []
-    for split in (0, 4):  # unsplit; in 4 segments
+    for split, kernel in ((0, False), (4, False), (4, True)):  # unsplit; the combine as GEMMs; as one kernel
         p = pool.clone()
-        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
-                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy:
+        with CH.cfg_override(extend_split=split), mock.patch.object(CH, "COMBINE_KERNEL", kernel), \
+                mock.patch.object(CH, "EXTEND_SPLIT_MIN_TOKENS", 64), \
+                mock.patch.object(CH, "_extend_split", wraps=CH._extend_split) as spy, \
+                mock.patch.object(CH, "combine_segments", wraps=CH.combine_segments) as kspy:
             o, st = kda_decode_step_gated(*args, p[:, 1], slots, -5.0, backend="auto" if dev == "cuda" else "triton",
                                           cu_seqlens=cu, chunks=chunks, states_at=pos)
-        assert spy.call_count == (split > 1)
+        assert spy.call_count == (split > 1) and kspy.call_count == kernel
         out.append((o, st, p))
-    (o0, s0, p0), (o1, s1, p1) = out
-    assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
-    assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
+    o0, s0, p0 = out[0]
+    for o1, s1, p1 in out[1:]:
+        assert rel_rmse(o0[:length], o1[:length]) <= 1e-5 and not o1[length:].any()
+        assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
+
+
+def _combine_case(P, H, K, V, seed):
+    """Summaries (transitions of norm ≈ 1, as a decaying state's), a pool with the slot 3, and the fp64 walk."""
+    g = torch.Generator().manual_seed(seed)
+    summ = torch.randn(P, H, K, V + K, generator=g)
+    summ[..., V:] *= K ** -0.5
+    pool = torch.randn(5, H, K, V, generator=g)
+    exact = [pool[3].double()]
+    for j in range(1, P):
+        exact.append(summ[j - 1, ..., V:].double() @ exact[-1] + summ[j - 1, ..., :V].double())
+    return summ, pool, torch.tensor([3]), torch.stack(exact)
+
+
+@pytest.mark.parametrize("P,H,K,V,bv", [(4, 2, 32, 48, 16), (8, 3, 16, 16, 32), (2, 1, 128, 128, 32)])
+def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv):
+    """The segments' incoming states in one kernel (`combine.combine_segments`, the CPU interpreter here: exact
+    fp32) and the reference's batched GEMMs, both against an fp64 walk of the recursion (h[0] = the slot's state,
+    h[j] = M h + S): within 1e-6 relative RMS; V not a multiple of the value block; the pool untouched."""
+    from k3.ops.kda.triton.combine import combine_segments, combine_segments_torch
+    dev = _triton_or_skip()
+    summ, pool, slot, exact = _combine_case(P, H, K, V, P * 100 + K)
+    before = pool.clone()
+    ref = combine_segments_torch(summ, pool, slot, P)
+    out = combine_segments(summ.to(dev), pool.to(dev), slot.to(dev), P, block_v=bv).cpu()
+    assert out.shape == (P, H, K, V) and out.dtype == torch.float32
+    assert rel_rmse(exact, ref) <= 1e-6 and rel_rmse(exact, out) <= 1e-6
+    assert torch.equal(out[0], pool[3]) and torch.equal(pool, before)
+    with pytest.raises(ValueError, match="summ must be fp32"):
+        combine_segments(summ[..., :-1].to(dev), pool.to(dev), slot.to(dev), P)
+    with pytest.raises(ValueError, match="one slot"):
+        combine_segments(summ.to(dev), pool.to(dev), torch.tensor([1, 2], device=dev), P)
+
+
+@cuda
+@pytest.mark.parametrize("prec,bound", [("tf32x3", 2e-6), ("ieee", 1e-6), ("tf32", 2e-3)])
+@pytest.mark.parametrize("bv,warps", [(16, 4), (32, 8), (64, 8)])
+def test_combine_segments_kernel_precisions_on_cuda(prec, bound, bv, warps):
+    """On the GPU, k3-small's sizes (H 12, K = V 128) over 8 segments: 3xTF32 (the default) within 2e-6 of the
+    fp64 walk (fp32's rounding; the GEMMs' own error is below 1e-6), exact FMA within 1e-6, one TF32 product within
+    2e-3 (2^-11 per product, over 7 steps)."""
+    from k3.ops.kda.triton.combine import combine_segments
+    summ, pool, slot, exact = _combine_case(8, 12, 128, 128, 5)
+    out = combine_segments(summ.cuda(), pool.cuda(), slot.cuda(), 8, block_v=bv, num_warps=warps, precision=prec)
+    assert rel_rmse(exact, out.cpu()) <= bound
 
 
 def test_kda_step_states_at_rejects_bad_calls():

@@ -3,13 +3,15 @@ tokens, an initial state, states kept every 512 tokens as the engine's prefix ca
 and kg (`pre`) or not, and q, k, v, beta read in place as row slices of the conv / projection outputs or as
 contiguous copies made first (the copies timed too). CUDA events, median of 30; outputs against the first.
 
-Then the engine's prefill-graph form captured in a CUDA graph, unsplit and in 2-16 static segments.
+Then the engine's prefill-graph form captured in a CUDA graph, unsplit and in 2-16 static segments, the
+segments' states combined by P - 1 fp32 GEMMs or by one kernel (`combine.py`).
 
-    python benchmarks/probe/kda_prefill_paths.py
+    python benchmarks/probe/kda_prefill_paths.py [--graph-only]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,6 +25,9 @@ from k3.ops.kda.triton import chunk_kda_gated_triton  # noqa: E402
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--graph-only", action="store_true", help="only the prefill-graph form")
+    a = ap.parse_args()
     T, H, K = 8192, 12, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     conv = torch.randn(T, 3 * H * K, device="cuda", generator=g).bfloat16()       # the short conv's output
@@ -36,7 +41,7 @@ def main():
               cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
     intra = CH._intra_fwd
     ref = None
-    for pre in (True, False):
+    for pre in (() if a.graph_only else (True, False)):
         CH._intra_fwd = lambda *a, pre_=pre, **k_: intra(*a, pre=pre_)
         for inplace in (True, False):
             def run():
@@ -68,7 +73,10 @@ def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
     pos = torch.tensor([T - 512], device="cuda")
     ref = None
     CH.EXTEND_SPLIT_MIN_TOKENS = 1024  # no cap on the segment count below (segments of >= 256 tokens)
-    for P in (0, 2, 4, 8, 16):
+    for P, kernel in [(0, False)] + [(P, kernel) for P in (2, 4, 8, 16) for kernel in (False, True)]:
+        CH.COMBINE_KERNEL = kernel
+        how = f"{P or 1:2d} segment(s), {'kernel' if kernel else 'GEMMs '}"
+
         def run():
             with torch.no_grad(), CH.cfg_override(extend_split=P):
                 return kda_decode_step_gated(q, k, v, f[0], beta, A_log, dtb, pool[:, 1], slots, -5.0, cu_seqlens=cu,
@@ -81,10 +89,10 @@ def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
         try:
             ms = median_ms(graphed(run), 5, 30)
         except Exception as e:  # report and go on with the next setting
-            print(f"in a graph, {P or 1:2d} segment(s): {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return
+            print(f"in a graph, {how}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
         pool.copy_(before)
-        print(f"in a graph, {P or 1:2d} segment(s): {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
+        print(f"in a graph, {how}: {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -145,5 +145,6 @@ def prologue(x: torch.Tensor, gate: torch.Tensor | None = None, norm: tuple | No
             return y.reshape(shape)
         x = rms_norm(x, nw, eps)
     if gate is not None:
-        x = x * torch.sigmoid(gate)
+        from ..norm import output_gate
+        x = output_gate(x, gate)
     return x

@@ -19,7 +19,7 @@ from .._triton import device_reason, importable
 from .recompute import rms_norm_torch
 from .reference import rms_norm_gated_reference, rms_norm_reference
 
-__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_reference", "rms_norm_gated_reference", "rms_norm_torch",
+__all__ = ["rms_norm", "rms_norm_gated", "output_gate", "rms_norm_reference", "rms_norm_gated_reference", "rms_norm_torch",
            "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -94,3 +94,20 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor | None, gate: torch.Ten
         return rms_norm_torch(x, weight, eps, gate)
     from .triton import rms_norm_triton
     return rms_norm_triton(x, weight, eps, gate)
+
+
+@eager_op
+def output_gate(x: torch.Tensor, gate: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """x * sigmoid(gate) (gate of x's shape): the MLA layer's output gate. "triton" ("auto" on CUDA): one forward
+    kernel, fp32 arithmetic, one rounding to x's dtype, gate read in place when it is a row slice; it has no
+    backward, so "auto" takes the plain ops (sigmoid and product each rounded to x's dtype: what training
+    differentiates) when autograd needs the gradient, as "torch" / "reference" always do."""
+    _check("output_gate", x, None, gate)
+    picked = _pick("output_gate", backend, x, None, gate)
+    grad = torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)
+    if picked == "triton" and grad and backend == "triton":
+        raise ValueError("output_gate: backend 'triton' has no backward; call it without autograd or use 'auto'")
+    if picked != "triton" or grad:
+        return x * torch.sigmoid(gate)
+    from .triton import output_gate_triton
+    return output_gate_triton(x, gate)

@@ -46,14 +46,15 @@ def _store_rows(ptr, val, rows, cols, M, D, stride):
 @triton.jit
 def rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, M, D, sx, sg, sy, eps, gG, sg_in,
                         HAS_W: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """BR rows: y = x * rsqrt(mean(x²) + eps) [* w] [* sigmoid(g)]; g's rows by (sg, gG, sg_in) (`_load_rows`)."""
+                        NORM: tl.constexpr = True, PDL: tl.constexpr = False):
+    """BR rows: y = x * rsqrt(mean(x²) + eps) [* w] [* sigmoid(g)]; g's rows by (sg, gG, sg_in) (`_load_rows`).
+    NORM=False: no normalisation (the MLA output gate x * sigmoid(g))."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
-    x = _load_rows(x_ptr, rows, cols, M, D, sx)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
-    y = x * r[:, None]
+    y = _load_rows(x_ptr, rows, cols, M, D, sx)
+    if NORM:
+        y = y / tl.sqrt(tl.sum(y * y, 1) / D + eps)[:, None]
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -167,6 +168,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if weight is not None and not weight.is_contiguous():
         weight = weight.contiguous()
     return _RMSNorm.apply(x, weight, gate, float(eps))
+
+
+def output_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) over rows of width ≤ 8192 in fp32, one rounding to x's dtype; forward only. gate may be a
+    row slice of a wider tensor (read in place)."""
+    D = x.shape[-1]
+    x2 = _rows2d(x, D)
+    g2, sg, gG, sg_in = _gate_rows(gate, D)
+    M = x2.shape[0]
+    y = torch.empty(M, D, device=x.device, dtype=x.dtype)
+    BR, BD, warps = _blocks(D)
+    if M:
+        rms_norm_fwd_kernel[(triton.cdiv(M, BR),)](x2, x2, g2, y, M, D, x2.stride(0), sg, y.stride(0), 0.0, gG, sg_in,
+                                                  HAS_W=False, GATED=True, BR=BR, BD=BD, NORM=False, num_warps=warps,
+                                                  **pdl(y))
+    return y.view(x.shape)
 
 
 def interpreted() -> bool:

@@ -18,6 +18,7 @@ import triton
 
 from ..._host import to_device
 from ..states_at import chunk_slots
+from .combine import combine_segments, combine_segments_torch
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
@@ -68,6 +69,9 @@ CFG = {
     "extend_split": int(os.environ.get("K3_KDA_EXTEND_SPLIT", "8")),
 }
 EXTEND_SPLIT_MIN_TOKENS = 4096
+# the segments' incoming states in one Triton kernel (`combine.combine_segments`) rather than P - 1 fp32 GEMMs and
+# their copies (K3_KDA_COMBINE_KERNEL=0)
+COMBINE_KERNEL = os.environ.get("K3_KDA_COMBINE_KERNEL", "1") == "1"
 
 
 # extend steps fold Tb (`PRE`) below this many tokens per sequence on average: folded is faster for short chunks
@@ -513,21 +517,6 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     return o if states_at is None else (o, hsel)
 
 
-def combine_segments(summ: torch.Tensor, state: torch.Tensor, slot: torch.Tensor, P: int) -> torch.Tensor:
-    """The segments' incoming states h [P, H, K, V] fp32 from their summaries summ [P, H, K, V + K] (S_loc ‖ M,
-    each from a zero state) and the pool `state` [*, H, K, V] at the one-element index tensor `slot`:
-    h[0] = the slot's state, h[j] = M[j-1] h[j-1] + S_loc[j-1]. (A one-kernel Triton walk measured slower on the
-    H200, 2026-12-03: 16.3 against 15.0 µs at P = 2, 52.0 against 30.6 at P = 4.)"""
-    V = state.shape[-1]
-    S_loc, M = summ[..., :V], summ[..., V:]
-    h = torch.empty(P, *state.shape[1:], device=summ.device, dtype=torch.float32)
-    torch.index_select(state, 0, slot, out=h[:1])
-    h[1:] = S_loc[:-1]  # one copy of the addends; each step then accumulates onto its own (contiguous) h[j]
-    for j in range(1, P):  # one batched GEMM per step, beta = 1 in place (no copy of the addend per step)
-        h[j].baddbmm_(M[j - 1], h[j - 1])
-    return h
-
-
 def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, nsel):
     """One sequence's extend chunk (tokens 0 .. cu[1] of T padded rows) in P static segments of T / P tokens:
     each segment's summary from a zero state (its contribution and K x K transition, in parallel), the incoming
@@ -541,7 +530,8 @@ def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, 
     first = torch.arange(P, device=dev, dtype=torch.int32) * (seg // C)  # each segment's first chunk
     summ = _summaries(parts, pairs, first, P, H, K, V)
     slot0 = state_indices[:1]  # a one-element index tensor (a 0-d one would be read to the host)
-    h0v = combine_segments(summ, state, slot0, P)  # the segments' incoming states
+    combine = combine_segments if COMBINE_KERNEL else combine_segments_torch
+    h0v = combine(summ, state, slot0, P)  # the segments' incoming states
     _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel)
     state[slot0] = htv[P - 1:]
     return hsel
