@@ -132,6 +132,25 @@ def test_kda_extend_split_equals_unsplit(length, want):
         assert rel_rmse(s0, s1) <= 1e-5 and rel_rmse(p0, p1) <= 1e-5
 
 
+def test_split_tables_reused_only_for_the_same_unmodified_bounds():
+    """`_split_tables` (built once per forward, reused by every KDA layer): the same cu_seqlens object gives the
+    same tables; an in-place change of it, or another tensor, gives fresh ones, equal to the formula
+    b = min(j · T / P, cu[1]), pairs (b[j], b[j + 1]), first chunk j · T / (P · 16)."""
+    from k3.ops.kda.triton import chunk as CH
+    T, P = 512, 4
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    b, pairs, first = CH._split_tables(cu, T, P)
+    assert b.tolist() == [0, 128, 256, 300, 300] and pairs.tolist() == [0, 128, 128, 256, 256, 300, 300, 300]
+    assert first.tolist() == [0, 8, 16, 24]
+    assert CH._split_tables(cu, T, P)[0] is b
+    cu[1] = 200  # in place: a new version
+    b2 = CH._split_tables(cu, T, P)[0]
+    assert b2 is not b and b2.tolist() == [0, 128, 200, 200, 200]
+    other = torch.tensor([0, 200], dtype=torch.int32)
+    assert CH._split_tables(other, T, P)[0] is not b2
+    assert CH._split_tables(other, T, 2)[0].tolist() == [0, 200, 200]
+
+
 def _combine_case(P, H, K, V, seed):
     """Summaries (transitions of norm ≈ 1, as a decaying state's), a pool with the slot 3, and the fp64 walk."""
     g = torch.Generator().manual_seed(seed)
@@ -165,12 +184,12 @@ def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv):
 
 
 @cuda
-@pytest.mark.parametrize("prec,bound", [("tf32x3", 2e-6), ("ieee", 1e-6), ("tf32", 2e-3)])
+@pytest.mark.parametrize("prec,bound", [("tf32x3", 2e-6), ("ieee", 1e-6), ("tf32", 4e-3)])
 @pytest.mark.parametrize("bv,warps", [(16, 4), (32, 8), (64, 8)])
 def test_combine_segments_kernel_precisions_on_cuda(prec, bound, bv, warps):
     """On the GPU, k3-small's sizes (H 12, K = V 128) over 8 segments: 3xTF32 (the default) within 2e-6 of the
     fp64 walk (fp32's rounding; the GEMMs' own error is below 1e-6), exact FMA within 1e-6, one TF32 product within
-    2e-3 (2^-11 per product, over 7 steps)."""
+    4e-3 (2^-11 per product, over 7 steps: 2.2e-3 measured on the H200)."""
     from k3.ops.kda.triton.combine import combine_segments
     summ, pool, slot, exact = _combine_case(8, 12, 128, 128, 5)
     out = combine_segments(summ.cuda(), pool.cuda(), slot.cuda(), 8, block_v=bv, num_warps=warps, precision=prec)

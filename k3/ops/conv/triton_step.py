@@ -140,7 +140,7 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     # sequence's tiles write them
     y = (torch.empty if cu_seqlens is None or tiles is not None else torch.zeros)(N, C, dtype=x.dtype,
                                                                                  device=x.device)
-    w = weight.reshape(C, W1 + 1).float().contiguous()
+    w = weight.reshape(C, W1 + 1).contiguous()  # in its own dtype: the kernels upcast each tap (no kernel per call)
     WP = max(2, triton.next_power_of_2(W1))
     if cu_seqlens is None:  # decode: one token per sequence
         BC = 128
