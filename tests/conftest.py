@@ -91,3 +91,17 @@ def full_grad(t, name: str, ep_group):
         dist.all_gather(parts, t.contiguous(), group=ep_group)
         t = torch.cat(parts)
     return t
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """`torch.empty` returning NaN-filled float tensors for the test's duration: output rows a kernel must write
+    (zeros for a captured step's padding rows) cannot pass by the allocator's luck (fresh CPU memory is zero)."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+    monkeypatch.setattr(torch, "empty", empty)

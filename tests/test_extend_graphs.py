@@ -61,10 +61,11 @@ def test_short_conv_step_over_several_tokens_equals_short_conv_with_state():
 @pytest.mark.parametrize("tiles", [False, True], ids=["per-sequence", "per-tile"])
 @pytest.mark.parametrize("lens", [LENS, [70, 2, 0, 33]], ids=["short", "several-tiles"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
-def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens, tiles):
+def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens, tiles, nan_empty):
     """The extend kernel (token tiles in parallel) against the PyTorch ops: outputs, and windows advanced in
     place; sequences of 1 and 2 tokens (shorter than the window), empty ones, and ones longer than a 32-token tile.
-    per-tile: the prefill form, one program per tile (`conv_tiles`), then the window update."""
+    per-tile: the prefill form, one program per tile (`conv_tiles`), then the window update. Rows of no sequence:
+    0, written by the kernels into an uninitialised (here NaN-filled) output."""
     from k3.ops.conv import conv_tiles
     dev = _triton_or_skip()
     g = torch.Generator().manual_seed(11)
@@ -122,10 +123,11 @@ def test_kda_decode_step_gated_over_several_tokens_triton_equals_torch():
 
 
 @pytest.mark.parametrize("lens", [[64], [37, 0, 16, 1, 30], [5, 128]], ids=["hit-tail", "mixed", "short-long"])
-def test_kda_extend_in_chunks_equals_the_token_steps(lens):
+def test_kda_extend_in_chunks_equals_the_token_steps(lens, nan_empty):
     """The chunked extend step (16-token tiles from device-built tables, `kda_extend_triton`; q, k, v, beta read in
     place as row slices, states read and written in the strided pool's slots) against the PyTorch token steps from
-    the same pool slots: outputs, states, untouched slots; rows of no sequence get o = 0. Through
+    the same pool slots: outputs, states, untouched slots; rows of no sequence get o = 0 (written by the recurrence
+    into an uninitialised, here NaN-filled, output). Through
     `kda_decode_step_gated`, which must pick the chunked kernels at these lengths."""
     from unittest import mock
 

@@ -104,10 +104,11 @@ def test_kda_extend_states_at_triton_equals_torch(lens, want):
 
 
 @pytest.mark.parametrize("length,want", [(100, [16, 48, 96, 0]), (40, [16, 32, 0, 0])], ids=["all-segments", "empty-tail"])
-def test_kda_extend_split_equals_unsplit(length, want):
+def test_kda_extend_split_equals_unsplit(length, want, nan_empty):
     """A one-sequence extend chunk (a prefill graph's) in 4 static segments — summaries, fp32 combine, segments
     from their states — against the unsplit recurrence, both from a pool slot: outputs, checkpoint states, the
-    slot's final state (fp32); segments past the chunk's end are empty."""
+    slot's final state (fp32); segments past the chunk's end are empty and the padding rows get o = 0 (outputs
+    allocated NaN-filled here)."""
     from k3.ops.kda.triton import chunk as CH
     dev = _triton_or_skip()
     T = 128
@@ -163,8 +164,9 @@ def _combine_case(P, H, K, V, seed):
     return summ, pool, torch.tensor([3]), torch.stack(exact)
 
 
-@pytest.mark.parametrize("P,H,K,V,bv", [(4, 2, 32, 48, 16), (8, 3, 16, 16, 32), (2, 1, 128, 128, 32)])
-def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv):
+@pytest.mark.parametrize("P,H,K,V,bv,prefetch", [(4, 2, 32, 48, 16, False), (8, 3, 16, 16, 32, True),
+                                              (2, 1, 128, 128, 32, True), (3, 1, 16, 16, 16, False)])
+def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv, prefetch):
     """The segments' incoming states in one kernel (`combine.combine_segments`, the CPU interpreter here: exact
     fp32) and the reference's batched GEMMs, both against an fp64 walk of the recursion (h[0] = the slot's state,
     h[j] = M h + S): within 1e-6 relative RMS; V not a multiple of the value block; the pool untouched."""
@@ -173,7 +175,7 @@ def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv):
     summ, pool, slot, exact = _combine_case(P, H, K, V, P * 100 + K)
     before = pool.clone()
     ref = combine_segments_torch(summ, pool, slot, P)
-    out = combine_segments(summ.to(dev), pool.to(dev), slot.to(dev), P, block_v=bv).cpu()
+    out = combine_segments(summ.to(dev), pool.to(dev), slot.to(dev), P, block_v=bv, prefetch=prefetch).cpu()
     assert out.shape == (P, H, K, V) and out.dtype == torch.float32
     assert rel_rmse(exact, ref) <= 1e-6 and rel_rmse(exact, out) <= 1e-6
     assert torch.equal(out[0], pool[3]) and torch.equal(pool, before)
@@ -185,14 +187,15 @@ def test_combine_segments_kernel_equals_the_gemms(P, H, K, V, bv):
 
 @cuda
 @pytest.mark.parametrize("prec,bound", [("tf32x3", 2e-6), ("ieee", 1e-6), ("tf32", 4e-3)])
-@pytest.mark.parametrize("bv,warps", [(16, 4), (32, 8), (64, 8)])
-def test_combine_segments_kernel_precisions_on_cuda(prec, bound, bv, warps):
+@pytest.mark.parametrize("bv,warps,prefetch", [(16, 4, False), (32, 8, False), (32, 8, True), (64, 8, False)])
+def test_combine_segments_kernel_precisions_on_cuda(prec, bound, bv, warps, prefetch):
     """On the GPU, k3-small's sizes (H 12, K = V 128) over 8 segments: 3xTF32 (the default) within 2e-6 of the
     fp64 walk (fp32's rounding; the GEMMs' own error is below 1e-6), exact FMA within 1e-6, one TF32 product within
     4e-3 (2^-11 per product, over 7 steps: 2.2e-3 measured on the H200)."""
     from k3.ops.kda.triton.combine import combine_segments
     summ, pool, slot, exact = _combine_case(8, 12, 128, 128, 5)
-    out = combine_segments(summ.cuda(), pool.cuda(), slot.cuda(), 8, block_v=bv, num_warps=warps, precision=prec)
+    out = combine_segments(summ.cuda(), pool.cuda(), slot.cuda(), 8, block_v=bv, num_warps=warps, precision=prec,
+                           prefetch=prefetch)
     assert rel_rmse(exact, out.cpu()) <= bound
 
 

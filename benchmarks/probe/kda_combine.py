@@ -19,8 +19,8 @@ from timing import graphed, median_ms  # noqa: E402
 
 from k3.ops.kda.triton.combine import combine_segments, combine_segments_torch  # noqa: E402
 
-SETTINGS = [dict(precision=p, block_v=bv, num_warps=w) for p in ("tf32x3", "tf32", "ieee")
-            for bv, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
+SETTINGS = [dict(precision=p, block_v=bv, num_warps=w, prefetch=f) for p in ("tf32x3", "tf32")
+            for bv, w in ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8)) for f in (False, True)]
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
     pool = torch.randn(64, H, K, V, device="cuda")
     slot = torch.tensor([17], device="cuda")
     res = []
-    for P in (2, 4, 8, 16):
+    for P in (4, 8, 16):
         g = torch.Generator(device="cuda").manual_seed(P)
         summ = torch.randn(P, H, K, V + K, device="cuda", generator=g)
         summ[..., V:] *= K ** -0.5

@@ -94,13 +94,15 @@ def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y
 
 
 @triton.jit
-def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot,
+def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot, N,
                              W1: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                              CONV: tl.constexpr):
     """Program (n, channel block), several tokens per sequence (an extend step): BT tokens at a time, all in
     parallel (`_conv_tile`), then the window becomes the last W1 inputs of (window ‖ tokens). No loop-carried
     chain through the tokens (the decode kernel above steps one token at a time): a 64-token tail is one tile,
-    not 64 dependent steps. CONV=False: only the window update (after `short_conv_tiles_kernel`)."""
+    not 64 dependent steps. With CONV, the last sequence's programs also store y = 0 in the rows after it up to N
+    (a captured step's padding: no zero-filled output first). CONV=False: only the window update (after
+    `short_conv_tiles_kernel`, which zeroes the padding itself)."""
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
@@ -110,6 +112,11 @@ def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, 
     if CONV:
         for t0 in range(bos, eos, BT):
             _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT)
+        if n == tl.num_programs(0) - 1:
+            for t0 in range(eos, N, BT):
+                t = t0 + tl.arange(0, BT)
+                tl.store(y_ptr + t[:, None] * C + c[None, :], tl.zeros([BT, BC], y_ptr.dtype.element_ty),
+                         mask=(t < N)[:, None] & cm[None, :])
     i = tl.arange(0, WP)
     p = eos - W1 + i  # the new window's column i holds position p
     im = cm[:, None] & (i < W1)[None, :]
@@ -136,10 +143,8 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
     if windows[0].stride() != (W1, 1):
         raise ValueError(f"short_conv_step: each window slot must be contiguous [C, W-1], strides {windows.stride()}")
     n = N if cu_seqlens is None else cu_seqlens.numel() - 1
-    # rows outside every sequence (a captured extend step's padding) get 0; with tiles (a prefill chunk) the last
-    # sequence's tiles write them
-    y = (torch.empty if cu_seqlens is None or tiles is not None else torch.zeros)(N, C, dtype=x.dtype,
-                                                                                 device=x.device)
+    # rows outside every sequence (a captured step's padding) get 0: the last sequence's programs write them
+    y = (torch.empty if n else torch.zeros)(N, C, dtype=x.dtype, device=x.device)
     w = weight.reshape(C, W1 + 1).contiguous()  # in its own dtype: the kernels upcast each tap (no kernel per call)
     WP = max(2, triton.next_power_of_2(W1))
     if cu_seqlens is None:  # decode: one token per sequence
@@ -159,7 +164,7 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                                                                        SKIP=TILES_LAUNCH["skip"],
                                                                        num_warps=TILES_LAUNCH["warps"])
     short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),
-                                                      W1=W1, WP=WP, BT=CONV_TILE, BC=BC, CONV=tiles is None,
+                                                      N, W1=W1, WP=WP, BT=CONV_TILE, BC=BC, CONV=tiles is None,
                                                       num_warps=4)
     return y
 

@@ -178,13 +178,14 @@ def _prec(dtype):
 
 
 def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=None, nsel=0, out=True,
-               cs=1, summary=False, o=None, idx=None):
+               cs=1, summary=False, o=None, idx=None, zero_tail=False):
     """One launch of `kda_recur_fwd_kernel` over N sequences (cs = 1: cu_seqlens; cs = 2: (start, end) pairs).
     Returns (o or None, final states ht [N, H, K, V], hall, vnew, hsel); with `summary`, only ht, which is then
     the segment summaries [N, H, K, V + K] (own contribution | K x K transition). `o`: the output buffer
     [T, H, V] (default: a new one; rows of no sequence are left as they are). `idx` [N]: h0 is a pool of fp32
     states [P, H, K, V] (slots contiguous, strided apart) and sequence n starts from and ends in slot idx[n], in
-    place (ht is then the pool). v may be a row slice of a wider tensor (rows of [H, V] contiguous)."""
+    place (ht is then the pool). v may be a row slice of a wider tensor (rows of [H, V] contiguous). zero_tail: the
+    rows of o after the last sequence are set to 0 (else left as they are)."""
     ke, v, qe, kg, aqk, gc, tb = parts
     T = ke.shape[0]
     NC = gc.shape[0]
@@ -199,7 +200,7 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     BV = min(CFG["fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(VS, BV))](
         ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, idx,
-        H, K, V, cs, v.stride(0), 0 if idx is None else h0.stride(0),
+        H, K, V, cs, v.stride(0), 0 if idx is None else h0.stride(0), T if zero_tail and out else 0,
         BK=_blk(K), BV=BV, HAS_H0=h0 is not None, STORE_HT=True, STORE_H=store_h,
         STORE_SEL=slot is not None, DOT_PREC=_prec(ke.dtype), BF16=_bf16(ke),
         PREFETCH=CFG["prefetch"], SUMMARY=summary, BT=aqk.shape[-1], PRE=tb is None, STORE_O=out,
@@ -505,7 +506,8 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
     NC = chunks.shape[0]
     parts = _intra_fwd(qp, kp, vp, fp, bp, A_log.contiguous(), dt_bias.contiguous(),
                        chunks.contiguous(), NC, scale, float(lower_bound), flags, pre=pre)
-    o = torch.zeros(T, H, V, device=q.device, dtype=v.dtype)
+    o = (torch.empty if n else torch.zeros)(T, H, V, device=q.device, dtype=v.dtype)  # rows after cu[n]: zeroed
+    # by the recurrence's last programs
     slot = None if states_at is None else (state_slots if state_slots is not None
                                            else chunk_slots(states_at, cu_seqlens, chunk_off, NC))
     nsel = 0 if states_at is None else states_at.numel()
@@ -514,7 +516,7 @@ def kda_extend_triton(q, k, v, f, beta_logit, A_log, dt_bias, state, state_indic
         hsel = _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, nsel)
     else:
         hsel = _recur_fwd(parts, state, cu_seqlens.contiguous(), chunk_off.contiguous(), n, H, K, V, v.dtype, o=o,
-                          idx=state_indices.contiguous(), slot=slot, nsel=nsel)[4]
+                          idx=state_indices.contiguous(), slot=slot, nsel=nsel, zero_tail=True)[4]
     return o if states_at is None else (o, hsel)
 
 
@@ -550,6 +552,7 @@ def _extend_split(parts, state, state_indices, cu_seqlens, P, H, K, V, o, slot, 
     slot0 = state_indices[:1]  # a one-element index tensor (a 0-d one would be read to the host)
     combine = combine_segments if COMBINE_KERNEL else combine_segments_torch
     h0v = combine(summ, state, slot0, P)  # the segments' incoming states
-    _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel)
+    _, htv, _, _, hsel = _recur_fwd(parts, h0v, b, first, P, H, K, V, o.dtype, o=o, slot=slot, nsel=nsel,
+                                    zero_tail=True)
     state[slot0] = htv[P - 1:]
     return hsel

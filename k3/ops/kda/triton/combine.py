@@ -22,14 +22,23 @@ from ..._triton import interpreted as _interpreted, pdl
 from ..._triton_jit import pdl_sync
 
 PREC = "tf32x3"  # tl.dot input precision on the GPU ("ieee": exact fp32 FMA; "tf32": one TF32 product)
-LAUNCH = dict(block_v=32, num_warps=8)
+LAUNCH = dict(block_v=32, num_warps=8, prefetch=False)
+
+
+@triton.jit
+def _step_operands(summ_ptr, j, hh, kr, km, vc, m2, s_sp, s_sh, s_sk, V: tl.constexpr):
+    """Step j's addend S[j] [BK, BV] (this program's value columns) and transition M[j] [BK, BK]."""
+    row = summ_ptr + j * s_sp + hh * s_sh + kr[:, None] * s_sk
+    return (tl.load(row + vc[None, :], mask=m2, other=0.0),
+            tl.load(row + V + kr[None, :], mask=km[:, None] & km[None, :], other=0.0))
 
 
 @triton.jit
 def segment_combine_kernel(state_ptr, slot_ptr, summ_ptr, h_ptr, s_state, s_sp, s_sh, s_sk, s_hp,
                            K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           PREC: tl.constexpr, PDL: tl.constexpr = False):
-    """summ [P, H, K, V + K] (S ‖ M, rows of stride s_sk); h [P, H, K, V], [H, K, V] contiguous per segment."""
+                           PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+    """summ [P, H, K, V + K] (S ‖ M, rows of stride s_sk); h [P, H, K, V], [H, K, V] contiguous per segment.
+    PREFETCH: step j + 1's operands are loaded before step j's product (they do not depend on h)."""
     pdl_sync(PDL)
     hh = tl.program_id(0)
     vc = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -40,12 +49,17 @@ def segment_combine_kernel(state_ptr, slot_ptr, summ_ptr, h_ptr, s_state, s_sp, 
     h = tl.load(state_ptr + slot * s_state + hh * K * V + kr[:, None] * V + vc[None, :], mask=m2, other=0.0)
     out = h_ptr + hh * K * V + kr[:, None] * V + vc[None, :]
     tl.store(out, h, mask=m2)
+    s, m = _step_operands(summ_ptr, 0, hh, kr, km, vc, m2, s_sp, s_sh, s_sk, V)
     for j in tl.static_range(1, P):
-        row = summ_ptr + (j - 1) * s_sp + hh * s_sh + kr[:, None] * s_sk
-        s = tl.load(row + vc[None, :], mask=m2, other=0.0)
-        m = tl.load(row + V + kr[None, :], mask=km[:, None] & km[None, :], other=0.0)
+        if PREFETCH and j + 1 < P:
+            s_n, m_n = _step_operands(summ_ptr, j, hh, kr, km, vc, m2, s_sp, s_sh, s_sk, V)
         h = tl.dot(m, h, acc=s, input_precision=PREC)
         tl.store(out + j * s_hp, h, mask=m2)
+        if j + 1 < P:
+            if PREFETCH:
+                s, m = s_n, m_n
+            else:
+                s, m = _step_operands(summ_ptr, j, hh, kr, km, vc, m2, s_sp, s_sh, s_sk, V)
 
 
 def combine_segments_torch(summ: torch.Tensor, state: torch.Tensor, slot: torch.Tensor, P: int) -> torch.Tensor:
@@ -63,10 +77,10 @@ def combine_segments_torch(summ: torch.Tensor, state: torch.Tensor, slot: torch.
 
 def combine_segments(summ: torch.Tensor, state: torch.Tensor, slot: torch.Tensor, P: int,
                      block_v: int | None = None, num_warps: int | None = None,
-                     precision: str | None = None) -> torch.Tensor:
+                     precision: str | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """`combine_segments_torch` as one Triton kernel (grid: heads x value blocks). state: an fp32 pool whose slots
     hold contiguous [H, K, V]; slot: a one-element int tensor on the device (never read to the host).
-    block_v / num_warps / precision replace `LAUNCH` / `PREC` (sweeps, tests; the interpreter always computes
+    block_v / num_warps / prefetch / precision replace `LAUNCH` / `PREC` (sweeps, tests; the interpreter always computes
     in exact fp32)."""
     H, K, V = state.shape[1:]
     if summ.shape != (P, H, K, V + K) or summ.stride(-1) != 1 or summ.dtype != torch.float32:
@@ -81,7 +95,9 @@ def combine_segments(summ: torch.Tensor, state: torch.Tensor, slot: torch.Tensor
     prec = "ieee" if interpreted() else (precision or PREC)
     segment_combine_kernel[(H, triton.cdiv(V, BV))](
         state, slot, summ, h, state.stride(0), summ.stride(0), summ.stride(1), summ.stride(2), h.stride(0),
-        K=K, V=V, P=P, BK=BK, BV=BV, PREC=prec, num_warps=num_warps or LAUNCH["num_warps"], **pdl(h))
+        K=K, V=V, P=P, BK=BK, BV=BV, PREC=prec,
+        PREFETCH=LAUNCH["prefetch"] if prefetch is None else prefetch, num_warps=num_warps or LAUNCH["num_warps"],
+        **pdl(h))
     return h
 
 

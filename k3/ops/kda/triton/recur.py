@@ -61,7 +61,7 @@ def _load_step(ke_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, x_ptr, sx, t0, e
 @triton.jit
 def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr, h0_ptr, o_ptr, ht_ptr,
                          hall_ptr, vnew_ptr, slot_ptr, hsel_ptr, cu_ptr, coff_ptr, idx_ptr,
-                         H, K, V, CS, sv, slot_stride,
+                         H, K, V, CS, sv, slot_stride, zero_to,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          STORE_H: tl.constexpr, STORE_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
                          BF16: tl.constexpr, PREFETCH: tl.constexpr, SUMMARY: tl.constexpr, BT: tl.constexpr,
@@ -80,6 +80,8 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
     v = 0 (the segment's K x K transition), and ht [N, H, K, V + K] receives both.
     sv: v's row stride (H * V when contiguous). HAS_IDX (the engine's extend steps): sequence n's initial and
     final state are slot idx[n] of a pool (h0_ptr = ht_ptr, slots `slot_stride` elements apart), updated in place.
+    zero_to (with STORE_O): the last sequence's programs also store o = 0 in the rows after it, up to zero_to (a
+    captured step's padding; no zero-filled output buffer first).
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -145,6 +147,12 @@ def kda_recur_fwd_kernel(ke_ptr, v_ptr, qe_ptr, kg_ptr, aqk_ptr, tb_ptr, gc_ptr,
                 tl.store(hsel_ptr + (slot * H + h).to(tl.int64) * K * V + soff, S, mask=sm)
     if STORE_HT:
         tl.store(ht_ptr + sbase + soff, S, mask=sm)
+    if STORE_O:
+        if n == tl.num_programs(0) - 1:
+            for t0 in range(eos, zero_to, BT):
+                t = t0 + rows
+                tl.store(o_ptr + t[None, :] * (H * V) + h * V + vc[:, None], tl.zeros([BV, BT], o_ptr.dtype.element_ty),
+                         mask=vm[:, None] & (t < zero_to)[None, :])
 
 
 @triton.jit
