@@ -22,7 +22,10 @@ from ..._triton import interpreted as _interpreted, pdl
 from ..._triton_jit import pdl_sync
 
 PREC = "tf32x3"  # tl.dot input precision on the GPU ("ieee": exact fp32 FMA; "tf32": one TF32 product)
-LAUNCH = dict(block_v=32, num_warps=8, prefetch=False)
+# `benchmarks/probe/kda_combine.py` (H200, 2026-12-04, graph replays, H 12, K = V 128; µs at P = 4 / 8): 3xTF32 with
+# value blocks of 16 and 8 warps 17.1 / 28.4 against the GEMMs' 25.4 / 52.0; blocks of 32: 18.3 / 30.4; 4 warps
+# 25-88; prefetching the next step's operands no faster (14.9-43.8); one TF32 product 12-22 at 1-2e-3 error
+LAUNCH = dict(block_v=16, num_warps=8, prefetch=False)
 
 
 @triton.jit
