@@ -136,7 +136,6 @@ SWITCHES = {
 
 
 # prefill switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
-# (none now: session 17 timed the KDA segment-state kernel slower and removed it)
 PREFILL_SWITCHES = {
     "combine_gemms_seconds": ("k3.ops.kda.triton.chunk", "COMBINE_KERNEL", "KDA segment states by one kernel",
                               "KDA segment states by fp32 GEMMs"),

@@ -302,7 +302,8 @@ def test_output_gate_kernel_reads_a_row_slice_and_rounds_once(dtype):
     """The MLA output gate x * sigmoid(gate) as one forward kernel (the interpreter on CPU), gate a column range of
     the joined projection [N, W] (row stride W) read in place: equals the fp64 formula within one rounding to
     dtype (fp32: 1e-6 relative RMS; bf16: each element within half a unit in the last place, 2^-8 of its
-    magnitude, on CUDA; one unit, 2^-7, through the CPU interpreter, whose fp32 → bf16 cast truncates). With autograd "auto" takes the plain ops (gradients flow), "triton" refuses."""
+    magnitude, on CUDA; one unit, 2^-7, through the CPU interpreter, whose fp32 → bf16 cast truncates). With
+    autograd "auto" takes the plain ops (gradients flow), "triton" refuses."""
     N, D, W = 37, 48, 48 + 70
     g = _gen(9)
     x = 2 * torch.randn(1, N, D, generator=g, dtype=torch.float64)

@@ -73,6 +73,7 @@ def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
     pos = torch.tensor([T - 512], device="cuda")
     ref = None
     CH.EXTEND_SPLIT_MIN_TOKENS = 1024  # no cap on the segment count below (segments of >= 256 tokens)
+    default_kernel = CH.COMBINE_KERNEL
     for P, kernel in [(0, False)] + [(P, kernel) for P in (2, 4, 8, 16) for kernel in (False, True)]:
         CH.COMBINE_KERNEL = kernel
         how = f"{P or 1:2d} segment(s), {'kernel' if kernel else 'GEMMs '}"
@@ -93,6 +94,7 @@ def in_graph_split(T, H, K, conv, proj, f, A_log, dtb):
             continue
         pool.copy_(before)
         print(f"in a graph, {how}: {ms * 1e3:7.1f} us  rel {rel:.1e}", flush=True)
+    CH.COMBINE_KERNEL = default_kernel
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from .._triton import device_reason, importable
 from .recompute import rms_norm_torch
 from .reference import rms_norm_gated_reference, rms_norm_reference
 
-__all__ = ["rms_norm", "rms_norm_gated", "output_gate", "rms_norm_reference", "rms_norm_gated_reference", "rms_norm_torch",
-           "triton_available", "BACKENDS"]
+__all__ = ["rms_norm", "rms_norm_gated", "output_gate", "rms_norm_reference", "rms_norm_gated_reference",
+           "rms_norm_torch", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 MAX_D = 8192  # widest row of the Triton kernels (one row per program tile)
@@ -104,10 +104,11 @@ def output_gate(x: torch.Tensor, gate: torch.Tensor, backend: str = "auto") -> t
     differentiates) when autograd needs the gradient, as "torch" / "reference" always do."""
     _check("output_gate", x, None, gate)
     picked = _pick("output_gate", backend, x, None, gate)
-    grad = torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)
-    if picked == "triton" and grad and backend == "triton":
-        raise ValueError("output_gate: backend 'triton' has no backward; call it without autograd or use 'auto'")
-    if picked != "triton" or grad:
+    if picked == "triton" and torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad):
+        if backend == "triton":
+            raise ValueError("output_gate: backend 'triton' has no backward; call it without autograd or use 'auto'")
+        picked = "torch"
+    if picked != "triton":
         return x * torch.sigmoid(gate)
     from .triton import output_gate_triton
     return output_gate_triton(x, gate)

@@ -54,7 +54,7 @@ def rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, M, D, sx, sg, sy, eps, gG, s
     cols = tl.arange(0, BD)
     y = _load_rows(x_ptr, rows, cols, M, D, sx)
     if NORM:
-        y = y / tl.sqrt(tl.sum(y * y, 1) / D + eps)[:, None]
+        y = y * (1.0 / tl.sqrt(tl.sum(y * y, 1) / D + eps))[:, None]
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if GATED:
