@@ -40,9 +40,9 @@ LAUNCH = {"decode": dict(bh=16, bs=128, split=1024, warps=4, stages=2),
 # candidates for token runs, with g rows per run (GROUP_ROWS is the g in use; a program's M is g x bh of the run's
 # (row, head) pairs, so 16 x 4 covers a run's 192 pairs of 12 heads in three full blocks); `probe/mla_decode_cfg.py`
 # times each and the CUDA tests check each
-SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=2)
-                for g, bh in ((8, 4), (8, 8), (16, 4), (16, 8)) for bs in (64, 128)
-                for split in (1024, 2048) for w in (4, 8)]
+SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=st)
+                for g, bh in ((8, 8), (16, 4), (16, 8)) for bs in (64, 128)
+                for split in (1024, 1536, 2048) for w in (4, 8) for st in (2, 3)]
 
 
 # shared memory the pipelined latent blocks may take (stages x BS x (C + R) x bytes; the H200 gives a block 227 KB,
