@@ -58,19 +58,25 @@ def test_short_conv_step_over_several_tokens_equals_short_conv_with_state():
     assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
 
 
+@pytest.mark.parametrize("launch", [dict(parts=1), dict(parts=8), dict(parts=8, bt=16)],
+                         ids=["one-part", "parts", "parts-of-16"])
 @pytest.mark.parametrize("tiles", [False, True], ids=["per-sequence", "per-tile"])
 @pytest.mark.parametrize("lens", [LENS, [70, 2, 0, 33]], ids=["short", "several-tiles"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
-def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens, tiles, nan_empty):
+def test_short_conv_step_over_several_tokens_triton_equals_the_reference(dtype, tol, lens, tiles, launch, nan_empty,
+                                                                         monkeypatch):
     """The extend kernel (token tiles in parallel) against the PyTorch ops: outputs, and windows advanced in
     place; sequences of 1 and 2 tokens (shorter than the window), empty ones, and ones longer than a 32-token tile.
     per-tile: the prefill form, one program per tile (`conv_tiles`), then the window update. Rows of no sequence:
-    0, written by the kernels into an uninitialised (here NaN-filled) output."""
-    from k3.ops.conv import conv_tiles
+    0, written by the kernels into an uninitialised (here NaN-filled) output. launch: a sequence's tiles walked
+    by one program or dealt to several (only the first part touches the window), in tiles of 32 or 16 tokens."""
+    from k3.ops.conv import conv_tiles, triton_step
+    monkeypatch.setitem(triton_step.EXTEND_LAUNCH, "parts", launch["parts"])
+    monkeypatch.setitem(triton_step.EXTEND_LAUNCH, "bt", launch.get("bt", 32))
     dev = _triton_or_skip()
     g = torch.Generator().manual_seed(11)
     P, C, W = 8, 200, 4
-    N = sum(lens) + (0 if tiles else 2)  # rows of no sequence: extend steps only
+    N = sum(lens) + (0 if tiles else 37)  # rows of no sequence: extend steps only (more than one tile of them)
     pool = torch.randn(P, 2, C, W - 1, generator=g).to(dev, dtype)
     ref_pool = pool.clone()
     w = torch.randn(C, 1, W, generator=g).to(dev)

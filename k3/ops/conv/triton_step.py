@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CONV_TILE  # tokens per tile of the extend and tiles kernels
+from . import CONV_TILE  # tokens per tile of the tiles kernel
 from .._triton import pdl
 from .._triton_jit import pdl_sync
 
@@ -18,6 +18,16 @@ from .._triton_jit import pdl_sync
 # skip: tiles that no tap of which reaches the window skip its loads (False: every tile gathers them, the former
 # kernel, kept for the probe's before/after)
 TILES_LAUNCH = {"bc": 64, "warps": 2, "skip": True}
+# `short_conv_extend_kernel`: channels per program, tokens per tile, warps, and the most parts a sequence's tiles
+# are dealt to (`extend_parts`; 1: one program walks all its tiles, the former kernel)
+EXTEND_LAUNCH = {"bc": 64, "bt": 32, "warps": 4, "parts": 8}
+
+
+def extend_parts(N: int, n: int) -> int:
+    """Parts (programs per sequence and channel block) of an extend step of N rows over n sequences: enough for
+    the mean sequence's tiles, at most EXTEND_LAUNCH["parts"] (a 64-token hit tail: 2 tiles of 32, 2 parts)."""
+    bt = EXTEND_LAUNCH["bt"]
+    return max(1, min(EXTEND_LAUNCH["parts"], triton.cdiv(N, bt * max(1, n))))
 
 
 
@@ -97,34 +107,42 @@ def short_conv_tiles_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, tile_ptr, y
 def short_conv_extend_kernel(x_ptr, w_ptr, win_ptr, slot_ptr, cu_ptr, y_ptr, C, sx, s_slot, N,
                              W1: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                              CONV: tl.constexpr):
-    """Program (n, channel block), several tokens per sequence (an extend step): BT tokens at a time, all in
-    parallel (`_conv_tile`), then the window becomes the last W1 inputs of (window ‖ tokens). No loop-carried
-    chain through the tokens (the decode kernel above steps one token at a time): a 64-token tail is one tile,
-    not 64 dependent steps. With CONV, the last sequence's programs also store y = 0 in the rows after it up to N
-    (a captured step's padding: no zero-filled output first). CONV=False: only the window update (after
-    `short_conv_tiles_kernel`, which zeroes the padding itself)."""
+    """Program (n, channel block, part s of S = the grid's third size), several tokens per sequence (an extend
+    step): the tiles of BT tokens t0 = bos + s·BT, bos + (s + S)·BT, ... of sequence n, each all in parallel
+    (`_conv_tile`; only the first tile's taps reach the window), then part 0 alone, after its own tiles, makes
+    the window the last W1 inputs of (window ‖ tokens): the only program that reads or writes the window. No
+    loop-carried chain through the tokens (the decode kernel above steps one token at a time), and a 64-token tail
+    is S programs per channel block, not one walking its tiles in turn. With CONV, the last sequence's programs
+    also store y = 0 in the rows after it up to N (a captured step's padding: no zero-filled output first).
+    CONV=False: only the window update (after `short_conv_tiles_kernel`, which zeroes the padding itself)."""
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
+    part = tl.program_id(2)
+    S = tl.num_programs(2)
     cm = c < C
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
     wbase = win_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_slot + c * W1  # [BC]: this slot's window rows
     if CONV:
-        for t0 in range(bos, eos, BT):
-            _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT)
+        for t0 in range(bos + part * BT, eos, S * BT):
+            if t0 - W1 >= bos:  # no tap reaches the window
+                _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT, WIN=False)
+            else:
+                _conv_tile(x_ptr, w_ptr, y_ptr, wbase, t0, bos, eos, c, cm, C, sx, W1, BT)
         if n == tl.num_programs(0) - 1:
-            for t0 in range(eos, N, BT):
+            for t0 in range(eos + part * BT, N, S * BT):
                 t = t0 + tl.arange(0, BT)
                 tl.store(y_ptr + t[:, None] * C + c[None, :], tl.zeros([BT, BC], y_ptr.dtype.element_ty),
                          mask=(t < N)[:, None] & cm[None, :])
-    i = tl.arange(0, WP)
-    p = eos - W1 + i  # the new window's column i holds position p
-    im = cm[:, None] & (i < W1)[None, :]
-    nx = (p >= bos)[None, :]
-    new = tl.load(x_ptr + p[None, :] * sx + c[:, None], mask=im & nx, other=0.0).to(win_ptr.dtype.element_ty) \
-        + tl.load(wbase[:, None] + (W1 + p - bos)[None, :], mask=im & (p < bos)[None, :], other=0.0)
-    tl.debug_barrier()  # every read of the old window (token taps and the new window) before it is rewritten
-    tl.store(wbase[:, None] + i[None, :], new, mask=im)
+    if part == 0:
+        i = tl.arange(0, WP)
+        p = eos - W1 + i  # the new window's column i holds position p
+        im = cm[:, None] & (i < W1)[None, :]
+        nx = (p >= bos)[None, :]
+        new = tl.load(x_ptr + p[None, :] * sx + c[:, None], mask=im & nx, other=0.0).to(win_ptr.dtype.element_ty) \
+            + tl.load(wbase[:, None] + (W1 + p - bos)[None, :], mask=im & (p < bos)[None, :], other=0.0)
+        tl.debug_barrier()  # every read of the old window (token taps and the new window) before it is rewritten
+        tl.store(wbase[:, None] + i[None, :], new, mask=im)
 
 
 def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor,
@@ -153,7 +171,7 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                                                         windows.stride(0), W1=W1, WP=WP, BC=BC, num_warps=4,
                                                         **pdl(y))
         return y
-    BC = 64  # more programs: an extend step often holds one or two sequences
+    BC = EXTEND_LAUNCH["bc"]  # 64: more programs (an extend step often holds one or two sequences)
     slots, cu = slots.contiguous(), cu_seqlens.contiguous()
     if tiles is not None and tiles.shape[0]:
         bc = TILES_LAUNCH["bc"]
@@ -163,8 +181,10 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                                                                        BT=CONV_TILE, BC=bc,
                                                                        SKIP=TILES_LAUNCH["skip"],
                                                                        num_warps=TILES_LAUNCH["warps"])
-    short_conv_extend_kernel[(n, triton.cdiv(C, BC))](x, w, windows, slots, cu, y, C, x.stride(0), windows.stride(0),
-                                                      N, W1=W1, WP=WP, BT=CONV_TILE, BC=BC, CONV=tiles is None,
-                                                      num_warps=4)
+    bt = EXTEND_LAUNCH["bt"]
+    parts = 1 if tiles is not None or bt < W1 else extend_parts(N, n)  # bt >= W1: only a first tile reads windows
+    short_conv_extend_kernel[(n, triton.cdiv(C, BC), parts)](x, w, windows, slots, cu, y, C, x.stride(0),
+                                                             windows.stride(0), N, W1=W1, WP=WP, BT=bt, BC=BC,
+                                                             CONV=tiles is None, num_warps=EXTEND_LAUNCH["warps"])
     return y
 

@@ -33,13 +33,15 @@ from . import GROUP_ROWS  # rows of one sequence per program with `groups`: the 
 # 37.0, 32 sequences of 2,000 86.9 → 45.7, against the former 16 heads / 32 / default stages (the best setting
 # of 36 at each size within 4 %): a batch-1 step's MLA was one program walking its history in 32-row blocks.
 LAUNCH = {"decode": dict(bh=16, bs=128, split=1024, warps=4, stages=2),
-          "groups": dict(bh=4, bs=128, split=2048, warps=4, stages=2)}  # with GROUP_ROWS = 16
+          "groups": dict(bh=4, bs=128, split=1536, warps=4, stages=2)}  # with GROUP_ROWS = 16
 # "groups" likewise (same probe and day, 64 rows after 16,384 cached): 189.4 → 118.1 µs against the former
 # 16 heads / 64 / 2,048 / 8 warps / default stages, the best of 32 settings; then (2026-12-04, blocks of (row, head)
 # pairs, the 32 settings of SWEEP_GROUPS) runs of 16 rows x 4 heads 88.9 µs against 94.4 for 8 x 8
 # candidates for token runs, with g rows per run (GROUP_ROWS is the g in use; a program's M is g x bh of the run's
 # (row, head) pairs, so 16 x 4 covers a run's 192 pairs of 12 heads in three full blocks); `probe/mla_decode_cfg.py`
-# times each and the CUDA tests check each
+# times each and the CUDA tests check each. Splits of 1,536 (2026-12-04, session 22, 96 settings): 60.5 against
+# 73.6 µs for 2,048, the next best. A 16K history is then 11 splits x 12 (run, block) programs = 132, one per SM
+# of the H200; at 2,048 its 9 splits (the last of 64 positions) filled 108 (96 busy)
 SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=st)
                 for g, bh in ((8, 8), (16, 4), (16, 8)) for bs in (64, 128)
                 for split in (1024, 1536, 2048) for w in (4, 8) for st in (2, 3)]

@@ -34,6 +34,9 @@ CFG = {
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
     "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
+    # precision of the forward intra kernel's 16x16 inverse and fold products ("ieee": exact fp32 FMA dots;
+    # "tf32x3": three TF32 tensor-core products each). The CPU interpreter always takes "ieee"
+    "inv_prec": os.environ.get("K3_KDA_INV_PREC", "ieee"),
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
@@ -160,8 +163,9 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, p
     BK = _blk(K)
     kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
                                   H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK,
-                                  KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype),
-                                  PRE=pre, num_warps=CFG["intra_warps"], **flags)
+                                  KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype), PRE=pre,
+                                  INV_PREC="ieee" if q.device.type == "cpu" else CFG["inv_prec"],
+                                  num_warps=CFG["intra_warps"], **flags)
     return ke, v, qe, kg, aqk, gc, tb
 
 
