@@ -93,9 +93,14 @@ def test_short_and_boundary_lengths(T):
     compare(x, gr, strict=None if CUDA else STRICT)
 
 
-def test_head_dim_128():
+@pytest.mark.parametrize("small", [0, 10 ** 6], ids=["wide-step-settings", "short-step-settings"])
+def test_head_dim_128(small):
+    """K = V = 128 with both launch-setting sets: the prefill's (column blocks of 32 in the intra kernel, value
+    blocks of 64) and a short step's (`CFG["small_programs"]`: one block of 128, value blocks of 16)."""
+    from k3.ops.kda.triton.chunk import cfg_override
     x, gr = make(1, 20, 2, 128, 128, seed=7)
-    compare(x, gr, strict=None if CUDA else STRICT)
+    with cfg_override(small_programs=small):
+        compare(x, gr, strict=None if CUDA else STRICT)
 
 
 def test_varlen():

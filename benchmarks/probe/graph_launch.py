@@ -4,7 +4,8 @@
    perf_counter wrappers around the engine's phases (submit, schedule, the graph's `fill`, the input copy, the
    graph launch, sampling, outputs): the median host ms of each and of the whole call.
 2. `CUDAGraph.replay()` alone, host time of the call (median of 30, the GPU drained between calls), for each graph
-   the engine holds (extend, prefill, decode), with programmatic dependent launch on and off (recaptured).
+   the engine holds (extend, prefill, decode), with programmatic dependent launch on and off (recaptured); and
+   each replay's GPU time from start to end (CUDA events: its kernels and the gaps between them).
 3. Synthetic graphs of n kernels (n = 100, 300, 600): a torch add, a trivial Triton kernel, the same with PDL; the
    launch's host time per kernel node.
 
@@ -76,8 +77,26 @@ def synthetic(n: int, kind: str) -> float:
     return replay_host_ms(g)
 
 
+def replay_gpu_ms(graph: torch.cuda.CUDAGraph, reps: int = 30) -> float:
+    """GPU time of one replay from start to end (CUDA events, median): the kernels and the gaps between them."""
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
 def graph_table(eng) -> dict:
     return {str(k): replay_host_ms(g.graph) for k, g in eng.runner.graphs.items() if g.graph is not None}
+
+
+def graph_gpu_table(eng) -> dict:
+    return {str(k): replay_gpu_ms(g.graph) for k, g in eng.runner.graphs.items() if g.graph is not None}
 
 
 def main():
@@ -123,6 +142,9 @@ def main():
     for k, v in res["hit"]["phases_ms"].items():
         print(f"   {v:7.3f} ms  {k}")
     res["replay_pdl_on"] = graph_table(eng)
+    res["replay_gpu_ms"] = graph_gpu_table(eng)
+    for k, v in res["replay_gpu_ms"].items():
+        print(f"replay {k:32s} GPU {v:7.3f} ms (events around one replay, median of 30)")
 
     def no_pdl():
         eng.generate([rand_prompts(1, 8192, V, next(seeds))[0]], ONE)

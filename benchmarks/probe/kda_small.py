@@ -4,9 +4,9 @@ bf16 inputs, an fp32 state pool; conv over 3 x 1,536 channels, window 3). Each s
 CUDA graph (20 calls per replay, median of 30 replays, µs per call) and checked against the default's output
 (relative RMS). Parts:
 
-- `intra`: `kda_intra_fwd_kernel` alone (column block, warps, the inverse's precision), also at 8,192 tokens
-  (a prefill chunk) for the precision;
-- `recur`: the whole `kda_extend_triton` (intra at its default) by the recurrence's value block, warps, prefetch;
+- `intra`: `kda_intra_fwd_kernel` alone by column block and warps, at the tail's length and at 256 to 4,096 tokens
+  (where the short-step settings, `CFG["small_programs"]`, should stop);
+- `recur`: the whole `kda_extend_triton` (intra at its default) by the recurrence's value block and warps;
 - `conv`: `short_conv_step` over the tail (`short_conv_extend_kernel`): channels per program, tokens per tile, the
   parts a sequence's tiles are dealt to, warps.
 
@@ -101,8 +101,8 @@ def main():
         return q, k, f, v, bl, cu, token_runs(cu, T, 16, first=True)
 
     cfg = lambda s: chunk.cfg_override(**s)  # noqa: E731
-    if "intra" in a.parts:
-        for T in (a.tokens, 8192):
+    if "intra" in a.parts:  # the settings as given (small_programs 0: no short-step override), by length
+        for T in (a.tokens, 256, 1024, 4096):
             q, k, f, v, bl, cu, (chunks, _) = inputs(T)
             flags = dict(GATE=True, BETA_SIG=True, L2=True)
             NC = chunks.shape[0]
@@ -111,12 +111,9 @@ def main():
                 return chunk._intra_fwd(q, k, v, f, bl, A_log, dtb, chunks, NC, K ** -0.5, -5.0, flags,
                                         pre=T < chunk.FOLD_BELOW_TOKENS)[3]  # kg (Tb folded in when pre)
 
-            base = dict(intra_kb=chunk.CFG["intra_kb"], intra_warps=chunk.CFG["intra_warps"],
-                        inv_prec=chunk.CFG["inv_prec"])
-            grid = [dict(intra_kb=kb, intra_warps=w, inv_prec=p) for kb, w, p in
-                    itertools.product((32, 64, 128), (1, 2, 4), ("ieee", "tf32x3"))] if T == a.tokens else \
-                [dict(base, inv_prec=p) for p in ("ieee", "tf32x3")]
-            sweep("intra", [base] + grid, cfg, intra, out, T)
+            grid = [dict(small_programs=0, intra_kb=kb, intra_warps=w)
+                    for kb, w in itertools.product((32, 64, 128), (2, 4, 8))]
+            sweep("intra", [{}] + grid, cfg, intra, out, T)
     q, k, f, v, bl, cu, (chunks, coff) = inputs(a.tokens)
     slots = torch.tensor([5], device=dev)
     if "recur" in a.parts:
@@ -124,11 +121,10 @@ def main():
             return kda_extend_triton(q, k, v, f, bl, A_log, dtb, pool, slots, cu, chunks, coff,
                                      use_qk_l2norm_in_kernel=True)
 
-        base = dict(fwd_bv=chunk.CFG["fwd_bv"], fwd_warps=chunk.CFG["fwd_warps"], prefetch=chunk.CFG["prefetch"])
-        grid = [dict(fwd_bv=bv, fwd_warps=w, prefetch=p) for bv, w, p in
-                itertools.product((16, 32, 64, 128), (2, 4, 8), (True, False))]
+        grid = [dict(small_programs=0, fwd_bv=bv, fwd_warps=w) for bv, w in
+                itertools.product((16, 32, 64), (4, 8))]
         saved = pool.clone()
-        sweep("extend", [base] + grid, cfg, extend, out, a.tokens, reset=lambda: pool.copy_(saved))
+        sweep("extend", [{}] + grid, cfg, extend, out, a.tokens, reset=lambda: pool.copy_(saved))
     if "conv" in a.parts:
         C, W = 3 * H * K, 4
         x = torch.randn(a.tokens, C, device=dev, dtype=torch.bfloat16, generator=g)
@@ -141,7 +137,7 @@ def main():
 
         base = dict(triton_step.EXTEND_LAUNCH)
         grid = [dict(bc=bc, bt=bt, parts=p, warps=wp) for bc, bt, p, wp in
-                itertools.product((32, 64, 128), (16, 32), (1, 8), (2, 4))]
+                itertools.product((16, 32, 64), (16, 32), (1, 8), (2, 4))]
         sweep("conv", [base] + grid, lambda s: _Dict(triton_step.EXTEND_LAUNCH, s), conv, out, a.tokens,
               reset=lambda: windows.copy_(saved_w))
     Path(a.out).write_text(json.dumps(out, indent=1))

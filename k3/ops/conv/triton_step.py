@@ -19,13 +19,15 @@ from .._triton_jit import pdl_sync
 # kernel, kept for the probe's before/after)
 TILES_LAUNCH = {"bc": 64, "warps": 2, "skip": True}
 # `short_conv_extend_kernel`: channels per program, tokens per tile, warps, and the most parts a sequence's tiles
-# are dealt to (`extend_parts`; 1: one program walks all its tiles, the former kernel)
-EXTEND_LAUNCH = {"bc": 64, "bt": 32, "warps": 4, "parts": 8}
+# are dealt to (`extend_parts`; 1: one program walks all its tiles, the former kernel). `probe/kda_small.py` (H200,
+# 2026-12-04, a 64-token tail over 4,608 channels, 48 settings): 32 / 16 / 4 warps / 8 parts 3.12 µs against 4.65
+# for the former 64 channels / 32 tokens / one part
+EXTEND_LAUNCH = {"bc": 32, "bt": 16, "warps": 4, "parts": 8}
 
 
 def extend_parts(N: int, n: int) -> int:
     """Parts (programs per sequence and channel block) of an extend step of N rows over n sequences: enough for
-    the mean sequence's tiles, at most EXTEND_LAUNCH["parts"] (a 64-token hit tail: 2 tiles of 32, 2 parts)."""
+    the mean sequence's tiles, at most EXTEND_LAUNCH["parts"] (a 64-token hit tail: 4 tiles of 16, 4 parts)."""
     bt = EXTEND_LAUNCH["bt"]
     return max(1, min(EXTEND_LAUNCH["parts"], triton.cdiv(N, bt * max(1, n))))
 
@@ -171,7 +173,7 @@ def short_conv_step_triton(x: torch.Tensor, weight: torch.Tensor, windows: torch
                                                         windows.stride(0), W1=W1, WP=WP, BC=BC, num_warps=4,
                                                         **pdl(y))
         return y
-    BC = EXTEND_LAUNCH["bc"]  # 64: more programs (an extend step often holds one or two sequences)
+    BC = EXTEND_LAUNCH["bc"]  # narrow: more programs (an extend step often holds one or two sequences)
     slots, cu = slots.contiguous(), cu_seqlens.contiguous()
     if tiles is not None and tiles.shape[0]:
         bc = TILES_LAUNCH["bc"]

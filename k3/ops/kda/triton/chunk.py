@@ -34,9 +34,15 @@ CFG = {
     "bwd_warps": int(os.environ.get("K3_KDA_BWD_WARPS", "4")),
     "intra_warps": int(os.environ.get("K3_KDA_INTRA_WARPS", "2")),
     "intra_kb": int(os.environ.get("K3_KDA_INTRA_KB", "32")),  # column block of the forward intra kernel
-    # precision of the forward intra kernel's 16x16 inverse and fold products ("ieee": exact fp32 FMA dots;
-    # "tf32x3": three TF32 tensor-core products each). The CPU interpreter always takes "ieee"
-    "inv_prec": os.environ.get("K3_KDA_INV_PREC", "ieee"),
+    # short steps (a prefix hit's tail): at most `small_programs` intra programs (chunks x heads) take these
+    # settings instead, one column block of 128 and 4 warps for the intra kernel (fewer programs than SMs: each
+    # program's chain of loads is the time) and value blocks of 16 for the recurrence. `probe/kda_small.py` (H200,
+    # 2026-12-04, 64 tokens, H 12, 48 programs): intra 5.74 against 12.21 µs (18 settings; the inverse's products
+    # as 3xTF32 instead of exact FMA dots were slower: 6.54); the whole extend 18.3 against 19.4 by the value block
+    "small_programs": int(os.environ.get("K3_KDA_SMALL_PROGRAMS", "264")),
+    "small_intra_kb": 128,
+    "small_intra_warps": 4,
+    "small_fwd_bv": 16,
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
@@ -161,11 +167,12 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, p
     tb = None if pre else torch.empty_like(aqk)
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK = _blk(K)
+    small = NC * H <= CFG["small_programs"]
     kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
                                   H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK,
-                                  KB=min(CFG["intra_kb"], BK), DOT_PREC=_prec(q.dtype), PRE=pre,
-                                  INV_PREC="ieee" if q.device.type == "cpu" else CFG["inv_prec"],
-                                  num_warps=CFG["intra_warps"], **flags)
+                                  KB=min(CFG["small_intra_kb" if small else "intra_kb"], BK),
+                                  DOT_PREC=_prec(q.dtype), PRE=pre,
+                                  num_warps=CFG["small_intra_warps" if small else "intra_warps"], **flags)
     return ke, v, qe, kg, aqk, gc, tb
 
 
@@ -201,7 +208,7 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
     vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
     hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
-    BV = min(CFG["fwd_bv"], _blk(V))
+    BV = min(CFG["small_fwd_bv" if NC * H <= CFG["small_programs"] and not summary else "fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(VS, BV))](
         ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, idx,
         H, K, V, cs, v.stride(0), 0 if idx is None else h0.stride(0), T if zero_tail and out else 0,
