@@ -460,15 +460,19 @@ def test_experts_decode_routed_equals_route_then_the_kernels(N, K, E, bias, reno
         moe_decode.experts_decode_routed(x, z, b, E + 1, renorm, 2.5, w1, w2, w3, 4.0, 25.0)
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["sorted", "routed"])
 @pytest.mark.parametrize("N,K,E,bm,fused", [(20, 4, 32, 16, True), (50, 2, 6, 16, False), (40, 3, 5, 32, True)])
-def test_expert_tiles_match_the_fp64_loop(N, K, E, bm, fused, monkeypatch):
-    """`moe_tiles` (two GEMM kernels over expert tiles, the rows read through the sort's `src`; the CPU
-    interpreter here, CUDA on the GPU) through `experts_forward` against the fp64 per-expert loop, fp32: relative
-    RMS ≤ 1e-6. Experts with no rows, with one partial tile and with several tiles; I and L not multiples of the
-    column blocks; w1 / w3 as the halves of one fused tensor (read in place) and as separate tensors."""
+def test_expert_tiles_match_the_fp64_loop(N, K, E, bm, fused, routed, monkeypatch):
+    """`moe_tiles` (two GEMM kernels over expert tiles, the rows read through the sort's `src`, or found by each
+    program from the router's choices with `routed`, in chunks of 16 entries so that ranks carry across chunks;
+    the CPU interpreter here, CUDA on the GPU) through `experts_forward` against the fp64 per-expert loop, fp32:
+    relative RMS ≤ 1e-6. Experts with no rows, with one partial tile and with several tiles; I and L not multiples
+    of the column blocks; w1 / w3 as the halves of one fused tensor (read in place) and as separate tensors."""
     from k3.ops import moe_decode, moe_tiles
     monkeypatch.setattr(moe_decode, "MAX_ENTRIES", 0)  # never the GEMV kernels
     monkeypatch.setattr(moe_tiles, "TILE_ROWS", ((1 << 30, bm),))
+    monkeypatch.setattr(moe_tiles, "ROUTED", routed)
+    monkeypatch.setattr(moe_tiles, "ROUTED_CHUNK", 16)
     for key, v in (("bn", 32), ("bk", 16)):  # fewer programs through the interpreter
         monkeypatch.setitem(moe_tiles.LAUNCH, key, v)
     I, L = 40, 24
@@ -492,7 +496,7 @@ def test_expert_tiles_match_the_fp64_loop(N, K, E, bm, fused, monkeypatch):
     monkeypatch.setattr(moe_tiles, "experts_tiles", spy)
     with torch.no_grad():
         out = moe_ops.experts_forward(*args, grouped=True)
-    assert spy.call_count == 1
+    assert spy.call_count == 1 and (spy.call_args.args[2] is None) == routed
     assert rel_rmse(ref, out.cpu().double()) <= 1e-6
     with pytest.raises(ValueError, match="experts_tiles: need"):
         moe_tiles.experts_tiles(args[0], torch.zeros(3, dtype=torch.long), torch.zeros(E, dtype=torch.long), K,

@@ -1,5 +1,6 @@
 """Routed experts of a prefix hit's tail or a decode batch on the GPU: the expert-tile kernels (`k3.ops.moe_tiles`)
-against the sorted-rows pipeline (counting sort, dispatch, grouped GEMMs, SiTU-GLU, combine) at k3-small's sizes
+(the routed form where it applies, and after the counting sort) against the sorted-rows pipeline (counting sort,
+dispatch, grouped GEMMs, SiTU-GLU, combine) at k3-small's sizes
 (32 experts, I 512, latent 768, top 4, bf16, gate ‖ up fused), each captured in a CUDA graph as the engine runs
 it: µs per replay (median of 200), the experts' weight bytes as a bandwidth, then a sweep of the tile kernels'
 launch settings at 64 and 256 tokens (`--sweep joint`: both kernels' shared settings and rows per tile; `down`,
@@ -63,19 +64,23 @@ def main():
         inputs[N] = (x, idx, w)
         run = lambda: experts_forward(x, idx, w, w13[:, :I], w2, w13[:, I:])  # noqa: E731
         res = {}
+        routed = moe_tiles.ROUTED
         with torch.no_grad():
-            for name, on in (("tiles", True), ("grouped", False)):
-                moe_tiles.ON = on
+            for name, on, rt in (("tiles", True, routed), ("sorted", True, False), ("grouped", False, routed)):
+                moe_tiles.ON, moe_tiles.ROUTED = on, rt
                 res[name] = (median_ms(graphed(run), 20, 200) * 1e3, run())
-        moe_tiles.ON = True
+        moe_tiles.ON, moe_tiles.ROUTED = True, routed
         used = idx.unique().numel()
         gb = used * 3 * I * L * 2 / 1e9
         rel = ((res["tiles"][1].float() - res["grouped"][1].float()).pow(2).mean()
                / res["grouped"][1].float().pow(2).mean()).sqrt().item()
-        rows.append(dict(tokens=N, experts_used=used, tiles_us=res["tiles"][0], grouped_us=res["grouped"][0],
-                         rel_rmse=rel))
+        same = torch.equal(res["tiles"][1], res["sorted"][1])
+        rows.append(dict(tokens=N, experts_used=used, tiles_us=res["tiles"][0], sorted_tiles_us=res["sorted"][0],
+                         grouped_us=res["grouped"][0], rel_rmse=rel, routed_equals_sorted=same,
+                         routed=moe_tiles.routed(N * K)))
         print(f"tokens {N:5d} ({used:2d} experts, {gb * 1e3:5.1f} MB): tiles {res['tiles'][0]:6.1f} us "
-              f"({gb / res['tiles'][0] * 1e6 / 1e3:5.2f} TB/s), grouped {res['grouped'][0]:6.1f} us, "
+              f"({gb / res['tiles'][0] * 1e6 / 1e3:5.2f} TB/s; routed {moe_tiles.routed(N * K)}), after the sort "
+              f"{res['sorted'][0]:6.1f} us (outputs equal: {same}), grouped {res['grouped'][0]:6.1f} us, "
               f"{res['grouped'][0] / res['tiles'][0]:.2f}x, rel {rel:.1e}", flush=True)
         if N * K > limit:  # a prefill's size: the tiles at other rows per tile
             default_rows = moe_tiles.TILE_ROWS

@@ -283,6 +283,11 @@ def experts_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
             return moe_decode.experts_decode(x, topk_idx, topk_weight, w1, w2, w3, beta, linear_beta)
         from . import moe_tiles
         if moe_tiles.fits(x, topk_idx.numel(), w1, w2, w3):  # tens to thousands of entries: expert tiles
+            if moe_tiles.routed(topk_idx.numel()):  # the kernels find their tiles from the choices: no sort
+                from .moe_triton import gather_sum
+                ys = moe_tiles.experts_tiles(x, topk_idx.reshape(-1), None, topk_idx.shape[1], w1, w2, w3, beta,
+                                             linear_beta)
+                return gather_sum(ys, None, topk_weight)
             pos, ends, src = sort_by_expert(topk_idx, w1.shape[0], with_src=True)
             ys = moe_tiles.experts_tiles(x, src, ends, topk_idx.shape[1], w1, w2, w3, beta, linear_beta)
             return combine_rows(ys, pos, topk_weight)

@@ -21,11 +21,14 @@ from ._triton import interpreted as _interpreted
 
 @triton.jit
 def moe_gather_sum_kernel(src_ptr, pos_ptr, w_ptr, out_ptr, L, K, s_src, s_out,
-                          BK: tl.constexpr, BL: tl.constexpr, HAS_W: tl.constexpr):
+                          BK: tl.constexpr, BL: tl.constexpr, HAS_W: tl.constexpr, HAS_POS: tl.constexpr = True):
     n = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BK)
     km = ks < K
-    p = tl.load(pos_ptr + n * K + ks, mask=km, other=0).to(tl.int64)
+    if HAS_POS:
+        p = tl.load(pos_ptr + n * K + ks, mask=km, other=0).to(tl.int64)
+    else:  # src in entry order: row n·K + k
+        p = n * K + ks
     if HAS_W:
         w = tl.load(w_ptr + n * K + ks, mask=km, other=0.0).to(tl.float32)
     for l0 in range(0, L, BL):
@@ -74,16 +77,18 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """src [M, L], pos [N, K], w [N, K] or None → out [N, L] in src's dtype, out[n] = Σ_k w[n,k]·src[pos[n,k]]."""
-    N, K = pos.shape
+def gather_sum(src: torch.Tensor, pos: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
+    """src [M, L], pos [N, K], w [N, K] or None → out [N, L] in src's dtype, out[n] = Σ_k w[n,k]·src[pos[n,k]]
+    (fp32 sums). pos None: src in entry order, pos[n, k] = n·K + k (then w gives N and K)."""
+    N, K = (pos if pos is not None else w).shape
     L = src.shape[1]
     src = _unit_cols(src)
     out = torch.empty(N, L, dtype=src.dtype, device=src.device)
     if N and L:
         BK, BL = _blocks(K, L)
-        moe_gather_sum_kernel[(N,)](src, pos.contiguous(), src if w is None else w.contiguous(), out, L, K,
-                                    src.stride(0), out.stride(0), BK=BK, BL=BL, HAS_W=w is not None, num_warps=4)
+        moe_gather_sum_kernel[(N,)](src, src if pos is None else pos.contiguous(), src if w is None else w.contiguous(),
+                                    out, L, K, src.stride(0), out.stride(0), BK=BK, BL=BL, HAS_W=w is not None,
+                                    HAS_POS=pos is not None, num_warps=4)
     return out
 
 
