@@ -6,6 +6,7 @@ arange / fill kernels (session 20's profile): this names the lines that launch t
 
     python benchmarks/probe/small_ops.py [--tokens 8192] [--ops zero_ fill_ arange index] --out small_ops.json
     python benchmarks/probe/small_ops.py --device cpu --preset k3-tiny --tokens 256   # a dry run, no GPU
+    python benchmarks/probe/small_ops.py --device cpu --preset k3-tiny --hit 4096 --tokens 64   # a hit's host ops
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--ops", nargs="*", default=list(SMALL), help="aten ops whose call sites are listed")
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--hit", type=int, default=0, metavar="PREFIX",
+                    help="count a prefix hit instead: PREFIX cached tokens + --tokens new ones, through the extend "
+                         "graph's code path run eagerly (the ops its graph records)")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = build(a.preset, a.device, dtype)
@@ -63,13 +67,25 @@ def main():
     eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
                                      max_num_seqs=32, enable_prefix_caching=True,
                                      **(dict(gpu_memory_fraction=0.5) if a.device == "cuda" else dict(num_pages=16))))
-    eng.runner.use_prefill_graphs = False  # the eager forward: the ops its graph would record, visible here
-    eng.generate([rand_prompts(1, a.tokens, V, 1)[0]], ONE)  # warm-up (compiles, caches)
-    eng.reset_prefix_cache()
     mode = Sites(tuple(a.ops))
-    with mode:
-        eng.generate([rand_prompts(1, a.tokens, V, 2)[0]], ONE)
-    print(f"{a.preset} on {a.device}, one cold {a.tokens}-token prefill, eager: {sum(mode.ops.values())} aten ops")
+    if a.hit:
+        eng.runner.enable_graphs()
+        prefix = rand_prompts(1, a.hit, V, 1)[0]
+        for seed in (2, 3):  # the first computes the prefix, the second hits (warm-up, captures the graph)
+            eng.generate([prefix + rand_prompts(1, a.tokens, V, seed)[0]], ONE)
+        for g in eng.runner.graphs.values():  # replays would hide the ops: run each captured forward eagerly
+            g.graph = None
+        with mode:
+            out = eng.generate([prefix + rand_prompts(1, a.tokens, V, 4)[0]], ONE)
+        what = f"a prefix hit ({out[0].num_cached_tokens} cached + {a.tokens} new tokens)"
+    else:
+        eng.runner.use_prefill_graphs = False  # the eager forward: the ops its graph would record, visible here
+        eng.generate([rand_prompts(1, a.tokens, V, 1)[0]], ONE)  # warm-up (compiles, caches)
+        eng.reset_prefix_cache()
+        with mode:
+            eng.generate([rand_prompts(1, a.tokens, V, 2)[0]], ONE)
+        what = f"one cold {a.tokens}-token prefill, eager"
+    print(f"{a.preset} on {a.device}, {what}: {sum(mode.ops.values())} aten ops")
     for name, n in mode.ops.most_common(40):
         print(f"  {n:6d}  {name}")
     print(f"call sites of {', '.join(a.ops)}:")

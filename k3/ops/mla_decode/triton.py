@@ -39,12 +39,11 @@ LAUNCH = {"decode": dict(bh=16, bs=128, split=1024, warps=4, stages=2),
 # pairs, the 32 settings of SWEEP_GROUPS) runs of 16 rows x 4 heads 88.9 µs against 94.4 for 8 x 8
 # candidates for token runs, with g rows per run (GROUP_ROWS is the g in use; a program's M is g x bh of the run's
 # (row, head) pairs, so 16 x 4 covers a run's 192 pairs of 12 heads in three full blocks); `probe/mla_decode_cfg.py`
-# times each and the CUDA tests check each. Splits of 1,536 (2026-12-04, session 22, 96 settings): 60.5 against
+# times each and the CUDA tests check each. Splits of 1,536 (2026-12-04, session 22, 72 settings): 60.5 against
 # 73.6 µs for 2,048, the next best. A 16K history is then 11 splits x 12 (run, block) programs = 132, one per SM
 # of the H200; at 2,048 its 9 splits (the last of 64 positions) filled 108 (96 busy)
-SWEEP_GROUPS = [dict(g=g, bh=bh, bs=bs, split=split, warps=w, stages=st)
-                for g, bh in ((8, 8), (16, 4), (16, 8)) for bs in (64, 128)
-                for split in (1024, 1536, 2048) for w in (4, 8) for st in (2, 3)]
+SWEEP_GROUPS = [dict(g=g, bh=bh, bs=128, split=split, warps=w, stages=st)
+                for g, bh in ((8, 8), (16, 4)) for split in (1024, 1536, 2048) for w in (4, 8) for st in (2, 3)]
 
 
 # shared memory the pipelined latent blocks may take (stages x BS x (C + R) x bytes; the H200 gives a block 227 KB,
