@@ -18,6 +18,13 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device: the GPU, else Triton's interpreter
+
+
+def on_dev(*ts):
+    return [t.to(DEV) for t in ts]
+
+
 def case(H, C, R, page_size, n_pages, S, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     pool = torch.randn(n_pages, 2, page_size, C + R, generator=g, dtype=torch.float64)  # 2 layers: strided view
@@ -38,18 +45,18 @@ def test_kernel_equals_the_fp64_oracle(H, C, R, page_size, S, dtype, tol):
     block of 16, padded C / R (32 / 8 → 16-wide tiles) and three KV splits are covered."""
     q_lat, q_pe, kv, pages, lens = case(H, C, R, page_size, 3 if page_size > 1000 else 40, S)
     ref = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.07, backend="reference")
-    out = paged_mla_decode(q_lat.to(dtype), q_pe.to(dtype), kv.to(dtype), pages, lens, 0.07, backend="triton")
+    qd, pd, kd, pages_d, lens_d = on_dev(q_lat.to(dtype), q_pe.to(dtype), kv.to(dtype), pages, lens)
+    out = paged_mla_decode(qd, pd, kd, pages_d, lens_d, 0.07, backend="triton")
     assert out.dtype == dtype and out.shape == ref.shape
-    assert rel(out, ref) <= tol, rel(out, ref)
+    assert rel(out.cpu(), ref) <= tol, rel(out.cpu(), ref)
     # head-major views in and out (the model's layout around the kernel): same values, written in place
-    hm = q_lat.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)
-    buf = torch.empty(H, q_lat.shape[0], C, dtype=dtype)
-    res = paged_mla_decode(hm, q_pe.to(dtype), kv.to(dtype), pages, lens, 0.07, backend="triton",
-                           out=buf.transpose(0, 1))
+    hm = qd.transpose(0, 1).contiguous().transpose(0, 1)
+    buf = torch.empty(H, q_lat.shape[0], C, dtype=dtype, device=DEV)
+    res = paged_mla_decode(hm, pd, kd, pages_d, lens_d, 0.07, backend="triton", out=buf.transpose(0, 1))
     assert res.data_ptr() == buf.data_ptr() and torch.equal(buf.transpose(0, 1), out)
     # the first query sees one row: its output is that row's latent, exactly its softmax weight 1
     row = kv[pages[0, 0], 0, :C]
-    torch.testing.assert_close(out[0].double(), row.expand(H, C).to(dtype).double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out[0].cpu().double(), row.expand(H, C).to(dtype).double(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("n,NS,H,C", [(3, 3, 12, 256), (2, 8, 5, 40), (4, 5, 12, 512)])
@@ -99,7 +106,8 @@ def test_rows_past_each_length_do_not_count():
     kv2[39] = 1e6
     torch.testing.assert_close(paged_mla_decode(q_lat, q_pe, kv2, pages2, lens, 0.1, backend="reference"), a)
     f = torch.float32
-    assert rel(paged_mla_decode(q_lat.to(f), q_pe.to(f), kv2.to(f), pages2, lens, 0.1, backend="triton"), a) < 1e-5
+    args = on_dev(q_lat.to(f), q_pe.to(f), kv2.to(f), pages2, lens)
+    assert rel(paged_mla_decode(*args, 0.1, backend="triton").cpu(), a) < 1e-5
 
 
 @pytest.mark.parametrize("S,page_size,launch", [(90, 16, None), (SPLIT + 300, 6144, None),
