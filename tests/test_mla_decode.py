@@ -187,7 +187,7 @@ def test_bad_inputs_are_named():
 def test_engine_with_the_kernel_equals_the_gathered_path():
     """The engine's decodes through the paged kernel (interpreter) give the gathered path's tokens and logits
     (fp32, 1e-4), over several pages per sequence."""
-    model = make_tiny(seed=4)
+    model = make_tiny(seed=4).to(DEV)  # the kernel's device (a CPU model only through the interpreter)
     prompts = [[(7 * i + 3 * j) % 4000 for j in range(5 + 9 * i)] for i in range(3)]
     sp = SamplingParams(max_tokens=12, temperature=0)
     runs = {}
@@ -245,7 +245,7 @@ def test_engine_with_the_fused_latent_write_equals_the_plain_write(monkeypatch):
     """K3_MLA_FUSED_WRITE: the engine's MLA layers write the latent norm and rows in one kernel (forced through
     the interpreter here); fp32 greedy tokens and logits (1e-5) equal the plain path's."""
     import k3.ops.mla_decode as mla_ops
-    model = make_tiny(seed=4)
+    model = make_tiny(seed=4).to(DEV)  # the kernel's device (a CPU model only through the interpreter)
     prompts = [[(5 * i + 2 * j) % 4000 for j in range(6 + 7 * i)] for i in range(3)]
     sp = SamplingParams(max_tokens=8, temperature=0)
     cfg = EngineConfig(block_size=8, hash_block_size=4, num_pages=64, record_logits=True)
