@@ -55,7 +55,7 @@ def weights(ck) -> dict:
 
 def cfg(ck, out, **kw) -> RLConfig:
     base = dict(checkpoint=str(ck), out=str(out), domain="general", effort="high", prompts=2, samples=3, lam=0.5,
-                steps=4, save_every=0, pool=4, eval_prompts=0, eval_every=0, max_turn_tokens=16,
+                steps=6, save_every=0, pool=4, eval_prompts=0, eval_every=0, max_turn_tokens=16,
                 max_total_tokens=16, budget_samples=1, tensorboard=False, progress=False, optimizer="adamw",
                 lr=3e-3, seed=3)
     base.update(kw)
@@ -64,7 +64,7 @@ def cfg(ck, out, **kw) -> RLConfig:
 
 def test_rl_with_partial_rollout_resumes_exactly(ck, tmp_path):
     full = rl(cfg(ck, tmp_path / "a"), reward_fn=odd_share)
-    assert full["finished"] and full["step"] == 4
+    assert full["finished"] and full["step"] == 6
     part = rl(cfg(ck, tmp_path / "b", stop_after=3), reward_fn=odd_share)
     assert not part["finished"] and part["step"] == 3
     st = torch.load(latest_checkpoint(tmp_path / "b") / "trainer_state.pt", weights_only=True)
@@ -78,7 +78,10 @@ def test_rl_with_partial_rollout_resumes_exactly(ck, tmp_path):
     assert la == lb
     tr = [r for r in la if r["kind"] == "train"]
     assert any(r["paused"] > 0 for r in tr) and any(r["stale_frac"] > 0 for r in tr), tr
-    assert all(r["loss_tokens"] > 0 and abs(r["ratio_mean"] - 1) < 0.5 for r in tr)
+    # on-policy steps: the ratio is 1 up to rounding; a step of stale tokens (generated 1-3 updates ago at lr 3e-3)
+    # may be far from it, which is what the importance weights correct (2026-12-04's CPU: 0.17 at 89 % stale)
+    assert all(r["loss_tokens"] > 0 for r in tr)
+    assert all(abs(r["ratio_mean"] - 1) < 1e-4 for r in tr if r["stale_frac"] == 0), tr
     b0 = json.loads((tmp_path / "a" / "budgets.json").read_text())
     assert set(b0) == {t.id for t in tasks.generate("general", "train", 4, 0)} and all(v >= 16 for v in b0.values())
     assert (tmp_path / "a" / "rl.png").is_file()

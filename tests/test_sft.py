@@ -84,7 +84,7 @@ def test_sft_lowers_loss_and_writes_a_loadable_checkpoint(setup, tmp_path, capsy
     out = tmp_path / "run"
     p = argparse.ArgumentParser()
     sft_cli.add_parser(p.add_subparsers())
-    args = p.parse_args(["sft", "--checkpoint", str(ck), "--data", str(data), "--out", str(out), "--steps", "5",
+    args = p.parse_args(["sft", "--checkpoint", str(ck), "--data", str(data), "--out", str(out), "--steps", "8",
                          "--seq-len", "256", "--batch", "1", "--lr", "3e-3", "--optimizer", "adamw",
                          "--val-data", str(data), "--eval-every", "0", "--sample-tokens", "4", "--no-tensorboard",
                          "--no-progress"])
@@ -96,7 +96,7 @@ def test_sft_lowers_loss_and_writes_a_loadable_checkpoint(setup, tmp_path, capsy
     for name in ("training.png", "summary.json", "sft_data.json", "train_config.json"):
         assert (out / name).is_file(), name
     last = latest_checkpoint(out)
-    assert last.name == "step_0000005"
+    assert last.name == "step_0000008"
     model = K3ForConditionalGeneration.from_pretrained(last)
     tok = K3Tokenizer.from_pretrained(last)
     assert tok.vocab_size == model.config.text_config.vocab_size
