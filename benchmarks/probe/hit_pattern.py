@@ -25,25 +25,54 @@ from prefill_profile import engine_and_prompts  # noqa: E402
 from serve import rand_prompts  # noqa: E402
 
 from k3.serve import SamplingParams  # noqa: E402
+from k3.serve import engine as engine_mod, request as request_mod, runner as runner_mod  # noqa: E402
+from k3.serve import scheduler as scheduler_mod  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 NAMES = ("cold", "junction", "hit3", "hit4", "hit5", "hit6")
-replays: list = []
+replays: list = []  # (start event, end event, host time of the replay call) of this request's graph replays
+sampled: list = []  # (the sampled step's copy-done event, host time when `_finish` saw it done)
+# more of the engine's steps, timed like `host_hit.PHASES` (the hit's time outside those phases: ~0.4 ms on the
+# H200 host against ~0.05 ms on a CPU)
+MORE = ((engine_mod.Engine, "step"), (engine_mod.Engine, "generate"), (runner_mod.ModelRunner, "forward"),
+        (scheduler_mod.Scheduler, "schedule_continuation"), (scheduler_mod.Scheduler, "after_forward"),
+        (scheduler_mod.Scheduler, "remove"), (request_mod.Sequence, "to_output"))
 
 
 def event_replay():
-    """Wrap CUDAGraph.replay: CUDA events around each replay, kept in `replays` (read after a synchronize)."""
+    """Wrap CUDAGraph.replay (CUDA events around each replay and the host time of the call) and `Engine._finish`
+    (the host time its wait for the sampled tokens returns: the event's synchronize)."""
     fn = torch.cuda.CUDAGraph.replay
 
     def wrapper(self, *a, **k):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
         s.record()
         try:
             return fn(self, *a, **k)
         finally:
             e.record()
-            replays.append((s, e))
+            replays.append((s, e, t))
     torch.cuda.CUDAGraph.replay = wrapper
+    sample = engine_mod.Engine._sample
+
+    class Stamped:
+        """The step's copy-done event for `_finish`: its synchronize also stamps the host time it returns."""
+
+        def __init__(self, event):
+            self.event, self.timing = event, torch.cuda.Event(enable_timing=True)
+            self.timing.record()  # right after the engine's own: the sampled tokens' copy is done
+
+        def synchronize(self):
+            self.event.synchronize()
+            sampled.append((self.timing, time.perf_counter()))
+
+    def sample_timed(self, done, logits):
+        inf = sample(self, done, logits)
+        if inf is not None and inf.event is not None:
+            inf.event = Stamped(inf.event)
+        return inf
+    engine_mod.Engine._sample = sample_timed
 
 
 def main():
@@ -57,9 +86,9 @@ def main():
         p = rand_prompts(1, 16384, V, seed)[0]
         for t in rand_prompts(2, 64, V, seed + 50):
             eng.generate([p + t], ONE)
-    for cls, name in PHASES:
-        timed(cls, name)
     event_replay()
+    for cls, name in PHASES + MORE:
+        timed(cls, name)
     res = collections.defaultdict(lambda: collections.defaultdict(list))
     for rep in range(a.rounds):
         eng.reset_prefix_cache()
@@ -67,13 +96,22 @@ def main():
         for name, tail in zip(NAMES, rand_prompts(len(NAMES), 64, V, 9 + 100 * rep)):
             times.clear()
             replays.clear()
+            sampled.clear()
             torch.cuda.synchronize()
             t = time.perf_counter()
             out = eng.generate([prefix + tail], ONE)[0]
+            t_end = time.perf_counter()
             torch.cuda.synchronize()
-            res[name]["wall"].append((time.perf_counter() - t) * 1e3)
+            res[name]["wall"].append((t_end - t) * 1e3)
             res[name]["cached"].append(out.num_cached_tokens)
-            res[name]["replay_gpu"].append(sum(s.elapsed_time(e) for s, e in replays))
+            res[name]["replay_gpu"].append(sum(s.elapsed_time(e) for s, e, _ in replays))
+            if replays and sampled:  # the last replay (the sampled step's) against the copy-done event
+                s, e, t_call = replays[-1]
+                ev, t_wake = sampled[-1]
+                res[name]["host_to_replay_call"].append((t_call - t) * 1e3)  # host work before the graph
+                res[name]["gpu_replay_to_copied"].append(s.elapsed_time(ev))  # graph + sampling + copy
+                res[name]["host_replay_call_to_wake"].append((t_wake - t_call) * 1e3)
+                res[name]["host_wake_to_return"].append((t_end - t_wake) * 1e3)
             for k, v in times.items():
                 res[name][k].append(sum(v))
     summary = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in res.items()}
