@@ -4,8 +4,9 @@ bf16 inputs, an fp32 state pool; conv over 3 x 1,536 channels, window 3). Each s
 CUDA graph (20 calls per replay, median of 30 replays, µs per call) and checked against the default's output
 (relative RMS). Parts:
 
-- `intra`: `kda_intra_fwd_kernel` alone by column block and warps, at the tail's length and at 256 to 4,096 tokens
-  (where the short-step settings, `CFG["small_programs"]`, should stop);
+- `intra`: `kda_intra_fwd_kernel` alone by column block and warps, at the tail's length and at 256 to 32,768 tokens
+  (where the short-step settings, `CFG["small_programs"]`, should stop; and whether the prefill's and training's
+  32 columns x 2 warps still win: 128 x 2 was 9 % faster at 4,096 tokens);
 - `recur`: the whole `kda_extend_triton` (intra at its default) by the recurrence's value block and warps;
 - `conv`: `short_conv_step` over the tail (`short_conv_extend_kernel`): channels per program, tokens per tile, the
   parts a sequence's tiles are dealt to, warps.
@@ -102,7 +103,7 @@ def main():
 
     cfg = lambda s: chunk.cfg_override(**s)  # noqa: E731
     if "intra" in a.parts:  # the settings as given (small_programs 0: no short-step override), by length
-        for T in (a.tokens, 256, 1024, 4096):
+        for T in (a.tokens, 256, 1024, 4096, 8192, 32768):  # 8K: a prefill chunk; 32K: a training batch's rows
             q, k, f, v, bl, cu, (chunks, _) = inputs(T)
             flags = dict(GATE=True, BETA_SIG=True, L2=True)
             NC = chunks.shape[0]
