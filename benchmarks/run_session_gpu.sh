@@ -12,6 +12,9 @@
 #       benchmarks/probe/moe_tiles.py (MoE expert tiles vs the grouped GEMMs, 16-1,024 tokens; MOET=1);
 #       benchmarks/probe/graph_launch.py (a prefix hit's host phases, graph launch host time; GL=1);
 #       benchmarks/probe/mla_decode_cfg.py (the MLA decode kernel's launch settings; MLACFG=1);
+#       benchmarks/probe/hit_pattern.py (a prefix hit's phases and timeline by its place in a round; HP=1);
+#       benchmarks/probe/moe_fused.py (the one-kernel routed experts experiment; MF=1);
+#       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -74,6 +77,21 @@ if [ "${MLACFG:-0}" = 1 ]; then  # the MLA decode kernel's launch settings (MLAC
   timeout ${MLACFG_S:-150} python3 benchmarks/probe/mla_decode_cfg.py --parts ${MLACFG_PARTS:-decode groups} \
     --out "$OUT/mla_decode_cfg.json" > "$OUT/mla_decode_cfg.log" 2>&1 || echo "mla cfg exit $?" >> "$OUT/mla_decode_cfg.log"
   tail -6 "$OUT/mla_decode_cfg.log"
+fi
+if [ "${HP:-0}" = 1 ]; then  # a prefix hit's phases and timeline by its place in a round (serve.py's pattern)
+  timeout ${HP_S:-150} python3 benchmarks/probe/hit_pattern.py --out "$OUT/hit_pattern.json" > "$OUT/hit_pattern.log" \
+    2>&1 || echo "hit pattern exit $?" >> "$OUT/hit_pattern.log"
+  tail -8 "$OUT/hit_pattern.log"
+fi
+if [ "${MF:-0}" = 1 ]; then  # the experiment: the routed experts as one kernel, against the tile kernels
+  timeout ${MF_S:-150} python3 benchmarks/probe/moe_fused.py --out "$OUT/moe_fused.json" > "$OUT/moe_fused.log" 2>&1 \
+    || echo "moe fused exit $?" >> "$OUT/moe_fused.log"
+  tail -4 "$OUT/moe_fused.log"
+fi
+if [ "${KS:-0}" = 1 ]; then  # short extend steps' KDA and conv launch settings; the intra kernel up to 32K tokens
+  timeout ${KS_S:-240} python3 benchmarks/probe/kda_small.py --out "$OUT/kda_small.json" > "$OUT/kda_small.log" 2>&1 \
+    || echo "kda small exit $?" >> "$OUT/kda_small.log"
+  tail -10 "$OUT/kda_small.log"
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
