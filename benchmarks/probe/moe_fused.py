@@ -37,7 +37,7 @@ from timing import graphed, median_ms  # noqa: E402
 
 from k3.ops import moe_decode, moe_tiles  # noqa: E402
 from k3.ops.moe import experts_forward  # noqa: E402
-from k3.ops.moe_tiles import _tile_routed  # noqa: E402
+from k3.ops.moe_tiles import _tile_routed, gate_up_tile  # noqa: E402
 from k3.ops.situ.triton import situ_glu_value  # noqa: E402
 
 
@@ -58,19 +58,9 @@ def fused_experts_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, w2_ptr, part_ptr, E, I,
         e64 = e.to(tl.int64)
         c64 = cols.to(tl.int64)
         dot_t = tl.float32 if UPCAST else x_ptr.dtype.element_ty
-        prec = "ieee" if UPCAST else "tf32"
-        g = tl.zeros([BM, BI], tl.float32)
-        u = tl.zeros([BM, BI], tl.float32)
-        for k0 in range(0, L, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < L
-            xa = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            wm = km[:, None] & cm[None, :]
-            w1 = tl.load(w1_ptr + e64 * s1_e + c64[None, :] * s1_r + kk[:, None], mask=wm, other=0.0)
-            w3 = tl.load(w3_ptr + e64 * s3_e + c64[None, :] * s3_r + kk[:, None], mask=wm, other=0.0)
-            xa = xa.to(dot_t)
-            g = tl.dot(xa, w1.to(dot_t), g, input_precision=prec)
-            u = tl.dot(xa, w3.to(dot_t), u, input_precision=prec)
+        prec: tl.constexpr = "ieee" if UPCAST else "tf32"
+        g, u = gate_up_tile(x_ptr, tok, rm, e, cols, cm, w1_ptr, w3_ptr, sx, s1_e, s1_r, s3_e, s3_r, L, BM, BI, BK,
+                            prec, UPCAST)
         h = situ_glu_value(g, u, beta, linear_beta).to(x_ptr.dtype.element_ty).to(dot_t)  # h's one rounding
         h = tl.where(cm[None, :], h, 0.0)
         rows = (j * NK + ent).to(tl.int64)

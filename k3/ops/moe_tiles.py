@@ -106,6 +106,29 @@ def _tile_routed(idx_ptr, p, NK, E, EP: tl.constexpr, CH: tl.constexpr, BM: tl.c
 
 
 @triton.jit
+def gate_up_tile(x_ptr, tok, rm, e, cols, cm, w1_ptr, w3_ptr, sx, s1_e, s1_r, s3_e, s3_r, L: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """(g, u) fp32 [BM, BN] = x[tok] W1[e][cols]ᵀ, x[tok] W3[e][cols]ᵀ over L in chunks of BK (rows rm, columns
+    cm; UPCAST: fp32 dots, the CPU interpreter's bf16 dot being wrong)."""
+    e64 = e.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    dot_t = tl.float32 if UPCAST else x_ptr.dtype.element_ty
+    g = tl.zeros([BM, BN], tl.float32)
+    u = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, L, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < L
+        xa = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        wm = km[:, None] & cm[None, :]
+        w1 = tl.load(w1_ptr + e64 * s1_e + c64[None, :] * s1_r + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
+        w3 = tl.load(w3_ptr + e64 * s3_e + c64[None, :] * s3_r + kk[:, None], mask=wm, other=0.0)
+        xa = xa.to(dot_t)
+        g = tl.dot(xa, w1.to(dot_t), g, input_precision=DOT_PREC)
+        u = tl.dot(xa, w3.to(dot_t), u, input_precision=DOT_PREC)
+    return g, u
+
+
+@triton.jit
 def moe_tile_gate_up_kernel(x_ptr, src_ptr, ends_ptr, w1_ptr, w3_ptr, h_ptr, tab_ptr, E, I, NK, sx, s1_e, s1_r,
                             s3_e, s3_r, sh, beta, linear_beta, K: tl.constexpr, L: tl.constexpr, EP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -132,21 +155,8 @@ def moe_tile_gate_up_kernel(x_ptr, src_ptr, ends_ptr, w1_ptr, w3_ptr, h_ptr, tab
     if e < E:
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         cm = cols < I
-        e64 = e.to(tl.int64)
-        c64 = cols.to(tl.int64)
-        dot_t = tl.float32 if UPCAST else x_ptr.dtype.element_ty  # UPCAST: the CPU interpreter (bf16 dots)
-        g = tl.zeros([BM, BN], tl.float32)
-        u = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, L, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < L
-            xa = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            wm = km[:, None] & cm[None, :]
-            w1 = tl.load(w1_ptr + e64 * s1_e + c64[None, :] * s1_r + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
-            w3 = tl.load(w3_ptr + e64 * s3_e + c64[None, :] * s3_r + kk[:, None], mask=wm, other=0.0)
-            xa = xa.to(dot_t)
-            g = tl.dot(xa, w1.to(dot_t), g, input_precision=DOT_PREC)
-            u = tl.dot(xa, w3.to(dot_t), u, input_precision=DOT_PREC)
+        g, u = gate_up_tile(x_ptr, tok, rm, e, cols, cm, w1_ptr, w3_ptr, sx, s1_e, s1_r, s3_e, s3_r, L, BM, BN, BK,
+                            DOT_PREC, UPCAST)
         h = situ_glu_value(g, u, beta, linear_beta)
         tl.store(h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=rm[:, None] & cm[None, :])

@@ -167,13 +167,18 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, p
     tb = None if pre else torch.empty_like(aqk)
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK = _blk(K)
-    small = NC * H <= CFG["small_programs"]
+    small = _short_step(NC, H)
     kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
                                   H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK,
                                   KB=min(CFG["small_intra_kb" if small else "intra_kb"], BK),
                                   DOT_PREC=_prec(q.dtype), PRE=pre,
                                   num_warps=CFG["small_intra_warps" if small else "intra_warps"], **flags)
     return ke, v, qe, kg, aqk, gc, tb
+
+
+def _short_step(NC: int, H: int) -> bool:
+    """Whether a forward of NC chunks x H heads takes the short-step launch settings (`CFG["small_programs"]`)."""
+    return NC * H <= CFG["small_programs"]
 
 
 def _blk(d):
@@ -208,7 +213,7 @@ def _recur_fwd(parts, h0, cu, coff, N, H, K, V, out_dtype, store_h=False, slot=N
     hall = torch.empty(NC, H, K, V, device=ke.device, dtype=ke.dtype) if store_h else None
     vnew = torch.empty(T, H, V, device=ke.device, dtype=ke.dtype) if store_h else None
     hsel = torch.zeros(nsel, H, K, V, device=ke.device, dtype=torch.float32) if slot is not None else None
-    BV = min(CFG["small_fwd_bv" if NC * H <= CFG["small_programs"] and not summary else "fwd_bv"], _blk(V))
+    BV = min(CFG["small_fwd_bv" if _short_step(NC, H) and not summary else "fwd_bv"], _blk(V))
     kda_recur_fwd_kernel[(N, H, triton.cdiv(VS, BV))](
         ke, v, qe, kg, aqk, aqk if tb is None else tb, gc, h0, o, ht, hall, vnew, slot, hsel, cu, coff, idx,
         H, K, V, cs, v.stride(0), 0 if idx is None else h0.stride(0), T if zero_tail and out else 0,
