@@ -15,6 +15,7 @@ values only (a dry run).
 
     python benchmarks/probe/moe_fused.py --out moe_fused.json
     python benchmarks/probe/moe_fused.py --device cpu      # the interpreter: values only
+    python benchmarks/probe/moe_fused.py --regs            # no GPU: registers / spills of each setting on sm_90a
 """
 from __future__ import annotations
 
@@ -115,11 +116,25 @@ def fused_experts(x, idx, w, w1, w2, w3, beta, linear_beta, cfg):
     return out
 
 
+def regs() -> None:
+    """Each CUDA setting compiled for sm_90a without a GPU (`scripts/kda_regs.py`'s ptxas report)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from kda_regs import report
+    types = {"x_ptr": "*bf16", "idx_ptr": "*i64", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "w2_ptr": "*bf16",
+             "part_ptr": "*fp32", "beta": "fp32", "linear_beta": "fp32"}
+    for bi, bn, warps in itertools.product((64, 128), (64, 128), (4, 8)):
+        consts = dict(K=4, L=768, EP=32, CH=256, BM=16, BI=bi, BK=64, BN=bn, UPCAST=False)
+        print(f"BI {bi} BN {bn} warps {warps}: {report(fused_experts_kernel, types, consts, warps, num_stages=3)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="moe_fused.json")
+    ap.add_argument("--regs", action="store_true", help="compile each setting for sm_90a (no GPU needed) and stop")
     a = ap.parse_args()
+    if a.regs:
+        return regs()
     dev = a.device
     cuda = dev == "cuda"
     E, I, L, K = (32, 512, 768, 4) if cuda else (6, 40, 24, 3)
