@@ -6,11 +6,14 @@ forward eagerly), perf_counter around each phase, median over the hits (ms).
     python benchmarks/host_hit.py [--prefix 16384] [--tail 64] [--hits 20] [--out host_hit.json]
     python benchmarks/host_hit.py --stub-forward   # the forward replaced by its first result: the whole call's
                                                    # host time, and how much of it lies outside the timed phases
+    python benchmarks/host_hit.py --stub-forward --cprofile   # and the hits' Python by function (cProfile)
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import functools
 import json
 import statistics
@@ -45,6 +48,21 @@ def timed(cls, name: str) -> None:
     setattr(cls, name, wrapper)
 
 
+def cprofile_report(prof: cProfile.Profile, hits: int, top: int = 30) -> str:
+    """The functions a profiled run of `hits` hits spent its host time in, in µs per hit: the top `top` by own time,
+    then by cumulative time (cProfile's own overhead inflates every call alike: read the shares, not the µs)."""
+    st = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = [(tt / hits * 1e6, ct / hits * 1e6, nc / hits, f"{Path(f).name}:{ln}({fn})")
+            for (f, ln, fn), (_, nc, tt, ct, _) in st.items()]
+    total = sum(r[0] for r in rows)
+    out = [f"cProfile, per hit: {total:.0f} µs of own time in {sum(r[2] for r in rows):.0f} calls"]
+    for key, label in ((0, "own"), (1, "cumulative")):
+        out.append(f"  by {label} time:   own µs   cum µs   calls  function")
+        out += [f"  {'':18s}{o:8.1f} {c:8.1f} {n:7.1f}  {name}"
+                for o, c, n, name in sorted(rows, key=lambda r: -r[key])[:top]]
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=16384)
@@ -54,6 +72,7 @@ def main():
     ap.add_argument("--stub-forward", action="store_true",
                     help="each captured step's graph returns its first forward's logits without running it again "
                          "(on a CPU the graph's work runs eagerly and would hide the host's)")
+    ap.add_argument("--cprofile", action="store_true", help="also profile the hits' Python by function")
     a = ap.parse_args()
     model = build("k3-tiny", "cpu", torch.float32)
     V = model.config.text_config.vocab_size
@@ -85,6 +104,13 @@ def main():
             per[k].append(sum(v))
         per["outside the phases"].append(  # the call's host time in none of the timed phases
             sum(times["Engine.generate"]) - sum(sum(v) for k, v in times.items() if k != "Engine.generate"))
+    if a.cprofile:
+        prof = cProfile.Profile()
+        for tail in tails[3:]:
+            prof.enable()
+            eng.generate([prefix + tail], one)
+            prof.disable()
+        print(cprofile_report(prof, len(tails) - 3))
     res = {k: statistics.median(v) for k, v in per.items()}
     before = sum(res.get(k, 0.0) for k in ("Engine.submit", "Scheduler.schedule", "ExtendGraph.fill"))
     print(f"k3-tiny on {eng.device}, {a.prefix} cached + {a.tail} new tokens (cached {min(cached)}), "

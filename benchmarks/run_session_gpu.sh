@@ -12,7 +12,8 @@
 #       benchmarks/probe/moe_tiles.py (MoE expert tiles vs the grouped GEMMs, 16-1,024 tokens; MOET=1);
 #       benchmarks/probe/graph_launch.py (a prefix hit's host phases, graph launch host time; GL=1);
 #       benchmarks/probe/mla_decode_cfg.py (the MLA decode kernel's launch settings; MLACFG=1);
-#       benchmarks/probe/hit_pattern.py (a prefix hit's phases and timeline by its place in a round; HP=1);
+#       benchmarks/probe/hit_pattern.py (a prefix hit's phases and timeline by its place in a round; HP=1,
+#       HP_ARGS=--cprofile: and its Python by function);
 #       benchmarks/probe/moe_fused.py (the one-kernel routed experts experiment; MF=1);
 #       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
@@ -79,9 +80,9 @@ if [ "${MLACFG:-0}" = 1 ]; then  # the MLA decode kernel's launch settings (MLAC
   tail -6 "$OUT/mla_decode_cfg.log"
 fi
 if [ "${HP:-0}" = 1 ]; then  # a prefix hit's phases and timeline by its place in a round (serve.py's pattern)
-  timeout ${HP_S:-150} python3 benchmarks/probe/hit_pattern.py --out "$OUT/hit_pattern.json" > "$OUT/hit_pattern.log" \
-    2>&1 || echo "hit pattern exit $?" >> "$OUT/hit_pattern.log"
-  tail -8 "$OUT/hit_pattern.log"
+  timeout ${HP_S:-150} python3 benchmarks/probe/hit_pattern.py ${HP_ARGS:-} --out "$OUT/hit_pattern.json" \
+    > "$OUT/hit_pattern.log" 2>&1 || echo "hit pattern exit $?" >> "$OUT/hit_pattern.log"
+  grep -v "^  " "$OUT/hit_pattern.log" | tail -8
 fi
 if [ "${MF:-0}" = 1 ]; then  # the experiment: the routed experts as one kernel, against the tile kernels
   timeout ${MF_S:-150} python3 benchmarks/probe/moe_fused.py --out "$OUT/moe_fused.json" > "$OUT/moe_fused.log" 2>&1 \

@@ -4,12 +4,16 @@
 ms (synchronised perf_counter), the engine phases (`host_hit.py`'s wrappers) and the GPU time of each graph replay
 (CUDA events around `CUDAGraph.replay`), medians over the rounds.
 
-    python benchmarks/probe/hit_pattern.py [--rounds 4] --out hit_pattern.json
+    python benchmarks/probe/hit_pattern.py [--rounds 4] [--cprofile] --out hit_pattern.json
+
+`--cprofile`: then more rounds with the hits (3rd to 6th request) under cProfile, their Python by function in µs per
+hit (`host_hit.cprofile_report`).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import statistics
 import sys
@@ -20,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_hit import PHASES, timed, times  # noqa: E402
+from host_hit import PHASES, cprofile_report, timed, times  # noqa: E402
 from prefill_profile import engine_and_prompts  # noqa: E402
 from serve import rand_prompts  # noqa: E402
 
@@ -78,6 +82,7 @@ def event_replay():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--cprofile", action="store_true", help="then profile the hits' Python by function")
     ap.add_argument("--out", default="hit_pattern.json")
     a = ap.parse_args()
     eng, V, _, _, _ = engine_and_prompts()
@@ -117,7 +122,22 @@ def main():
     summary = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in res.items()}
     for name, d in summary.items():
         print(f"{name:9s} " + " ".join(f"{k.split('.')[-1]}={v:.3f}" for k, v in d.items()), flush=True)
-    Path(a.out).write_text(json.dumps(dict(summary=summary, all={n: dict(d) for n, d in res.items()}), indent=1))
+    report = None
+    if a.cprofile:
+        prof, hits = cProfile.Profile(), 0
+        for rep in range(a.rounds):
+            eng.reset_prefix_cache()
+            prefix = rand_prompts(1, 16384, V, 7 + 100 * rep)[0]
+            for i, tail in enumerate(rand_prompts(len(NAMES), 64, V, 6 + 100 * rep)):
+                if i >= 2:
+                    prof.enable()
+                eng.generate([prefix + tail], ONE)
+                prof.disable()
+                hits += i >= 2
+        report = cprofile_report(prof, hits, top=40)
+        print(report, flush=True)
+    Path(a.out).write_text(json.dumps(dict(summary=summary, all={n: dict(d) for n, d in res.items()},
+                                           cprofile=report), indent=1))
 
 
 if __name__ == "__main__":
