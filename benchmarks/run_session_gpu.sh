@@ -13,7 +13,7 @@
 #       benchmarks/probe/graph_launch.py (a prefix hit's host phases, graph launch host time; GL=1);
 #       benchmarks/probe/mla_decode_cfg.py (the MLA decode kernel's launch settings; MLACFG=1);
 #       benchmarks/probe/hit_pattern.py (a prefix hit's phases and timeline by its place in a round; HP=1,
-#       HP_ARGS=--cprofile: and its Python by function);
+#       HP_ARGS=--cprofile: and its Python by function, --trace: its timeline of engine calls);
 #       benchmarks/probe/moe_fused.py (the one-kernel routed experts experiment; MF=1);
 #       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
