@@ -122,8 +122,9 @@ def trace_rounds(eng, V: int, rounds: int) -> str:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            eng.generate([prompt], ONE)
+            out = eng.generate([prompt], ONE)
             stamps.append(("return", time.perf_counter()))
+            del out
             if i >= 2:
                 runs.append([(label, (s - t) * 1e3) for label, s in stamps])
     labels = [label for label, _ in runs[0]]
@@ -138,6 +139,30 @@ def trace_rounds(eng, V: int, rounds: int) -> str:
     if others:
         lines.append(f"  other paths' stamps: {others[:2]}")
     return "\n".join(lines)
+
+
+def copy_costs(eng, reps: int = 30) -> str:
+    """Host µs of the admission's device copies (a KDA slot, an MLA page's rows) right after a synchronize (as in a
+    hit) and right after another copy, and of a one-element zero_ after a synchronize: whether the first CUDA call
+    after a wait costs more than the copy itself."""
+    pool, free = eng.pool, [p for p in range(eng.pool.num_pages) if eng.pool.refcount[p] == 0][:2]
+    if len(free) < 2:
+        return "copy costs: fewer than 2 free pages"
+    x = torch.empty(1, device=pool.device)
+    res = collections.defaultdict(list)
+    for _ in range(reps):
+        for name, fn in (("copy_slot after sync", lambda: pool.copy_slot(*free)),
+                         ("copy_slot after a copy", lambda: pool.copy_slot(*free)),
+                         ("copy_tokens 64 rows after a copy", lambda: pool.copy_tokens(free[0], free[1], 64)),
+                         ("zero_ of 1 element after sync", x.zero_)):
+            if "sync" in name:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            res[name].append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return f"copy costs (slot {pool.slot_bytes / 2**20:.1f} MiB), median host µs: " + ", ".join(
+        f"{k} {statistics.median(v):.1f}" for k, v in res.items())
 
 
 def main():
@@ -164,9 +189,10 @@ def main():
             times.clear()
             replays.clear()
             sampled.clear()
+            prompt, out = prefix + tail, None  # built / freed outside the clock (`serve.timed_request`)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            out = eng.generate([prefix + tail], ONE)[0]
+            out = eng.generate([prompt], ONE)[0]
             t_end = time.perf_counter()
             torch.cuda.synchronize()
             res[name]["wall"].append((t_end - t) * 1e3)
@@ -200,7 +226,7 @@ def main():
         print(report, flush=True)
     timeline = None
     if a.trace:
-        timeline = trace_rounds(eng, V, a.rounds)
+        timeline = trace_rounds(eng, V, a.rounds) + "\n" + copy_costs(eng)
         print(timeline, flush=True)
     Path(a.out).write_text(json.dumps(dict(summary=summary, all={n: dict(d) for n, d in res.items()},
                                            cprofile=report, timeline=timeline), indent=1))
