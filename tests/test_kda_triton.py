@@ -93,13 +93,18 @@ def test_short_and_boundary_lengths(T):
     compare(x, gr, strict=None if CUDA else STRICT)
 
 
-@pytest.mark.parametrize("small", [0, 10 ** 6], ids=["wide-step-settings", "short-step-settings"])
-def test_head_dim_128(small):
-    """K = V = 128 with both launch-setting sets: the prefill's (column blocks of 32 in the intra kernel, value
-    blocks of 64) and a short step's (`CFG["small_programs"]`: one block of 128, value blocks of 16)."""
-    from k3.ops.kda.triton.chunk import cfg_override
+@pytest.mark.parametrize("settings, launch", [
+    (dict(small_programs=0, mid_programs_max=0), (32, 2)),
+    (dict(small_programs=0, mid_programs_min=0, mid_programs_max=10 ** 6), (128, 2)),
+    (dict(small_programs=10 ** 6), (128, 4))], ids=["default-settings", "mid-settings", "short-step-settings"])
+def test_head_dim_128(settings, launch):
+    """K = V = 128 with each launch-setting set of the intra kernel (column block, warps): the default (32, 2), a
+    mid-sized forward's (`CFG["mid_programs_*"]`: 128, 2) and a short step's (`CFG["small_programs"]`: 128, 4,
+    and value blocks of 16 in the recurrence)."""
+    from k3.ops.kda.triton.chunk import _intra_launch, cfg_override
     x, gr = make(1, 20, 2, 128, 128, seed=7)
-    with cfg_override(small_programs=small):
+    with cfg_override(**settings):
+        assert _intra_launch(2, 2) == launch
         compare(x, gr, strict=None if CUDA else STRICT)
 
 

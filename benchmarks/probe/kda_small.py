@@ -5,8 +5,8 @@ CUDA graph (20 calls per replay, median of 30 replays, µs per call) and checked
 (relative RMS). Parts:
 
 - `intra`: `kda_intra_fwd_kernel` alone by column block and warps, at the tail's length and at 256 to 32,768 tokens
-  (where the short-step settings, `CFG["small_programs"]`, should stop; and whether the prefill's and training's
-  32 columns x 2 warps still win: 128 x 2 was 9 % faster at 4,096 tokens);
+  (where the short-step settings, `CFG["small_programs"]`, should stop, and where the mid-size band's 128 columns x
+  2 warps, `CFG["mid_programs_*"]`, beats the default 32 x 2: the grid runs without either override);
 - `recur`: the whole `kda_extend_triton` (intra at its default) by the recurrence's value block and warps;
 - `conv`: `short_conv_step` over the tail (`short_conv_extend_kernel`): channels per program, tokens per tile, the
   parts a sequence's tiles are dealt to, warps.
@@ -102,8 +102,8 @@ def main():
         return q, k, f, v, bl, cu, token_runs(cu, T, 16, first=True)
 
     cfg = lambda s: chunk.cfg_override(**s)  # noqa: E731
-    if "intra" in a.parts:  # the settings as given (small_programs 0: no short-step override), by length
-        for T in (a.tokens, 256, 1024, 4096, 8192, 32768):  # 8K: a prefill chunk; 32K: a training batch's rows
+    if "intra" in a.parts:  # the settings as given (no short-step or mid-size override), by length
+        for T in (a.tokens, 256, 1024, 2048, 4096, 8192, 16384, 32768):  # 8K: a prefill chunk; 32K: a training batch
             q, k, f, v, bl, cu, (chunks, _) = inputs(T)
             flags = dict(GATE=True, BETA_SIG=True, L2=True)
             NC = chunks.shape[0]
@@ -112,7 +112,7 @@ def main():
                 return chunk._intra_fwd(q, k, v, f, bl, A_log, dtb, chunks, NC, K ** -0.5, -5.0, flags,
                                         pre=T < chunk.FOLD_BELOW_TOKENS)[3]  # kg (Tb folded in when pre)
 
-            grid = [dict(small_programs=0, intra_kb=kb, intra_warps=w)
+            grid = [dict(small_programs=0, mid_programs_max=0, intra_kb=kb, intra_warps=w)
                     for kb, w in itertools.product((32, 64, 128), (2, 4, 8))]
             sweep("intra", [{}] + grid, cfg, intra, out, T)
     q, k, f, v, bl, cu, (chunks, coff) = inputs(a.tokens)

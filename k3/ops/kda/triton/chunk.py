@@ -43,6 +43,14 @@ CFG = {
     "small_intra_kb": 128,
     "small_intra_warps": 4,
     "small_fwd_bv": 16,
+    # mid-sized forwards (an 8K prefill chunk at k3-small's 12 heads: 6,144 programs): intra programs in
+    # (mid_programs_min, mid_programs_max] take one column block of 128 with 2 warps. `probe/kda_small.py` (H200,
+    # 2026-12-04, H 12, K 128): 4,096 tokens 69.0 against 75.5 µs, 8,192 tokens 133.3 against 141.2; at 1,024
+    # tokens (768 programs) 21.9 against 18.1 and at 32,768 (24,576) 534 against 526 the default wins
+    "mid_programs_min": int(os.environ.get("K3_KDA_MID_PROGRAMS_MIN", "2048")),
+    "mid_programs_max": int(os.environ.get("K3_KDA_MID_PROGRAMS_MAX", "8192")),
+    "mid_intra_kb": 128,
+    "mid_intra_warps": 2,
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
@@ -167,13 +175,21 @@ def _intra_fwd(q, k, v, g, beta, A_log, dt_bias, chunks, NC, scale, lb, flags, p
     tb = None if pre else torch.empty_like(aqk)
     gc = torch.empty(NC, H, K, device=q.device, dtype=torch.float32)
     BK = _blk(K)
-    small = _short_step(NC, H)
+    kb, warps = _intra_launch(NC, H)
     kda_intra_fwd_kernel[(NC, H)](q, k, g, beta, A_log, dt_bias, chunks, ke, qe, kg, aqk, aqk if pre else tb, gc,
-                                  H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK,
-                                  KB=min(CFG["small_intra_kb" if small else "intra_kb"], BK),
-                                  DOT_PREC=_prec(q.dtype), PRE=pre,
-                                  num_warps=CFG["small_intra_warps" if small else "intra_warps"], **flags)
+                                  H, K, q.stride(0), g.stride(0), beta.stride(0), scale, lb, BK=BK, KB=min(kb, BK),
+                                  DOT_PREC=_prec(q.dtype), PRE=pre, num_warps=warps, **flags)
     return ke, v, qe, kg, aqk, gc, tb
+
+
+def _intra_launch(NC: int, H: int) -> tuple[int, int]:
+    """(column block, warps) of the forward intra kernel over NC chunks x H heads: a short step's, a mid-sized
+    forward's or the default (`CFG`)."""
+    if _short_step(NC, H):
+        return CFG["small_intra_kb"], CFG["small_intra_warps"]
+    if CFG["mid_programs_min"] < NC * H <= CFG["mid_programs_max"]:
+        return CFG["mid_intra_kb"], CFG["mid_intra_warps"]
+    return CFG["intra_kb"], CFG["intra_warps"]
 
 
 def _short_step(NC: int, H: int) -> bool:
