@@ -5,8 +5,10 @@ host-built chunked batch, the engine with the graph paths on (run eagerly on the
 and (CUDA) replay against eager execution."""
 
 import functools
+import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,6 +220,51 @@ def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
     real = [1, 2, 3] + [p for t in tables for p in t]
     for x, y in ((a.state, b.state), (a.conv, b.conv), (a.mla, b.mla)):
         assert (x[real] - y[real]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("lens, N", [([64], 64), ([4, 1, 7, 0, 0], 16), ([37, 0, 16, 1, 30], 96), ([0, 0], 32),
+                                     ([5, 128], 133)])
+def test_token_runs_host_equals_token_runs(lens, N):
+    """The extend graph's run tables built on the host (`token_runs_host`, written into its input buffer) equal the
+    device function's: empty sequences, padding rows after the last sequence, a length not a multiple of 16."""
+    from k3.model.paged_cache import token_runs, token_runs_host
+
+    cu = [0, *itertools.accumulate(lens)]
+    for G in (16, 4):
+        runs, first = token_runs(torch.tensor(cu), N, G, first=True)
+        got = np.full((N // G + len(lens) + 1, 2), -7, dtype=np.int32)  # garbage: every entry is written
+        got_first = np.full(len(lens), -7, dtype=np.int64)
+        token_runs_host(cu, N, G, got, got_first)
+        assert got.tolist() == runs.tolist() and got_first.tolist() == first.tolist()
+    with pytest.raises(ValueError, match="exceed"):
+        token_runs_host(cu, N, 16, np.zeros((1, 2), dtype=np.int32), np.zeros(len(lens), dtype=np.int64))
+
+
+def test_extend_batch_with_prebuilt_runs_equals_the_device_built_one():
+    """`PackedBatch.for_extend(runs=...)` (the graph's host-built int32 tables) gives the batch the device-built
+    tables give: the MLA groups, the KDA tiles and bounds, every other field."""
+    from k3.model.paged_cache import token_runs_host
+
+    N, ps, cu = 64, 8, [0, 20, 21, 50, 50]
+    n = len(cu) - 1
+    tdoc = torch.tensor([j for j in range(n) for _ in range(cu[j + 1] - cu[j])] + [n] * (N - cu[-1]))
+    pos = torch.arange(N) % 17
+    table = torch.arange((n + 1) * 4).reshape(n + 1, 4) + 3
+    runs, first = np.zeros((N // 16 + n + 1, 2), dtype=np.int32), np.zeros(n, dtype=np.int32)
+    token_runs_host(cu, N, 16, runs, first)
+    args = (pos, tdoc, torch.tensor(cu), torch.arange(n) + 1, table, 24, ps)
+    ref = PackedBatch.for_extend(*args)
+    got = PackedBatch.for_extend(*args, runs=(torch.from_numpy(runs), torch.from_numpy(first),
+                                              torch.tensor(cu, dtype=torch.int32)))
+    assert got.step_chunks is not None and ref.step_chunks is not None
+    for name in ref.__dataclass_fields__:
+        x, y = getattr(ref, name), getattr(got, name)
+        if isinstance(x, tuple):
+            assert all(torch.equal(u.long(), v.long()) for u, v in zip(x, y)), name
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x.long(), y.long()), name
+        else:
+            assert x == y, name
 
 
 def test_engine_with_graph_paths_equals_the_engine_without(one_thread):

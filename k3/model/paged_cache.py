@@ -197,18 +197,29 @@ class PackedBatch:
 
     @classmethod
     def for_extend(cls, pos: torch.Tensor, tdoc: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor,
-                   table: torch.Tensor, history: int, page_size: int) -> "PackedBatch":
+                   table: torch.Tensor, history: int, page_size: int,
+                   runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> "PackedBatch":
         """An extend batch built ON THE DEVICE for a captured CUDA graph: N tokens at positions `pos` [N] of
         the sequences `tdoc` [N] (row of `table` [n + 1, pages], long, whose last row may be padding's), n
         sequences with tokens cu[i]..cu[i+1] (`cu` [n + 1], long) and KDA slots `slots` [n]. Tokens past cu[n]
         are padding: no KDA / conv state reads them, and their MLA rows read and write `table[tdoc]`'s pages
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
-        `history` (static) bounds every pos + 1."""
+        `history` (static) bounds every pos + 1. `runs` (optional): the int32 tables `token_runs(cu, N, 16,
+        first=True)` and `cu` would give, already built (by `token_runs_host`, in the graph's input buffer):
+        (runs [N // 16 + n + 1, 2], first run [n], cu [n + 1]); otherwise they are built here (≈ 20 small kernels)."""
         N, n = pos.shape[0], cu.shape[0] - 1
-        chunks = _int32(token_runs(cu, N, STATES_AT_MULTIPLE, first=True)) if extend_in_chunks(N, n) else None
+        if runs is None:
+            t = token_runs(cu, N, STATES_AT_MULTIPLE, first=True)
+            runs = (*_int32(t), cu.to(torch.int32))
+            groups = t[0] if GROUP_ROWS == STATES_AT_MULTIPLE else token_runs(cu, N, GROUP_ROWS)
+        else:
+            if GROUP_ROWS != STATES_AT_MULTIPLE:
+                raise ValueError(f"PackedBatch.for_extend: prebuilt runs serve the MLA groups ({GROUP_ROWS} rows) "
+                                 f"and the KDA tiles ({STATES_AT_MULTIPLE}) only when both are equal")
+            groups = runs[0]
+        chunks = runs[:2] if extend_in_chunks(N, n) else None
         return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1,
-                               step_cu=cu.to(torch.int32),
-                               dec_groups=token_runs(cu, N, GROUP_ROWS), step_chunks=chunks)
+                               step_cu=runs[2], dec_groups=groups, step_chunks=chunks)
 
     @classmethod
     def for_prefill(cls, start: torch.Tensor, length: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,
@@ -286,6 +297,23 @@ def token_runs(cu: torch.Tensor, N: int, G: int, first: bool = False):
     count = (bounds[s + 1] - start).clamp(0, G)
     runs = torch.stack([torch.where(used, start, 0), torch.where(used, count, 0)], 1)
     return (runs, (ends - per)[:n]) if first else runs
+
+
+def token_runs_host(cu, N: int, G: int, runs, first) -> None:
+    """`token_runs(cu, N, G, first=True)` on the host, written into `runs` [N // G + n + 1, 2] and `first` [n]
+    (NumPy arrays, any integer dtype; `cu`: n + 1 ascending ints): for a graph's input buffer, so that the
+    captured forward does not build them with ≈ 20 small kernels. Entries past the used ones become (0, 0)."""
+    n = len(cu) - 1
+    bounds = [*cu, N]
+    rows = []
+    for j in range(n + 1):  # the sequences, then the rows after them as one more
+        if j < n:
+            first[j] = len(rows)
+        rows += [(a, min(G, bounds[j + 1] - a)) for a in range(bounds[j], bounds[j + 1], G)]
+    if len(rows) > runs.shape[0]:
+        raise ValueError(f"token_runs_host: {len(rows)} runs exceed the table's {runs.shape[0]} rows")
+    runs[:len(rows)] = rows if rows else 0
+    runs[len(rows):] = 0
 
 
 class PagedCache:

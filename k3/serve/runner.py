@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.paged_cache import PackedBatch, PagedCache
+from ..model.paged_cache import PackedBatch, PagedCache, token_runs_host
 from ..ops import gemv
 from ..ops._host import to_device
 from ..ops.attn_res import static_tables
+from ..ops.kda import STATES_AT_MULTIPLE
 from ..ops.moe import grouped_mm_available
 from .pool import PagePool, PoolExhausted
 
@@ -172,8 +173,10 @@ class ExtendGraph(_Graph):
     decode form (`PackedBatch.for_extend`: KDA and the short conv step each sequence through its tokens in its
     pool slot, MLA reads every token's history from the pages) → the logits of each sequence's last token.
     Inputs: one int64 device buffer ids [N] | src [N] | pos [N] | tdoc [N] | cu [n + 1] | slots [n] |
-    page table [n + 1, pages]; padding tokens belong to no sequence (row n of the table: the scratch page),
-    padding sequences are empty (the scratch slot)."""
+    page table [n + 1, pages] | int32 pairs: the 16-token runs [R, 2], each sequence's first run [n] and cu
+    [n + 1] (`token_runs_host`, R = N // 16 + n + 1: built by `fill`, not by ≈ 20 small kernels in the graph);
+    padding tokens belong to no sequence (row n of the table: the scratch page), padding sequences are empty (the
+    scratch slot)."""
 
     def __init__(self, runner: "ModelRunner", tokens: int, seqs: int, history: int, mempool):
         ps = runner.pool.layout.block_size
@@ -181,21 +184,26 @@ class ExtendGraph(_Graph):
         # `_padding`'s buffer and the scratch pages it was built for; 0, 1, 2, …
         self._pad, self._pad_for, self._arange = None, None, np.arange(max(tokens, seqs))
         N, n = tokens, seqs
-        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * self.pages, dtype=torch.long,
+        self.runs = N // STATES_AT_MULTIPLE + n + 1
+        self.i32 = -(-(2 * self.runs + 2 * n + 1) // 2)  # int64 words holding the int32 tables
+        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * self.pages + self.i32, dtype=torch.long,
                                 pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
         self._capture(runner, mempool)
 
     def fields(self, t: torch.Tensor) -> dict:
-        N, n = self.tokens, self.seqs
+        N, n, R = self.tokens, self.seqs, self.runs
         ids, src, pos, tdoc = t[:4 * N].reshape(4, N)  # views of a tensor or of its NumPy array (`fill`)
+        at = 4 * N + 2 * n + 1 + (n + 1) * self.pages
+        i32 = t[at:].view(torch.int32 if isinstance(t, torch.Tensor) else np.int32)
         return dict(ids=ids, src=src, pos=pos, tdoc=tdoc, cu=t[4 * N:4 * N + n + 1],
                     slots=t[4 * N + n + 1:4 * N + 2 * n + 1],
-                    table=t[4 * N + 2 * n + 1:].reshape(n + 1, self.pages))
+                    table=t[4 * N + 2 * n + 1:at].reshape(n + 1, self.pages),
+                    runs=i32[:2 * R].reshape(R, 2), first=i32[2 * R:2 * R + n], cu32=i32[2 * R + n:2 * R + 2 * n + 1])
 
     def batch(self, f: dict) -> PackedBatch:
         return PackedBatch.for_extend(f["pos"], f["tdoc"], f["cu"], f["slots"], f["table"], self.history,
-                                      self.runner.pool.layout.block_size)
+                                      self.runner.pool.layout.block_size, runs=(f["runs"], f["first"], f["cu32"]))
 
     def _padding(self, scratch: tuple[int, int]) -> np.ndarray:
         """The buffer of an empty batch (every token and sequence padding), built once: `fill` starts from a copy."""
@@ -204,6 +212,8 @@ class ExtendGraph(_Graph):
             f = self.fields(pad)
             f["ids"][:], f["src"][:], f["pos"][:], f["tdoc"][:], f["cu"][:] = 0, -1, 0, self.seqs, 0
             f["slots"][:], f["table"][:] = scratch
+            f["cu32"][:] = 0  # every sequence empty: the rows' runs are the padding's
+            token_runs_host([0] * (self.seqs + 1), self.tokens, STATES_AT_MULTIPLE, f["runs"], f["first"])
             self._pad, self._pad_for = pad, scratch
         return self._pad
 
@@ -217,7 +227,9 @@ class ExtendGraph(_Graph):
         lens = [len(s.tokens) for s in seqs]
         ends = list(itertools.accumulate(lens))
         k, m = len(seqs), ends[-1]
-        f["cu"][1:k + 1], f["cu"][k + 1:] = ends, m
+        cu = [0, *ends] + [m] * (self.seqs - k)
+        f["cu"][:] = f["cu32"][:] = cu
+        token_runs_host(cu, self.tokens, STATES_AT_MULTIPLE, f["runs"], f["first"])
         f["ids"][:m] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in seqs), np.int64, count=m)
         f["tdoc"][:m] = np.repeat(ar[:k], lens)
         # position of token i of sequence j: start_j + i - cu_j
