@@ -45,10 +45,11 @@ CFG = {
     "small_fwd_bv": 16,
     # mid-sized forwards (an 8K prefill chunk at k3-small's 12 heads: 6,144 programs): intra programs in
     # (mid_programs_min, mid_programs_max] take one column block of 128 with 2 warps. `probe/kda_small.py` (H200,
-    # 2026-12-04, H 12, K 128): 4,096 tokens 69.0 against 75.5 µs, 8,192 tokens 133.3 against 141.2; at 1,024
-    # tokens (768 programs) 21.9 against 18.1 and at 32,768 (24,576) 534 against 526 the default wins
-    "mid_programs_min": int(os.environ.get("K3_KDA_MID_PROGRAMS_MIN", "2048")),
-    "mid_programs_max": int(os.environ.get("K3_KDA_MID_PROGRAMS_MAX", "8192")),
+    # 2026-12-04, H 12, K 128, two runs), 128 x 2 against 32 x 2: 2,048 tokens (1,536 programs) 35.6 against 37.2
+    # µs, 4,096 69.0 against 74.9-75.5, 8,192 132.8-133.3 against 141.2-141.7, 16,384 264.1 against 268.9; the
+    # default wins at 1,024 tokens (768 programs: 18.0 against 21.7) and at 32,768 (24,576: 525.9 against 533.6)
+    "mid_programs_min": int(os.environ.get("K3_KDA_MID_PROGRAMS_MIN", "1024")),
+    "mid_programs_max": int(os.environ.get("K3_KDA_MID_PROGRAMS_MAX", "16384")),
     "mid_intra_kb": 128,
     "mid_intra_warps": 2,
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
