@@ -280,6 +280,38 @@ def test_padded_prefill_batch_equals_the_chunked_batch(one_thread, start):
         assert rel_rmse(x[real], y[real]) <= 1e-5
 
 
+@pytest.mark.parametrize("length, ckpts, start", [(45, [16, 32, 0, 0], 0), (64, [64, 0], 32), (1, [], 0),
+                                                   (50, [0, 48, 16], 8)])
+def test_prefill_batch_with_host_tables_equals_the_device_built_one(length, ckpts, start):
+    """`PackedBatch.for_prefill(tables=...)` (the prefill graph's int32 tables, built on the host by
+    `prefill_tables_host`) gives every field the device-built tables give; in the chunk -> checkpoint table only its
+    spare last entry (which the unused checkpoints all map to, in any order) may differ."""
+    import numpy as np
+
+    from k3.model.paged_cache import prefill_tables_host
+    from k3.ops.conv import CONV_TILE
+
+    N, hist, ps, W1 = 64, 32 if start else 0, 8, 3
+    pages = -(-(hist + N) // ps)
+    args = (torch.tensor([start]), torch.tensor([length]), torch.tensor([5]), torch.arange(pages) + 3,
+            torch.tensor(ckpts, dtype=torch.long), torch.arange(len(ckpts)) + 20, N, hist, ps, W1, 38)
+    R, NT = N // 16 + 2, -(-N // CONV_TILE)
+    host = [np.full(shape, -9, dtype=np.int32) for shape in ((R, 2), (1,), (2,), (R + 1,), (NT, 2))]
+    prefill_tables_host(length, ckpts, N, *host)
+    ref = PackedBatch.for_prefill(*args)
+    got = PackedBatch.for_prefill(*args, tables=tuple(torch.from_numpy(h) for h in host))
+    for name in ref.__dataclass_fields__:
+        x, y = getattr(ref, name), getattr(got, name)
+        if name == "step_state_slots":
+            x, y = x[:-1], y[:-1]
+        if isinstance(x, tuple):
+            assert all(torch.equal(u.long(), v.long()) for u, v in zip(x, y)), name
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x.long(), y.long()), name
+        else:
+            assert x == y, name
+
+
 def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread):
     """A fp32 CPU engine with its graph paths on (prefill graphs run eagerly here: the same padding, device-built
     tables and pool updates as on the GPU) against the same engine without them: prompts of 130-250 tokens arriving

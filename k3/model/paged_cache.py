@@ -224,7 +224,8 @@ class PackedBatch:
     @classmethod
     def for_prefill(cls, start: torch.Tensor, length: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,
                     ckpt_pos: torch.Tensor, ckpt_pages: torch.Tensor, tokens: int, history: int, page_size: int,
-                    conv_width: int, scratch_page: int) -> "PackedBatch":
+                    conv_width: int, scratch_page: int, tables: tuple[torch.Tensor, ...] | None = None
+                    ) -> "PackedBatch":
         """One sequence's prefill chunk built ON THE DEVICE for a captured CUDA graph: `length` new tokens ([1] long,
         ≤ `tokens`, the static padded row count) at positions start .. start + length - 1 (`start` [1] long ≤
         `history`, the static history bucket; 0: a cold chunk, start = 0), KDA slot `slot` [1], MLA page table
@@ -235,15 +236,23 @@ class PackedBatch:
         With history, MLA's keys are `history + tokens` rows read from the pages (`hist_page`, `hist_off`):
         positions 0 .. start + tokens - 1 (past start + length: the scratch page), then unused rows; `key_len`
         [1] = start + tokens, so that causal attention aligned to the last key is each query's history and chunk
-        prefix (a padding row's too, over scratch rows)."""
+        prefix (a padding row's too, over scratch rows).
+        `tables` (optional): the int32 tables below already built (`prefill_tables_host`, in the graph's input
+        buffer): (16-token runs [tokens // 16 + 2, 2], first run [1], cu [2], chunk → checkpoint [tokens // 16 + 3],
+        conv tiles [ceil(tokens / CONV_TILE), 2]); otherwise they are built here (≈ 35 small kernels)."""
         dev = length.device
         i = torch.arange(tokens, device=dev)
         pos = start + i
-        cu = torch.cat([length.new_zeros(1), length])
-        chunks = _int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True))
-        cu = cu.to(torch.int32)  # the kernels' bounds (one conversion for every use below)
+        if tables is None:
+            cu = torch.cat([length.new_zeros(1), length])
+            chunks = _int32(token_runs(cu, tokens, STATES_AT_MULTIPLE, first=True))
+            cu = cu.to(torch.int32)  # the kernels' bounds (one conversion for every use below)
+            slots = chunk_slots(ckpt_pos, cu, chunks[1], chunks[0].shape[0])
+            tiles = torch.stack([torch.zeros_like(i[::CONV_TILE]), i[::CONV_TILE]], 1).to(torch.int32)
+        else:
+            runs, first, cu, slots, tiles = tables
+            chunks = (runs, first)
         win = ckpt_pos[:, None] - conv_width + torch.arange(conv_width, device=dev)
-        tiles = torch.stack([torch.zeros_like(i[::CONV_TILE]), i[::CONV_TILE]], 1).to(torch.int32)
         hist_page = hist_off = key_len = None
         if history:
             p = torch.arange(history + tokens, device=dev)  # the position of each key row
@@ -254,7 +263,7 @@ class PackedBatch:
                    conv_tiles=tiles, num_decode=0, dec_page=None, dec_off=None, dec_valid=None, dec_len=None,
                    hist_page=hist_page, hist_off=hist_off, hist_cu=[0], ckpt_pages=ckpt_pages,
                    ckpt_win_rows=win.clamp_min(0), step_cu=cu, step_chunks=chunks, step_states_at=ckpt_pos,
-                   step_state_slots=chunk_slots(ckpt_pos, cu, chunks[1], chunks[0].shape[0]), graph_prefill=True,
+                   step_state_slots=slots, graph_prefill=True,
                    key_len=key_len)
 
     @classmethod
@@ -314,6 +323,22 @@ def token_runs_host(cu, N: int, G: int, runs, first) -> None:
         raise ValueError(f"token_runs_host: {len(rows)} runs exceed the table's {runs.shape[0]} rows")
     runs[:len(rows)] = rows if rows else 0
     runs[len(rows):] = 0
+
+
+def prefill_tables_host(length: int, ckpts: list[int], tokens: int, runs, first, cu, slots, tiles) -> None:
+    """`PackedBatch.for_prefill`'s int32 tables of one chunk of `length` real tokens (of `tokens` rows) with KDA
+    checkpoints at offsets `ckpts` (0: unused), built on the host into NumPy arrays (a prefill graph's input
+    buffer): the chunk's 16-token runs and first run (`token_runs_host`), cu = (0, length), the chunk → checkpoint
+    table of `states_at.chunk_slots` (-1: none; the spare last entry takes the unused checkpoints) and the conv
+    tiles (0, t) for t = 0, CONV_TILE, …"""
+    token_runs_host([0, length], tokens, STATES_AT_MULTIPLE, runs, first)
+    cu[:] = (0, length)
+    nc = runs.shape[0]
+    table = [-1] * (nc + 1)
+    for m, p in enumerate(ckpts):
+        table[(p - 1) // STATES_AT_MULTIPLE if p > 0 else nc] = m
+    slots[:] = table
+    tiles[:, 0], tiles[:, 1] = 0, range(0, tokens, CONV_TILE)
 
 
 class PagedCache:

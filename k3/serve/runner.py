@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.paged_cache import PackedBatch, PagedCache, token_runs_host
+from ..model.paged_cache import PackedBatch, PagedCache, prefill_tables_host, token_runs_host
 from ..ops import gemv
 from ..ops._host import to_device
 from ..ops.attn_res import static_tables
+from ..ops.conv import CONV_TILE
 from ..ops.kda import STATES_AT_MULTIPLE
 from ..ops.moe import grouped_mm_available
 from .pool import PagePool, PoolExhausted
@@ -251,27 +252,37 @@ class PrefillGraph(_Graph):
     checkpoints inside; the chunked kernels as in an eager prefill, every table built on the device; rows past the
     chunk are padding (no state reads them, their latents go to the scratch page) → the logits of its last token.
     Inputs: one int64 device buffer ids [N] | start [1] | length [1] | slot [1] | page table [pages] | checkpoint
-    offsets [M] (0: unused) | checkpoint slots [M] (unused: the scratch slot)."""
+    offsets [M] (0: unused) | checkpoint slots [M] (unused: the scratch slot) | int32 pairs: the chunk's 16-token
+    runs [R, 2], first run [1], cu [2], chunk → checkpoint table [R + 1] and conv tiles [NT, 2] (R = N // 16 + 2;
+    `prefill_tables_host`: built by `fill`, not by ≈ 35 small kernels in the graph)."""
 
     def __init__(self, runner: "ModelRunner", tokens: int, history: int, ckpts: int, mempool):
         ps = runner.pool.layout.block_size
         self.tokens, self.history, self.ckpts = tokens, history, ckpts
         self.pages = -(-(history + tokens) // ps)
-        self.host = torch.empty(tokens + 3 + self.pages + 2 * ckpts, dtype=torch.long,
+        self.runs, self.tiles = tokens // STATES_AT_MULTIPLE + 2, -(-tokens // CONV_TILE)
+        self.i32 = -(-(2 * self.runs + 3 + self.runs + 1 + 2 * self.tiles) // 2)  # int64 words of the int32 tables
+        self.host = torch.empty(tokens + 3 + self.pages + 2 * ckpts + self.i32, dtype=torch.long,
                                 pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
         self._capture(runner, mempool)
 
     def fields(self, t: torch.Tensor) -> dict:
-        N, P, M = self.tokens, self.pages, self.ckpts
+        N, P, M, R = self.tokens, self.pages, self.ckpts, self.runs
+        at = N + 3 + P + 2 * M
+        i32 = t[at:].view(torch.int32 if isinstance(t, torch.Tensor) else np.int32)
         return dict(ids=t[:N], start=t[N:N + 1], length=t[N + 1:N + 2], slot=t[N + 2:N + 3],
-                    table=t[N + 3:N + 3 + P], ckpt_pos=t[N + 3 + P:N + 3 + P + M], ckpt_pages=t[N + 3 + P + M:])
+                    table=t[N + 3:N + 3 + P], ckpt_pos=t[N + 3 + P:N + 3 + P + M], ckpt_pages=t[N + 3 + P + M:at],
+                    runs=i32[:2 * R].reshape(R, 2), first=i32[2 * R:2 * R + 1], cu32=i32[2 * R + 1:2 * R + 3],
+                    chunk_slots=i32[2 * R + 3:3 * R + 4],
+                    tiles=i32[3 * R + 4:3 * R + 4 + 2 * self.tiles].reshape(self.tiles, 2))
 
     def batch(self, f: dict) -> PackedBatch:
         lay = self.runner.pool.layout
         return PackedBatch.for_prefill(f["start"], f["length"], f["slot"], f["table"], f["ckpt_pos"], f["ckpt_pages"],
                                        self.tokens, self.history, lay.block_size, lay.conv_width,
-                                       self.runner.scratch[1])
+                                       self.runner.scratch[1], tables=tuple(
+                                           f[k] for k in ("runs", "first", "cu32", "chunk_slots", "tiles")))
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
         f = self.host_f  # NumPy views of the pinned buffer
@@ -285,6 +296,8 @@ class PrefillGraph(_Graph):
         if c:
             f["ckpt_pos"][:len(c)] = [o for o, _ in c]
             f["ckpt_pages"][:len(c)] = [p for _, p in c]
+        prefill_tables_host(m, [o for o, _ in c] + [0] * (self.ckpts - len(c)), self.tokens,
+                            *(f[k] for k in ("runs", "first", "cu32", "chunk_slots", "tiles")))
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         return self.out[:1] if seqs[0].want_logits else self.out[:0]
