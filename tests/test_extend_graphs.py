@@ -223,10 +223,11 @@ def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
 
 
 @pytest.mark.parametrize("lens, N", [([64], 64), ([4, 1, 7, 0, 0], 16), ([37, 0, 16, 1, 30], 96), ([0, 0], 32),
-                                     ([5, 128], 133)])
+                                     ([5, 128], 133), ([300, 0, 41], 352), ([10], 400)])
 def test_token_runs_host_equals_token_runs(lens, N):
     """The extend graph's run tables built on the host (`token_runs_host`, written into its input buffer) equal the
-    device function's: empty sequences, padding rows after the last sequence, a length not a multiple of 16."""
+    device function's: empty sequences, padding rows after the last sequence, a length not a multiple of 16, runs
+    written from Python (up to 8 per sequence) and from NumPy (more)."""
     from k3.model.paged_cache import token_runs, token_runs_host
 
     cu = [0, *itertools.accumulate(lens)]

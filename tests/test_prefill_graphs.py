@@ -280,9 +280,9 @@ def test_padded_prefill_batch_equals_the_chunked_batch(one_thread, start):
         assert rel_rmse(x[real], y[real]) <= 1e-5
 
 
-@pytest.mark.parametrize("length, ckpts, start", [(45, [16, 32, 0, 0], 0), (64, [64, 0], 32), (1, [], 0),
-                                                   (50, [0, 48, 16], 8)])
-def test_prefill_batch_with_host_tables_equals_the_device_built_one(length, ckpts, start):
+@pytest.mark.parametrize("length, ckpts, start, N", [(45, [16, 32, 0, 0], 0, 64), (64, [64, 0], 32, 64), (1, [], 0, 64),
+                                                      (50, [0, 48, 16], 8, 64), (500, [256, 0, 480], 0, 512)])
+def test_prefill_batch_with_host_tables_equals_the_device_built_one(length, ckpts, start, N):
     """`PackedBatch.for_prefill(tables=...)` (the prefill graph's int32 tables, built on the host by
     `prefill_tables_host`) gives every field the device-built tables give; in the chunk -> checkpoint table only its
     spare last entry (which the unused checkpoints all map to, in any order) may differ."""
@@ -291,7 +291,7 @@ def test_prefill_batch_with_host_tables_equals_the_device_built_one(length, ckpt
     from k3.model.paged_cache import prefill_tables_host
     from k3.ops.conv import CONV_TILE
 
-    N, hist, ps, W1 = 64, 32 if start else 0, 8, 3
+    hist, ps, W1 = 32 if start else 0, 8, 3
     pages = -(-(hist + N) // ps)
     args = (torch.tensor([start]), torch.tensor([length]), torch.tensor([5]), torch.arange(pages) + 3,
             torch.tensor(ckpts, dtype=torch.long), torch.arange(len(ckpts)) + 20, N, hist, ps, W1, 38)
