@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from conftest import make_tiny
+from k3.model.paged_cache import token_runs
+from k3.ops.kda import STATES_AT_MULTIPLE
 from k3.serve import Engine, EngineConfig, SamplingParams
 from k3.serve.engine import _checked_ids
 from k3.serve.prefix_cache import RecentPrompts, extend_hashes
@@ -127,7 +129,8 @@ def test_prefix_hits_equal_with_and_without_recent_prompts():
 
 
 def reference_fill(g: ExtendGraph, seqs, scratch) -> np.ndarray:
-    """`ExtendGraph.fill` as it was: every field written in place."""
+    """`ExtendGraph.fill` as it was: every field written in place; the int32 run tables from the device function
+    (`token_runs` over the bounds)."""
     t = np.zeros_like(g.host_np)
     f = g.fields(t)
     ids, src, pos, tdoc, cu = f["ids"], f["src"], f["pos"], f["tdoc"], f["cu"]
@@ -150,6 +153,8 @@ def reference_fill(g: ExtendGraph, seqs, scratch) -> np.ndarray:
                 src[cu[j]] = s.src
         f["slots"][:k] = [s.state_page for s in seqs]
         _page_rows(f["table"], seqs, scratch[1])
+    runs, first = token_runs(torch.from_numpy(cu.copy()), g.tokens, STATES_AT_MULTIPLE, first=True)
+    f["runs"][:], f["first"][:], f["cu32"][:] = runs.numpy(), first.numpy(), cu
     return t
 
 
@@ -157,7 +162,9 @@ def reference_fill(g: ExtendGraph, seqs, scratch) -> np.ndarray:
 def test_extend_fill_equals_writing_every_field(tokens, nseq, pages):
     g = ExtendGraph.__new__(ExtendGraph)  # the buffer alone: no runner, no capture
     g.tokens, g.seqs, g.pages, g._pad_for, g._arange = tokens, nseq, pages, None, np.arange(max(tokens, nseq))
-    g.host_np = np.full(4 * tokens + 2 * nseq + 1 + (nseq + 1) * pages, 12345, dtype=np.int64)
+    g.runs = tokens // STATES_AT_MULTIPLE + nseq + 1
+    g.i32 = -(-(2 * g.runs + 2 * nseq + 1) // 2)
+    g.host_np = np.full(4 * tokens + 2 * nseq + 1 + (nseq + 1) * pages + g.i32, 12345, dtype=np.int64)
     g.host_f = g.fields(g.host_np)
     rng = random.Random(tokens)
     for scratch in [(7, 9)] * 30 + [(3, 4)] * 5:

@@ -209,7 +209,7 @@ class ExtendGraph(_Graph):
     def _padding(self, scratch: tuple[int, int]) -> np.ndarray:
         """The buffer of an empty batch (every token and sequence padding), built once: `fill` starts from a copy."""
         if self._pad_for != scratch:
-            pad = np.empty_like(self.host_np)
+            pad = np.zeros_like(self.host_np)  # zeros: the int32 tables' spare word too
             f = self.fields(pad)
             f["ids"][:], f["src"][:], f["pos"][:], f["tdoc"][:], f["cu"][:] = 0, -1, 0, self.seqs, 0
             f["slots"][:], f["table"][:] = scratch
