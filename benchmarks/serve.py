@@ -148,6 +148,10 @@ SWITCHES = {
 PREFILL_SWITCHES = {
     "combine_gemms_seconds": ("k3.ops.kda.triton.chunk", "COMBINE_KERNEL", "KDA segment states by one kernel",
                               "KDA segment states by fp32 GEMMs"),
+    "mid_intra_seconds": ("k3.ops.kda.triton.chunk", "MID_INTRA", "KDA intra in its mid-size band",
+                          "KDA intra at its default settings"),
+    "host_tables_seconds": ("k3.serve.runner", "HOST_TABLES", "run tables from the host",
+                            "run tables built in the graph"),
 }
 # prefix-hit switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
 HIT_SWITCHES = {
@@ -155,6 +159,8 @@ HIT_SWITCHES = {
     "gemv_wide_seconds": ("k3.ops.gemv", "WIDE", "its projections by the GEMV kernel", "its projections by cuBLAS"),
     "mla_combine_seconds": ("k3.ops.mla_decode.triton", "COMBINE_KERNEL", "the MLA splits combined by one kernel",
                             "the MLA splits combined by PyTorch ops"),
+    "host_tables_seconds": ("k3.serve.runner", "HOST_TABLES", "its run tables from the host",
+                            "its run tables built in the graph"),
 }
 
 

@@ -268,7 +268,8 @@ def test_extend_batch_with_prebuilt_runs_equals_the_device_built_one():
             assert x == y, name
 
 
-def test_engine_with_graph_paths_equals_the_engine_without(one_thread):
+@pytest.mark.parametrize("host_tables", [True, False], ids=["host-tables", "graph-tables"])
+def test_engine_with_graph_paths_equals_the_engine_without(one_thread, host_tables, monkeypatch):
     """A fp32 CPU engine whose graph paths are switched on (decode and extend graphs, run eagerly here: the
     same padding, device-built metadata and pool updates as on the GPU; MLA through the Triton kernel, in
     token runs, where Triton's interpreter runs) against the same engine without them (the gathered-history
@@ -279,6 +280,7 @@ def test_engine_with_graph_paths_equals_the_engine_without(one_thread):
     from k3.ops.conv import triton_available
     from k3.ops.moe_triton import interpreted
 
+    monkeypatch.setattr("k3.serve.runner.HOST_TABLES", host_tables)  # K3_GRAPH_HOST_TABLES: either way
     interpreter = triton_available() and interpreted()
     model = make_tiny(seed=15)
     rng = random.Random(15)

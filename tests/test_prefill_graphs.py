@@ -312,7 +312,8 @@ def test_prefill_batch_with_host_tables_equals_the_device_built_one(length, ckpt
             assert x == y, name
 
 
-def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread):
+@pytest.mark.parametrize("host_tables", [True, False], ids=["host-tables", "graph-tables"])
+def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread, host_tables, monkeypatch):
     """A fp32 CPU engine with its graph paths on (prefill graphs run eagerly here: the same padding, device-built
     tables and pool updates as on the GPU) against the same engine without them: prompts of 130-250 tokens arriving
     one at a time (each first chunk alone in its step, with prefix-cache checkpoints inside), some sharing a prefix
@@ -320,6 +321,8 @@ def test_engine_with_prefill_graphs_equals_the_engine_without(one_thread):
     prefill graphs used."""
     from k3.serve import Engine, EngineConfig, SamplingParams
     from k3.serve.runner import PrefillGraph
+
+    monkeypatch.setattr("k3.serve.runner.HOST_TABLES", host_tables)  # K3_GRAPH_HOST_TABLES: either way
 
     model = make_tiny(seed=26)
     rng = random.Random(26)

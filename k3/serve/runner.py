@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,11 @@ from ..ops.conv import CONV_TILE
 from ..ops.kda import STATES_AT_MULTIPLE
 from ..ops.moe import grouped_mm_available
 from .pool import PagePool, PoolExhausted
+
+# whether the extend and prefill graphs take their run tables (and a prefill's checkpoint table and conv tiles) from
+# the host with their inputs (`token_runs_host`, `prefill_tables_host`) or (K3_GRAPH_HOST_TABLES=0) build them
+# inside the captured forward (≈ 50 / 35 small kernels); `benchmarks/serve.py` flips it in the same run
+HOST_TABLES = os.environ.get("K3_GRAPH_HOST_TABLES", "1") == "1"
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIN_HISTORY = 256          # smallest padded MLA history of a decode graph (then powers of two)
@@ -204,7 +210,8 @@ class ExtendGraph(_Graph):
 
     def batch(self, f: dict) -> PackedBatch:
         return PackedBatch.for_extend(f["pos"], f["tdoc"], f["cu"], f["slots"], f["table"], self.history,
-                                      self.runner.pool.layout.block_size, runs=(f["runs"], f["first"], f["cu32"]))
+                                      self.runner.pool.layout.block_size,
+                                      runs=(f["runs"], f["first"], f["cu32"]) if HOST_TABLES else None)
 
     def _padding(self, scratch: tuple[int, int]) -> np.ndarray:
         """The buffer of an empty batch (every token and sequence padding), built once: `fill` starts from a copy."""
@@ -229,8 +236,10 @@ class ExtendGraph(_Graph):
         ends = list(itertools.accumulate(lens))
         k, m = len(seqs), ends[-1]
         cu = [0, *ends] + [m] * (self.seqs - k)
-        f["cu"][:] = f["cu32"][:] = cu
-        token_runs_host(cu, self.tokens, STATES_AT_MULTIPLE, f["runs"], f["first"])
+        f["cu"][:] = cu
+        if HOST_TABLES:
+            f["cu32"][:] = cu
+            token_runs_host(cu, self.tokens, STATES_AT_MULTIPLE, f["runs"], f["first"])
         f["ids"][:m] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in seqs), np.int64, count=m)
         f["tdoc"][:m] = np.repeat(ar[:k], lens)
         # position of token i of sequence j: start_j + i - cu_j
@@ -282,7 +291,8 @@ class PrefillGraph(_Graph):
         return PackedBatch.for_prefill(f["start"], f["length"], f["slot"], f["table"], f["ckpt_pos"], f["ckpt_pages"],
                                        self.tokens, self.history, lay.block_size, lay.conv_width,
                                        self.runner.scratch[1], tables=tuple(
-                                           f[k] for k in ("runs", "first", "cu32", "chunk_slots", "tiles")))
+                                           f[k] for k in ("runs", "first", "cu32", "chunk_slots", "tiles"))
+                                       if HOST_TABLES else None)
 
     def fill(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> None:
         f = self.host_f  # NumPy views of the pinned buffer
@@ -296,8 +306,9 @@ class PrefillGraph(_Graph):
         if c:
             f["ckpt_pos"][:len(c)] = [o for o, _ in c]
             f["ckpt_pages"][:len(c)] = [p for _, p in c]
-        prefill_tables_host(m, [o for o, _ in c] + [0] * (self.ckpts - len(c)), self.tokens,
-                            *(f[k] for k in ("runs", "first", "cu32", "chunk_slots", "tiles")))
+        if HOST_TABLES:
+            prefill_tables_host(m, [o for o, _ in c] + [0] * (self.ckpts - len(c)), self.tokens,
+                                *(f[k] for k in ("runs", "first", "cu32", "chunk_slots", "tiles")))
 
     def select(self, seqs: list[SeqInput]) -> torch.Tensor:
         return self.out[:1] if seqs[0].want_logits else self.out[:0]

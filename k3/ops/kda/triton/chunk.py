@@ -91,6 +91,9 @@ EXTEND_SPLIT_MIN_TOKENS = 4096
 # the segments' incoming states in one Triton kernel (`combine.combine_segments`) rather than P - 1 fp32 GEMMs and
 # their copies (K3_KDA_COMBINE_KERNEL=0)
 COMBINE_KERNEL = os.environ.get("K3_KDA_COMBINE_KERNEL", "1") == "1"
+# whether mid-sized forwards take the intra kernel's mid-size band (`CFG["mid_programs_*"]`); off: the default
+# settings there (`benchmarks/serve.py` flips it at the prefill in the same run)
+MID_INTRA = os.environ.get("K3_KDA_MID_INTRA", "1") == "1"
 
 
 # extend steps fold Tb (`PRE`) below this many tokens per sequence on average: folded is faster for short chunks
@@ -188,7 +191,7 @@ def _intra_launch(NC: int, H: int) -> tuple[int, int]:
     forward's or the default (`CFG`)."""
     if _short_step(NC, H):
         return CFG["small_intra_kb"], CFG["small_intra_warps"]
-    if CFG["mid_programs_min"] < NC * H <= CFG["mid_programs_max"]:
+    if MID_INTRA and CFG["mid_programs_min"] < NC * H <= CFG["mid_programs_max"]:
         return CFG["mid_intra_kb"], CFG["mid_intra_warps"]
     return CFG["intra_kb"], CFG["intra_warps"]
 
