@@ -149,8 +149,9 @@ def _admissions(groups, max_num_seqs=1, preempt_first=None):
 
 def test_sequence_token_views_equal_the_list():
     """A sequence keeps its prompt as the int64 array `Engine.submit` checked and builds the list only on demand:
-    token_slice, token_bytes, num_tokens and tokens equal those of prompt + output at every start / length, before
-    and after the list exists; the outputs' prompt is a copy, so editing it leaves the engine's prompt alone."""
+    token_slice, input_ids, token_bytes, num_tokens and tokens equal those of prompt + output at every start /
+    length, before and after the list exists; the outputs' prompt is a copy, so editing it leaves the engine's
+    prompt alone."""
     rng = random.Random(3)
     prompt = [rng.randrange(1 << 40) for _ in range(37)]
     seq = Sequence(request_id="s", prompt_ids=array("q", prompt), params=SamplingParams(), eos=())
@@ -162,6 +163,9 @@ def test_sequence_token_views_equal_the_list():
         for start in range(len(full) + 1):
             for n in (0, 1, 5, 40, 60):
                 assert seq.token_slice(start, n) == full[start:start + n], (built, start, n)
+                ids = seq.input_ids(start, n)  # a forward's input: an int64 array inside the prompt
+                assert list(ids) == full[start:start + n], (built, start, n)
+                assert isinstance(ids, array) == (start + n <= len(prompt)), (start, n)
                 end = min(start + n, len(full))
                 assert array("q", seq.token_bytes(start, end)).tolist() == full[start:end]
         assert seq.tokens == full

@@ -395,7 +395,7 @@ class Engine:
                 work.sort(key=lambda w: w.n != 1)  # decodes first (the runner's packed layout)
             self.num_steps += 1
             src = {} if prev is None else {seq: i for i, seq in enumerate(prev.seqs)}
-            inputs = [SeqInput(tokens=[0] if w.seq in src else w.seq.token_slice(w.start, w.n), start=w.start,
+            inputs = [SeqInput(tokens=[0] if w.seq in src else w.seq.input_ids(w.start, w.n), start=w.start,
                                state_page=w.seq.state_page, mla_pages=w.seq.mla_pages, want_logits=w.sample,
                                checkpoints=[(x - w.start, page) for x, page in w.ckpts], src=src.get(w.seq, -1))
                       for w in work]

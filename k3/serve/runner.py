@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +57,9 @@ PREFILL_HISTORY = (0,) + tuple(1 << i for i in range(10, 17))  # history buckets
 
 @dataclass
 class SeqInput:
-    """One sequence's share of a forward: `tokens` at positions [start, start + len)."""
-    tokens: list[int]
+    """One sequence's share of a forward: `tokens` at positions [start, start + len) (a list of ints, or an int64
+    `array` slice of a prompt: `Sequence.input_ids`)."""
+    tokens: "list[int] | array"
     start: int
     state_page: int
     mla_pages: list[int]
@@ -300,7 +302,7 @@ class PrefillGraph(_Graph):
         m, c = len(s.tokens), list(s.checkpoints)
         f["ids"][m:], f["start"][0], f["length"][0], f["slot"][0] = 0, s.start, m, s.state_page
         if m:
-            f["ids"][:m] = s.tokens
+            f["ids"][:m] = s.tokens  # an int64 array (a prompt's slice) is copied through the buffer protocol
         _page_rows(f["table"][None], [s], scratch[1])
         f["ckpt_pos"][:], f["ckpt_pages"][:] = 0, scratch[0]
         if c:
