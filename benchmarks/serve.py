@@ -141,6 +141,8 @@ SWITCHES = {
                           "17-64-row projections by cuBLAS"),
     "mla_combine_step_ms": ("k3.ops.mla_decode.triton", "COMBINE_KERNEL", "MLA splits combined by one kernel",
                             "MLA splits combined by PyTorch ops"),
+    "mla_page_table_step_ms": ("k3.ops.mla_decode", "PAGE_TABLE", "MLA reading each row's page table",
+                               "MLA pages per position"),
 }
 
 
@@ -161,6 +163,8 @@ HIT_SWITCHES = {
                             "the MLA splits combined by PyTorch ops"),
     "host_tables_seconds": ("k3.serve.runner", "HOST_TABLES", "its run tables from the host",
                             "its run tables built in the graph"),
+    "mla_page_table_seconds": ("k3.ops.mla_decode", "PAGE_TABLE", "MLA reading each row's page table",
+                               "MLA pages per position"),
 }
 
 

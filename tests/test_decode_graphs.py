@@ -171,10 +171,13 @@ def prefilled_pools(model, ps, rng, tables):
 
 
 @torch.no_grad()
-def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread):
+@pytest.mark.parametrize("page_table", [False, True], ids=["per-position-pages", "page-tables"])
+def test_padded_device_decode_batch_equals_the_unpadded_one(one_thread, page_table, monkeypatch):
     """Three sequences prefilled, then one decode step two ways: the host-built batch of exactly those three,
     and the graph's batch — device-built, padded to 8 with entries on a scratch slot and page (which hold
-    garbage) and a padded history. Same logits, same pool afterwards."""
+    garbage) and a padded history, its MLA pages per position or as each row's page table
+    (`mla_decode.PAGE_TABLE`). Same logits, same pool afterwards."""
+    monkeypatch.setattr("k3.ops.mla_decode.PAGE_TABLE", page_table)
     model = make_tiny(seed=4)
     lm, ps = model.language_model, 8
     rng = random.Random(4)

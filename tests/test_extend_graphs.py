@@ -192,10 +192,12 @@ def test_kda_extend_keeps_the_token_steps_for_short_runs():
 
 
 @torch.no_grad()
-def test_padded_extend_batch_equals_the_chunked_batch(one_thread):
+@pytest.mark.parametrize("page_table", [False, True], ids=["per-position-pages", "page-tables"])
+def test_padded_extend_batch_equals_the_chunked_batch(one_thread, page_table, monkeypatch):
     """Three sequences prefilled; then a second chunk of 4, 1 and 7 tokens two ways: the host-built chunked batch
     (chunked KDA, expanded MLA over each history) and the graph's device-built extend batch, padded to 16 tokens
     and 5 sequences on a scratch slot and page holding garbage. Same logits, same pool afterwards (fp32)."""
+    monkeypatch.setattr("k3.ops.mla_decode.PAGE_TABLE", page_table)  # MLA pages per position or page tables
     model = make_tiny(seed=14)
     lm, ps = model.language_model, 8
     tables = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
@@ -268,8 +270,9 @@ def test_extend_batch_with_prebuilt_runs_equals_the_device_built_one():
             assert x == y, name
 
 
-@pytest.mark.parametrize("host_tables", [True, False], ids=["host-tables", "graph-tables"])
-def test_engine_with_graph_paths_equals_the_engine_without(one_thread, host_tables, monkeypatch):
+@pytest.mark.parametrize("host_tables, page_table", [(True, False), (False, False), (True, True)],
+                         ids=["host-tables", "graph-tables", "mla-page-tables"])
+def test_engine_with_graph_paths_equals_the_engine_without(one_thread, host_tables, page_table, monkeypatch):
     """A fp32 CPU engine whose graph paths are switched on (decode and extend graphs, run eagerly here: the
     same padding, device-built metadata and pool updates as on the GPU; MLA through the Triton kernel, in
     token runs, where Triton's interpreter runs) against the same engine without them (the gathered-history
@@ -281,6 +284,7 @@ def test_engine_with_graph_paths_equals_the_engine_without(one_thread, host_tabl
     from k3.ops.moe_triton import interpreted
 
     monkeypatch.setattr("k3.serve.runner.HOST_TABLES", host_tables)  # K3_GRAPH_HOST_TABLES: either way
+    monkeypatch.setattr("k3.ops.mla_decode.PAGE_TABLE", page_table)  # K3_MLA_PAGE_TABLE
     interpreter = triton_available() and interpreted()
     model = make_tiny(seed=15)
     rng = random.Random(15)

@@ -163,6 +163,44 @@ def test_token_runs_equal_one_row_each(S, page_size, launch):
     assert torch.isfinite(out).all() and rel(out, ref) <= 1e-5, rel(out, ref)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["row-by-row", "token-runs"])
+@pytest.mark.parametrize("S, page_size", [(40, 8), (300, 64), (100, 128)])
+def test_page_table_form_equals_the_positions_form(S, page_size, grouped):
+    """`table_history`: each row's page table [n, P] (the kernel finds position p's page at column p // page_size)
+    instead of the page of every position [n, S] gives the same result: the reference exactly, the kernel (row by
+    row, or in token runs) against the fp64 oracle of the per-position form. Table columns past each sequence's
+    last position point at a poisoned page (1e6)."""
+    from k3.model.paged_cache import token_runs
+
+    g = torch.Generator().manual_seed(S + page_size)
+    H, C, R, n_pages = 4, 32, 16, 40
+    kv = torch.randn(n_pages, page_size, C + R, generator=g, dtype=torch.float64)
+    kv[n_pages - 1] = 1e6
+    P = -(-S // page_size)
+    seqs = [(5, S - 5), (1, 7), (6, S // 2 - 3)]  # (tokens, start): an extend step's rows, positions ascending
+    cu = torch.tensor([0] + [t for t, _ in seqs]).cumsum(0)
+    lens, tables = [], []
+    for t, start in seqs:
+        table = torch.randint(0, n_pages - 1, (P,), generator=g)
+        table[-(-(start + t) // page_size):] = n_pages - 1  # columns past the sequence: poisoned
+        lens += [start + i + 1 for i in range(t)]
+        tables += [table] * t
+    lens, table = torch.tensor(lens), torch.stack(tables)
+    pages = torch.where(torch.arange(S)[None, :] < lens[:, None], table[:, torch.arange(S) // page_size], 0)
+    N = len(lens)
+    q_lat = torch.randn(N, H, C, generator=g, dtype=torch.float64)
+    q_pe = torch.randn(N, H, R, generator=g, dtype=torch.float64)
+    ref = paged_mla_decode(q_lat, q_pe, kv, pages, lens, 0.1, backend="reference")
+    assert torch.equal(paged_mla_decode(q_lat, q_pe, kv, table, lens, 0.1, backend="reference", table_history=S), ref)
+    args = [t.to(DEV, torch.float32) for t in (q_lat, q_pe, kv)]
+    groups = token_runs(cu, N, 4).to(DEV) if grouped else None
+    out = paged_mla_decode(*args, table.to(DEV), lens.to(DEV), 0.1, backend="triton", groups=groups,
+                           table_history=S).cpu()
+    assert torch.isfinite(out).all() and rel(out, ref) <= 1e-5, rel(out, ref)
+    with pytest.raises(ValueError, match="table_history"):
+        paged_mla_decode(q_lat, q_pe, kv, table[:, :P - 1], lens, 0.1, backend="reference", table_history=S)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("launch", SWEEP_GROUPS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))

@@ -286,7 +286,7 @@ class MLAttention(nn.Module):
         o_lat = torch.empty_like(q_lat)
         b = cache.batch
         paged_mla_decode(q_lat.transpose(0, 1), q_pe, pool, b.dec_page, b.dec_len, self.scale, backend=backend,
-                         out=o_lat.transpose(0, 1), groups=b.dec_groups)
+                         out=o_lat.transpose(0, 1), groups=b.dec_groups, table_history=b.dec_history)
         return torch.bmm(o_lat, w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None,

@@ -27,7 +27,8 @@ import torch
 from ..ops._host import to_device
 from ..ops.conv import CONV_TILE, conv_tiles
 from ..ops.kda import STATES_AT_MULTIPLE, chunk_slots, extend_in_chunks
-from ..ops.mla_decode import GROUP_ROWS, write_latents
+from ..ops import mla_decode
+from ..ops.mla_decode import GROUP_ROWS, page_of_positions, write_latents
 
 
 @dataclass
@@ -84,6 +85,8 @@ class PackedBatch:
     step_state_slots: torch.Tensor | None = None
     graph_prefill: bool = False
     key_len: torch.Tensor | None = None
+    dec_history: int | None = None  # set: `dec_page` is each decode row's page table [nd, P] over this many
+    # positions (`mla_decode.PAGE_TABLE`), and `dec_off` / `dec_valid` are not built
 
     @property
     def num_docs(self) -> int:
@@ -272,16 +275,19 @@ class PackedBatch:
                     step_chunks=None) -> "PackedBatch":
         """Every token a single-token row for MLA (its page table row `table` [N, pages], history [0, pos])."""
         n, dev = pos.shape[0], pos.device
-        p = torch.arange(history, device=dev)
-        valid = p[None, :] <= pos[:, None]
-        col = (p // page_size).clamp_max(table.shape[1] - 1)  # past the table: invalid rows anyway
-        dec_page = torch.where(valid, table.gather(1, col.expand(n, history)), 0)
+        if mla_decode.PAGE_TABLE:  # the MLA kernel reads each row's page table itself
+            dec_page, dec_off, valid, dec_history = table, None, None, history
+        else:
+            p = torch.arange(history, device=dev)
+            valid = p[None, :] <= pos[:, None]
+            dec_page = torch.where(valid, page_of_positions(table, history, page_size), 0)
+            dec_off, dec_history = (p % page_size).expand(n, history), None
         return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=torch.arange(n + 1, device=dev, dtype=torch.int32),
                    slots=slots, rows=rows, tok_page=table.gather(1, (pos // page_size)[:, None])[:, 0],
                    tok_off=pos % page_size, conv_tiles=None,
-                   num_decode=n, dec_page=dec_page, dec_off=(p % page_size).expand(n, history), dec_valid=valid,
+                   num_decode=n, dec_page=dec_page, dec_off=dec_off, dec_valid=valid,
                    dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu,
-                   dec_groups=dec_groups, step_chunks=step_chunks)
+                   dec_groups=dec_groups, step_chunks=step_chunks, dec_history=dec_history)
 
 
 def _int32(tables):
@@ -432,8 +438,13 @@ class PagedLayerCache:
         """The leading single-token documents' histories [0, start + 1) (after `write_latents`), padded:
         (c ‖ k_pe [nd, S, C + R] in `dtype`, valid [nd, S] bool); rows past a document's end are zero."""
         b = self.batch
-        kv = self.pc.mla[:, self.j][b.dec_page, b.dec_off].to(dtype)
-        return torch.where(b.dec_valid[..., None], kv, torch.zeros((), dtype=dtype, device=kv.device)), b.dec_valid
+        page, off, valid = b.dec_page, b.dec_off, b.dec_valid
+        if b.dec_history is not None:  # page tables (`mla_decode.PAGE_TABLE`): the per-position form, here
+            p, ps = torch.arange(b.dec_history, device=page.device), self.pc.page_size
+            valid = p[None, :] < b.dec_len[:, None]
+            page, off = page_of_positions(page, b.dec_history, ps), (p % ps).expand(page.shape[0], -1)
+        kv = self.pc.mla[:, self.j][page, off].to(dtype)
+        return torch.where(valid[..., None], kv, torch.zeros((), dtype=dtype, device=kv.device)), valid
 
     def history(self, dtype: torch.dtype) -> torch.Tensor:
         """The other documents' histories [0, start + len) (after `write_latents`), packed document after

@@ -24,11 +24,26 @@ BACKENDS = ("auto", "triton", "reference")
 # (`write_latents` with norm: the default, level at batch 1 and faster at 32 and 256 on the H200, docs/benchmarks.md
 # session 16) or as norm, cat and index_put (K3_MLA_FUSED_WRITE=0)
 FUSED_WRITE = os.environ.get("K3_MLA_FUSED_WRITE", "1") == "1"
+# whether the engine's graph batches hand the MLA kernel each row's page table (`paged_mla_decode(...,
+# table_history=S)`: the kernel finds position p's page at column p // page_size) instead of a per-position [n, S]
+# page table built inside every captured forward (a gather and a select over n x S, plus the row mask and offsets:
+# ≈ 6 small kernels per decode step, 8 MB of writes in a 16K prefix hit's). Off until measured
+# (K3_MLA_PAGE_TABLE=1; `benchmarks/serve.py` flips it at decode and at the hit in the same run).
+PAGE_TABLE = os.environ.get("K3_MLA_PAGE_TABLE", "0") == "1"
+
+
+def page_of_positions(table: torch.Tensor, history: int, page_size: int) -> torch.Tensor:
+    """The per-position page table [n, history] of each row's page table `table` [n, P] (column j: the page of
+    positions j·page_size …); positions past the table map to its last column (past every row's length anyway)."""
+    col = (torch.arange(history, device=table.device) // page_size).clamp_max(table.shape[1] - 1)
+    return table.gather(1, col.expand(table.shape[0], history))
 
 
 def paged_mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
-                               lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               lens: torch.Tensor, scale: float, table_history: int | None = None) -> torch.Tensor:
     """The dense oracle: gather every history row, mask past lens, softmax in fp32 / fp64."""
+    if table_history is not None:
+        pages = page_of_positions(pages, table_history, kv.shape[1])
     n, H, C = q_lat.shape
     S = pages.shape[1]
     acc = torch.promote_types(q_lat.dtype, torch.float32)
@@ -68,7 +83,7 @@ def triton_reason(kv: torch.Tensor) -> str | None:
 @eager_op
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
                      lens: torch.Tensor, scale: float, backend: str = "auto", out: torch.Tensor | None = None,
-                     groups: torch.Tensor | None = None) -> torch.Tensor:
+                     groups: torch.Tensor | None = None, table_history: int | None = None) -> torch.Tensor:
     """q_lat [n, H, C] and q_pe [n, H, R] (one query per sequence), kv [P, page_size, C + R] the latent pool of
     one layer (a strided view is fine), pages [n, S] the page of each history position (S >= max(lens); any
     value past lens[i]), lens [n] >= 1 the history lengths (the query's own row included) → o_lat [n, H, C]
@@ -79,7 +94,16 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, 
     groups (optional, int [NG, 2]): (first row, count ≤ `GROUP_ROWS`) runs of consecutive rows of ONE sequence,
     positions ascending (an extend step's tokens), every row in exactly one run (count 0 for unused entries).
     The Triton kernel then reads each block of that sequence's latents once for the whole run, through the last
-    row's page table; the result is the same (the reference ignores it)."""
+    row's page table; the result is the same (the reference ignores it).
+
+    table_history (optional): `pages` is then each row's page table [n, P] (column j: the page of positions
+    j·page_size …, P ≥ ceil(S / page_size)) over a padded history of S = table_history positions, rather than the
+    page of every position; same result."""
+    if table_history is not None:
+        need = -(-table_history // kv.shape[1]) if kv.dim() == 3 else 0
+        if table_history < 1 or pages.dim() != 2 or pages.shape[1] < need:
+            raise ValueError(f"paged_mla_decode: table_history {table_history} needs a page table [n, >= {need}] "
+                             f"(page size {kv.shape[1] if kv.dim() == 3 else '?'}), got {tuple(pages.shape)}")
     _check(q_lat, q_pe, kv, pages, lens, backend)
     if groups is not None and (groups.dim() != 2 or groups.shape[1] != 2 or groups.dtype.is_floating_point):
         raise ValueError(f"paged_mla_decode: groups must be an integer [NG, 2] of (first row, count), got "
@@ -90,13 +114,13 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, 
         raise ValueError(f"paged_mla_decode: out must be {tuple(q_lat.shape)} {q_lat.dtype} with a contiguous last "
                          f"dimension, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if backend == "reference":
-        o = paged_mla_decode_reference(q_lat, q_pe, kv, pages, lens, scale)
+        o = paged_mla_decode_reference(q_lat, q_pe, kv, pages, lens, scale, table_history)
         return o if out is None else out.copy_(o)
     why = triton_reason(kv)
     if why is not None:
         raise ValueError(f"paged_mla_decode: backend 'triton' cannot run here: {why}")
     from .triton import paged_mla_decode_triton
-    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale, out, groups)
+    return paged_mla_decode_triton(q_lat, q_pe, kv, pages, lens, scale, out, groups, table_history=table_history)
 
 
 @eager_op

@@ -70,12 +70,13 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
                       C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
                       G: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, NS: tl.constexpr,
                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_GRP: tl.constexpr,
-                      ALL_SPLITS: tl.constexpr = True, PDL: tl.constexpr = False):
+                      ALL_SPLITS: tl.constexpr = True, PDL: tl.constexpr = False, TABLE: tl.constexpr = False):
     """Program (group j, block b, split): rows GRP[j] = (row0, count) (row j alone without groups); its count x H
     (row, head) pairs, row-major, in blocks of G x BH as the dots' M (no padding heads when BH does not divide H;
     a block past a short group's pairs reads nothing). The rows of a group share the page table of its last row and
     each masks past its length. ALL_SPLITS=False: a split past every row's history stores nothing (the combine
-    kernel reads only each row's non-empty splits; a graph's history bucket can be twice the history)."""
+    kernel reads only each row's non-empty splits; a graph's history bucket can be twice the history). TABLE: PAGES
+    holds each row's page table (position p's page at column p // PS), not the page of every position."""
     pdl_sync(PDL)
     j = tl.program_id(0)
     hb = tl.program_id(1)
@@ -119,7 +120,7 @@ def mla_decode_kernel(QL, QP, KV, PAGES, LENS, GRP, O, M, L, scale, H, PS, s_kv_
     for s0 in range(start, end, BS):
         pos = s0 + tl.arange(0, BS)
         pm = pos < end
-        page = tl.load(PAGES + last * s_pages + pos, mask=pm, other=0)
+        page = tl.load(PAGES + last * s_pages + (pos // PS if TABLE else pos), mask=pm, other=0)
         row = page.to(tl.int64) * s_kv_page + (pos % PS).to(tl.int64) * s_kv_row
         c = tl.load(KV + row[:, None] + cc[None, :], mask=pm[:, None] & cm[None, :], other=0.0).to(dot_t)  # [BS, CP]
         kp = tl.load(KV + row[:, None] + C + rr[None, :], mask=pm[:, None] & rm[None, :], other=0.0).to(dot_t)
@@ -199,15 +200,16 @@ def combine_launch(H: int, C: int) -> tuple[int, int]:
 def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor,
                             lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                             groups: torch.Tensor | None = None, group_rows: int = GROUP_ROWS,
-                            launch: dict | None = None) -> torch.Tensor:
+                            launch: dict | None = None, table_history: int | None = None) -> torch.Tensor:
     """See `k3.ops.mla_decode.paged_mla_decode` (inputs already checked). q_lat, q_pe and `out` may be strided
     views (e.g. head-major [H, n, C] transposed) as long as their last dimension is contiguous. groups: int
     [NG, 2] (first row, count ≤ GROUP_ROWS) of rows that share their last row's page table (one program reads
     each block of latents once for all of them), covering every row once. group_rows: the most rows in a run
-    (sweeps); launch: settings replacing LAUNCH's (sweeps, tests)."""
+    (sweeps); launch: settings replacing LAUNCH's (sweeps, tests); table_history: `pages` is each row's page table
+    over that many positions."""
     n, H, C = q_lat.shape
     R = q_pe.shape[-1]
-    S = pages.shape[1]
+    S = pages.shape[1] if table_history is None else table_history
     q_lat, q_pe = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_lat, q_pe))
     pages, lens = pages.contiguous(), lens.contiguous()
     qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
@@ -223,7 +225,8 @@ def paged_mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     warps = cfg["warps"] or (8 if CP * G >= 512 else 4)
     BS = block_positions(cfg["bs"], cfg["stages"], CP, RP, kv.element_size())
     meta = dict(C=C, R=R, CP=CP, RP=RP, BH=BH, G=G, BS=BS, SPLIT=SPLIT, DOT_PREC=prec, UPCAST=up,
-                HAS_GRP=groups is not None, ALL_SPLITS=not COMBINE_KERNEL, num_warps=warps, **pdl(q_lat))
+                HAS_GRP=groups is not None, ALL_SPLITS=not COMBINE_KERNEL, TABLE=table_history is not None,
+                num_warps=warps, **pdl(q_lat))
     if cfg["stages"]:
         meta["num_stages"] = cfg["stages"]
     if NS == 1:
