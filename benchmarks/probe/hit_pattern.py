@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import functools
-import gc
 import json
 import statistics
 import sys
@@ -28,13 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_hit import PHASES, cprofile_report, timed, times  # noqa: E402
+from host_hit import PHASES, cprofile_report, stamped_request, timed, timeline, times  # noqa: E402
+from host_hit import trace_all  # noqa: E402
 from prefill_profile import engine_and_prompts  # noqa: E402
 from serve import rand_prompts  # noqa: E402
 
 from k3.serve import SamplingParams  # noqa: E402
 from k3.serve import engine as engine_mod, request as request_mod, runner as runner_mod  # noqa: E402
-from k3.serve import pool as pool_mod, prefix_cache as prefix_cache_mod, scheduler as scheduler_mod  # noqa: E402
+from k3.serve import scheduler as scheduler_mod  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 NAMES = ("cold", "junction", "hit3", "hit4", "hit5", "hit6")
@@ -83,62 +82,18 @@ def event_replay():
     engine_mod.Engine._sample = sample_timed
 
 
-# the methods `--trace` stamps (besides PHASES and MORE)
-TRACED = ((scheduler_mod.Scheduler, "_admit"), (scheduler_mod.Scheduler, "_lookup"),
-          (scheduler_mod.Scheduler, "on_token"), (prefix_cache_mod.PrefixCache, "lookup"),
-          (prefix_cache_mod.RecentPrompts, "extend"), (pool_mod.PagePool, "copy_slot"),
-          (pool_mod.PagePool, "copy_tokens"), (runner_mod.ModelRunner, "publish"), (runner_mod._Graph, "__call__"),
-          (request_mod.Sequence, "output_prompt"), (engine_mod.Engine, "_retire"),
-          (engine_mod.Engine, "_check_stop"), (engine_mod, "_valid_ids"), (engine_mod, "sample_device"))
-stamps: list = []  # (label, perf_counter) of the traced calls
-
-
-def traced(owner, name: str) -> None:
-    """Stamp `owner.name` (a class's method or a module's function) on entry (`name>`) and exit (`name<`)."""
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        stamps.append((name + ">", time.perf_counter()))
-        try:
-            return fn(*a, **k)
-        finally:
-            stamps.append((name + "<", time.perf_counter()))
-    setattr(owner, name, wrapper)
-
-
 def trace_rounds(eng, V: int, rounds: int) -> str:
     """The hits' median timeline (see the module docstring)."""
-    for owner, name in PHASES + MORE + TRACED:
-        traced(owner, name)
-    gc.callbacks.append(lambda phase, info: stamps.append((f"gc{info['generation']}-{phase}", time.perf_counter())))
+    trace_all(PHASES + MORE)
     runs = []
     for rep in range(rounds):
         eng.reset_prefix_cache()
         prefix = rand_prompts(1, 16384, V, 5 + 100 * rep)[0]
         for i, tail in enumerate(rand_prompts(len(NAMES), 64, V, 4 + 100 * rep)):
-            stamps.clear()
-            prompt = prefix + tail
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = eng.generate([prompt], ONE)
-            stamps.append(("return", time.perf_counter()))
-            del out
+            run = stamped_request(eng, prefix + tail, ONE)
             if i >= 2:
-                runs.append([(label, (s - t) * 1e3) for label, s in stamps])
-    labels = [label for label, _ in runs[0]]
-    same = [r for r in runs if [label for label, _ in r] == labels]
-    lines = [f"timeline of {len(same)} of {len(runs)} hits (the others took another path), ms: at, gap, stamp"]
-    prev = 0.0
-    for i, label in enumerate(labels):
-        at = statistics.median(r[i][1] for r in same)
-        lines.append(f"  {at:7.3f} {at - prev:+7.3f}  {label}")
-        prev = at
-    others = [[label for label, _ in r] for r in runs if r not in same]
-    if others:
-        lines.append(f"  other paths' stamps: {others[:2]}")
-    return "\n".join(lines)
+                runs.append(run)
+    return timeline(runs, "hits")
 
 
 def copy_costs(eng, reps: int = 30) -> str:
