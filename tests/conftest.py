@@ -105,3 +105,18 @@ def nan_empty(monkeypatch):
             t.fill_(float("nan"))
         return t
     monkeypatch.setattr(torch, "empty", empty)
+
+
+def assert_same_batch(ref, got, skip_last: tuple[str, ...] = ()) -> None:
+    """Every field of two `PackedBatch`es equal (tensors by value in int64, tuples of tensors element-wise); the
+    fields in `skip_last` compared without their last entry."""
+    for name in ref.__dataclass_fields__:
+        x, y = getattr(ref, name), getattr(got, name)
+        if name in skip_last:
+            x, y = x[:-1], y[:-1]
+        if isinstance(x, tuple):
+            assert all(torch.equal(u.long(), v.long()) for u, v in zip(x, y)), name
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x.long(), y.long()), name
+        else:
+            assert x == y, name

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny, rel_rmse
+from conftest import assert_same_batch, make_tiny, rel_rmse
 from k3.model.paged_cache import PackedBatch
 from k3.ops.conv import short_conv, short_conv_step
 from k3.ops.kda import chunk_kda_gated, kda_decode_step_gated
@@ -260,14 +260,7 @@ def test_extend_batch_with_prebuilt_runs_equals_the_device_built_one():
     got = PackedBatch.for_extend(*args, runs=(torch.from_numpy(runs), torch.from_numpy(first),
                                               torch.tensor(cu, dtype=torch.int32)))
     assert got.step_chunks is not None and ref.step_chunks is not None
-    for name in ref.__dataclass_fields__:
-        x, y = getattr(ref, name), getattr(got, name)
-        if isinstance(x, tuple):
-            assert all(torch.equal(u.long(), v.long()) for u, v in zip(x, y)), name
-        elif isinstance(x, torch.Tensor):
-            assert torch.equal(x.long(), y.long()), name
-        else:
-            assert x == y, name
+    assert_same_batch(ref, got)
 
 
 @pytest.mark.parametrize("host_tables, page_table", [(True, False), (False, False), (True, True)],
