@@ -210,20 +210,21 @@ class PackedBatch:
         only. Logits rows: each sequence's last token (cu[1:] - 1; an empty sequence's row is unused).
         `history` (static) bounds every pos + 1. `runs` (optional): the int32 tables `token_runs(cu, N, 16,
         first=True)` and `cu` would give, already built (by `token_runs_host`, in the graph's input buffer):
-        (runs [N // 16 + n + 1, 2], first run [n], cu [n + 1]); otherwise they are built here (≈ 20 small kernels)."""
+        (runs [N // 16 + n + 1, 2], first run [n], cu [n + 1]); otherwise they are built here (≈ 25 small kernels,
+        one `token_runs` for both the MLA groups and the KDA tiles)."""
         N, n = pos.shape[0], cu.shape[0] - 1
+        chunked = extend_in_chunks(N, n)
         if runs is None:
             t = token_runs(cu, N, STATES_AT_MULTIPLE, first=True)
-            runs = (*_int32(t), cu.to(torch.int32))
             groups = t[0] if GROUP_ROWS == STATES_AT_MULTIPLE else token_runs(cu, N, GROUP_ROWS)
+            chunks, step_cu = _int32(t) if chunked else None, cu.to(torch.int32)
         else:
             if GROUP_ROWS != STATES_AT_MULTIPLE:
                 raise ValueError(f"PackedBatch.for_extend: prebuilt runs serve the MLA groups ({GROUP_ROWS} rows) "
                                  f"and the KDA tiles ({STATES_AT_MULTIPLE}) only when both are equal")
-            groups = runs[0]
-        chunks = runs[:2] if extend_in_chunks(N, n) else None
+            groups, chunks, step_cu = runs[0], runs[:2] if chunked else None, runs[2]
         return cls._token_rows(pos, table[tdoc], history, page_size, slots=slots, rows=cu[1:] - 1,
-                               step_cu=runs[2], dec_groups=groups, step_chunks=chunks)
+                               step_cu=step_cu, dec_groups=groups, step_chunks=chunks)
 
     @classmethod
     def for_prefill(cls, start: torch.Tensor, length: torch.Tensor, slot: torch.Tensor, table: torch.Tensor,

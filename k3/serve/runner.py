@@ -183,7 +183,7 @@ class ExtendGraph(_Graph):
     pool slot, MLA reads every token's history from the pages) → the logits of each sequence's last token.
     Inputs: one int64 device buffer ids [N] | src [N] | pos [N] | tdoc [N] | cu [n + 1] | slots [n] |
     page table [n + 1, pages] | int32 pairs: the 16-token runs [R, 2], each sequence's first run [n] and cu
-    [n + 1] (`token_runs_host`, R = N // 16 + n + 1: built by `fill`, not by ≈ 20 small kernels in the graph);
+    [n + 1] (`token_runs_host`, R = N // 16 + n + 1: built by `fill`, not by ≈ 50 small kernels in the graph);
     padding tokens belong to no sequence (row n of the table: the scratch page), padding sequences are empty (the
     scratch slot)."""
 
