@@ -35,7 +35,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   tail -3 "$OUT/tests.log"
 fi
 if [ "${PREFILL:-1}" = 1 ]; then
-  timeout ${PROF_S:-80} python3 benchmarks/probe/prefill_profile.py --out "$OUT/prefill_profile.json" > "$OUT/prefill.log" 2>&1 \
+  # K3_PDL=0: kernels' profiled durations without the early start of programmatic dependent launch (PROF_PDL=1: on)
+  K3_PDL=${PROF_PDL:-0} timeout ${PROF_S:-80} python3 benchmarks/probe/prefill_profile.py --out "$OUT/prefill_profile.json" \
+    > "$OUT/prefill.log" 2>&1 \
     || echo "prefill profile exit $?" >> "$OUT/prefill.log"
   grep "==" "$OUT/prefill.log"
 fi
