@@ -279,16 +279,22 @@ class PackedBatch:
         if mla_decode.PAGE_TABLE:  # the MLA kernel reads each row's page table itself
             dec_page, dec_off, valid, dec_history = table, None, None, history
         else:
-            p = torch.arange(history, device=dev)
-            valid = p[None, :] <= pos[:, None]
-            dec_page = torch.where(valid, page_of_positions(table, history, page_size), 0)
-            dec_off, dec_history = (p % page_size).expand(n, history), None
+            (dec_page, dec_off, valid), dec_history = per_position(table, pos + 1, history, page_size), None
         return cls(lens=[1] * n, starts=[0] * n, cu_seqlens=torch.arange(n + 1, device=dev, dtype=torch.int32),
                    slots=slots, rows=rows, tok_page=table.gather(1, (pos // page_size)[:, None])[:, 0],
                    tok_off=pos % page_size, conv_tiles=None,
                    num_decode=n, dec_page=dec_page, dec_off=dec_off, dec_valid=valid,
                    dec_len=pos + 1, hist_page=None, hist_off=None, hist_cu=[0], step_cu=step_cu,
                    dec_groups=dec_groups, step_chunks=step_chunks, dec_history=dec_history)
+
+
+def per_position(table: torch.Tensor, lens: torch.Tensor, history: int, page_size: int):
+    """The per-position form of single-token rows' page tables `table` [n, P] with histories `lens` [n] over a
+    padded history of `history` positions: (page [n, S] (0 past each length), row offset [n, S], valid [n, S])."""
+    p = torch.arange(history, device=table.device)
+    valid = p[None, :] < lens[:, None]
+    page = torch.where(valid, page_of_positions(table, history, page_size), 0)
+    return page, (p % page_size).expand(table.shape[0], history), valid
 
 
 def _int32(tables):
@@ -319,7 +325,7 @@ def token_runs(cu: torch.Tensor, N: int, G: int, first: bool = False):
 def token_runs_host(cu, N: int, G: int, runs, first) -> None:
     """`token_runs(cu, N, G, first=True)` on the host, written into `runs` [N // G + n + 1, 2] and `first` [n]
     (NumPy arrays, any integer dtype; `cu`: n + 1 ascending ints): for a graph's input buffer, so that the
-    captured forward does not build them with ≈ 20 small kernels. Entries past the used ones become (0, 0).
+    captured forward does not build them with ≈ 25 small kernels. Entries past the used ones become (0, 0).
     Host cost: a few µs for a prefix hit's tail, ≈ 10 µs for an 8K prefill chunk (NumPy for long sequences)."""
     n = len(cu) - 1
     bounds = [*cu, N]
@@ -441,9 +447,7 @@ class PagedLayerCache:
         b = self.batch
         page, off, valid = b.dec_page, b.dec_off, b.dec_valid
         if b.dec_history is not None:  # page tables (`mla_decode.PAGE_TABLE`): the per-position form, here
-            p, ps = torch.arange(b.dec_history, device=page.device), self.pc.page_size
-            valid = p[None, :] < b.dec_len[:, None]
-            page, off = page_of_positions(page, b.dec_history, ps), (p % ps).expand(page.shape[0], -1)
+            page, off, valid = per_position(page, b.dec_len, b.dec_history, self.pc.page_size)
         kv = self.pc.mla[:, self.j][page, off].to(dtype)
         return torch.where(valid[..., None], kv, torch.zeros((), dtype=dtype, device=kv.device)), valid
 

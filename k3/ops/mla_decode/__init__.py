@@ -99,12 +99,10 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, 
     table_history (optional): `pages` is then each row's page table [n, P] (column j: the page of positions
     j·page_size …, P ≥ ceil(S / page_size)) over a padded history of S = table_history positions, rather than the
     page of every position; same result."""
-    if table_history is not None:
-        need = -(-table_history // kv.shape[1]) if kv.dim() == 3 else 0
-        if table_history < 1 or pages.dim() != 2 or pages.shape[1] < need:
-            raise ValueError(f"paged_mla_decode: table_history {table_history} needs a page table [n, >= {need}] "
-                             f"(page size {kv.shape[1] if kv.dim() == 3 else '?'}), got {tuple(pages.shape)}")
     _check(q_lat, q_pe, kv, pages, lens, backend)
+    if table_history is not None and (table_history < 1 or pages.shape[1] < -(-table_history // kv.shape[1])):
+        raise ValueError(f"paged_mla_decode: table_history {table_history} needs a page table [n, >= "
+                         f"{-(-table_history // kv.shape[1])}] (page size {kv.shape[1]}), got {tuple(pages.shape)}")
     if groups is not None and (groups.dim() != 2 or groups.shape[1] != 2 or groups.dtype.is_floating_point):
         raise ValueError(f"paged_mla_decode: groups must be an integer [NG, 2] of (first row, count), got "
                          f"{groups.dtype} {tuple(groups.shape)}")
