@@ -137,8 +137,8 @@ SWITCHES = {
     "moe_routed_step_ms": ("k3.ops.moe_decode", "ROUTED", "MoE routing inside the expert kernels",
                            "MoE routing by its own kernel"),
     "moe_tiles_step_ms": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
-    "gemv_wide_step_ms": ("k3.ops.gemv", "WIDE", "17-64-row projections by the GEMV kernel",
-                          "17-64-row projections by cuBLAS"),
+    "gemv_wide_step_ms": ("k3.ops.gemv", "WIDE", "17-32-row projections by the GEMV kernel",
+                          "17-32-row projections by cuBLAS"),
     "mla_combine_step_ms": ("k3.ops.mla_decode.triton", "COMBINE_KERNEL", "MLA splits combined by one kernel",
                             "MLA splits combined by PyTorch ops"),
     "mla_page_table_step_ms": ("k3.ops.mla_decode", "PAGE_TABLE", "MLA reading each row's page table",
@@ -158,7 +158,8 @@ PREFILL_SWITCHES = {
 # prefix-hit switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
 HIT_SWITCHES = {
     "moe_tiles_seconds": ("k3.ops.moe_tiles", "ON", "MoE experts by tile kernels", "MoE experts by grouped GEMMs"),
-    "gemv_wide_seconds": ("k3.ops.gemv", "WIDE", "its projections by the GEMV kernel", "its projections by cuBLAS"),
+    "gemv_wide_seconds": ("k3.ops.gemv", "WIDE_64", "its 64 rows' projections by the GEMV kernel",
+                          "its 64 rows' projections by cuBLAS"),
     "mla_combine_seconds": ("k3.ops.mla_decode.triton", "COMBINE_KERNEL", "the MLA splits combined by one kernel",
                             "the MLA splits combined by PyTorch ops"),
     "host_tables_seconds": ("k3.serve.runner", "HOST_TABLES", "its run tables from the host",

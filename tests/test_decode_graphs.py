@@ -115,7 +115,11 @@ def test_cuda_kda_decode_step_gated_triton_equals_torch():
     assert (o - ro).abs().max() <= 1e-4 and (pool - ref_pool).abs().max() <= 1e-4
 
 
-def test_packed_batch_decode_on_device_equals_the_host_builder():
+@pytest.mark.parametrize("page_table", [False, True])
+def test_packed_batch_decode_on_device_equals_the_host_builder(monkeypatch, page_table):
+    """The device builder's fields equal the host builder's; its MLA pages per position (K3_MLA_PAGE_TABLE=0), or
+    each row's page table with the history bound that the kernel reads it with (the default)."""
+    monkeypatch.setattr("k3.ops.mla_decode.PAGE_TABLE", page_table)
     rng = random.Random(3)
     ps, n, S = 8, 5, 64
     starts = [rng.randrange(S) for _ in range(n)]
@@ -128,6 +132,15 @@ def test_packed_batch_decode_on_device_equals_the_host_builder():
     for name in ("cu_seqlens", "slots", "rows", "tok_page", "tok_off"):
         assert torch.equal(getattr(dev, name), getattr(host, name)), name
     w = host.dec_valid.shape[1]
+    if page_table:  # the rows' own tables: position p's page at column p // ps, as the host's per-position form
+        assert dev.dec_history == S and dev.dec_off is None and dev.dec_valid is None
+        assert torch.equal(dev.dec_page, torch.tensor(tables))
+        p = torch.arange(w)
+        page = dev.dec_page[:, p // ps]
+        assert torch.equal(page[host.dec_valid], host.dec_page[host.dec_valid])
+        assert torch.equal((p % ps).expand(n, w)[host.dec_valid], host.dec_off[host.dec_valid])
+        return
+    assert dev.dec_history is None
     assert torch.equal(dev.dec_valid[:, :w], host.dec_valid) and not dev.dec_valid[:, w:].any()
     for name in ("dec_page", "dec_off"):
         assert torch.equal(getattr(dev, name)[:, :w][host.dec_valid], getattr(host, name)[host.dec_valid]), name

@@ -25,15 +25,19 @@ __all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "MAX_RO
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
-# whether it also takes 17 to `WIDE_ROWS` rows (MMA tiles of 32 or 64: a prefix hit's tail, a decode batch of 17-64)
+# whether it also takes 17 to 32 rows (MMA tiles of 32: a decode batch of 17-32; `WIDE_64`: and of 64, to 64 rows)
 # for the weight shapes where that beat cuBLAS: inputs of ≤ `WIDE_MAX_K` columns or outputs of ≥ `WIDE_MIN_N` rows.
 # `benchmarks/probe/gemv.py --rows 32 64` (H200, 2026-12-03, µs at 32 / 64 rows, cuBLAS against the kernel): KDA f_b
 # [1536, 128] 2.56 / 2.79 against 1.58 / 1.78, MLA q_b [2304, 512] 3.99 / 4.02 against 3.43 / 3.43, MoE latent up
 # [1536, 768] 4.33 / 4.40 against 4.06 / 3.91, dense gate_up [12288, 1536] 13.0 / 13.2 against 12.5 / 12.8, the head
 # 127.7 / 144.2 against 125.8 / 137.2; but every other K = 1,536 projection 8-25 % slower (12 sequential chunks of
 # 128 columns: kda_in 8.9 against 9.7) and the dense down (K 6,144) twice as slow. K3_GEMV_WIDE=0: never.
+# Up to 32 rows only: a 16K prefix hit's 64-row tail took 3.06 ms with the 64-row tiles and 2.82 ms with cuBLAS
+# (`benchmarks/serve.py`, H200, 2026-12-04; cuBLAS had also won it in both of session 17's runs), while decode at
+# batch 32 is 1.86 against 1.88 ms. K3_GEMV_WIDE_64=1: 33-64 rows (the 64-row tiles) too.
 WIDE = os.environ.get("K3_GEMV_WIDE", "1") == "1"
-WIDE_ROWS, WIDE_MAX_K, WIDE_MIN_N = 64, 768, 12288
+WIDE_64 = os.environ.get("K3_GEMV_WIDE_64", "0") == "1"
+WIDE_MAX_K, WIDE_MIN_N = 768, 12288
 # whether the norm / SiTU-GLU prologues run inside the GEMV (K3_GEMV_PROLOGUE=1) or as their own kernels before it
 # (the default). H200, 2026-12-03: on the MMA tile's 16 rows the batch-1 step took 2.24 ms against 1.62 ms; in
 # the one-row form each use alone is 1.0-1.23x as fast as norm kernel + GEMV (`benchmarks/probe/gemv_prologue.py`),
@@ -56,10 +60,10 @@ def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool
 
 
 def max_rows(w: torch.Tensor | None = None) -> int:
-    """Rows up to which `linear` takes the kernel (for the weight w [N, K]): `MAX_ROWS`, or `WIDE_ROWS` with `WIDE`
+    """Rows up to which `linear` takes the kernel (for the weight w [N, K]): `MAX_ROWS`, or 32 (64 with `WIDE_64`) with `WIDE`
     where the wide tiles won (any shape when w is None; MAX_ROWS 0: never)."""
     wide = WIDE and MAX_ROWS and (w is None or w.shape[1] <= WIDE_MAX_K or w.shape[0] >= WIDE_MIN_N)
-    return max(MAX_ROWS, WIDE_ROWS) if wide else MAX_ROWS
+    return max(MAX_ROWS, 64 if WIDE_64 else 32) if wide else MAX_ROWS
 
 
 @eager_op
