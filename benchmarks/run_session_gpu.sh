@@ -14,6 +14,7 @@
 #       benchmarks/probe/mla_decode_cfg.py (the MLA decode kernel's launch settings; MLACFG=1);
 #       benchmarks/probe/hit_pattern.py (a prefix hit's phases and timeline by its place in a round; HP=1,
 #       HP_ARGS=--cprofile: and its Python by function, --trace: its timeline of engine calls);
+#       benchmarks/probe/hit_switches.py (a 16K hit under every combination of its switches, interleaved; HS=1);
 #       benchmarks/probe/moe_fused.py (the one-kernel routed experts experiment; MF=1);
 #       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
@@ -85,6 +86,11 @@ if [ "${HP:-0}" = 1 ]; then  # a prefix hit's phases and timeline by its place i
   timeout ${HP_S:-150} python3 benchmarks/probe/hit_pattern.py ${HP_ARGS:-} --out "$OUT/hit_pattern.json" \
     > "$OUT/hit_pattern.log" 2>&1 || echo "hit pattern exit $?" >> "$OUT/hit_pattern.log"
   grep -v "^  " "$OUT/hit_pattern.log" | tail -8
+fi
+if [ "${HS:-0}" = 1 ]; then  # a 16K prefix hit under every combination of its switches, interleaved
+  timeout ${HS_S:-200} python3 benchmarks/probe/hit_switches.py ${HS_ARGS:-} --out "$OUT/hit_switches.json" \
+    > "$OUT/hit_switches.log" 2>&1 || echo "hit switches exit $?" >> "$OUT/hit_switches.log"
+  tail -10 "$OUT/hit_switches.log"
 fi
 if [ "${MF:-0}" = 1 ]; then  # the experiment: the routed experts as one kernel, against the tile kernels
   timeout ${MF_S:-150} python3 benchmarks/probe/moe_fused.py --out "$OUT/moe_fused.json" > "$OUT/moe_fused.log" 2>&1 \

@@ -1,0 +1,90 @@
+"""A 16K prefix hit under each combination of switches, interleaved: whether `serve.py`'s one-flip-at-a-time hit
+figures (a median of 3, each switch after the other) are the switches or the order. k3-small bf16 engine built as
+`serve.py` builds it; each round visits every combination in a rotated order, graphs captured afresh for each
+(`serve.with_settings`), and times `--reps` hits (`serve.py`'s pattern: cold, junction, then the timed third
+request on a fresh prefix): TTFT by CUDA events (`serve.timed_request`) and the GPU time of the hit's graph
+replays (`hit_pattern.event_replay`). Medians per combination over every round.
+
+    python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] --out hit_switches.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hit_pattern  # noqa: E402
+from serve import build, rand_prompts, timed_request, with_settings  # noqa: E402
+
+from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+# (module, flag): every combination of these is timed
+FLAGS = (("k3.ops.gemv", "WIDE_64"), ("k3.ops.mla_decode", "PAGE_TABLE"), ("k3.serve.runner", "HOST_TABLES"))
+
+
+def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, float]]:
+    """(TTFT ms, GPU ms of its graph replays) of the third request on each of `reps` fresh 16K prefixes."""
+    out = []
+    for rep in range(reps):
+        eng.reset_prefix_cache()
+        prefix = rand_prompts(1, 16384, V, seed + 100 * rep)[0]
+        tails = rand_prompts(3, 64, V, seed + 1 + 100 * rep)
+        for tail in tails[:2]:
+            eng.generate([prefix + tail], ONE)
+        prompt, res = prefix + tails[2], None
+        hit_pattern.replays.clear()
+        s, res = timed_request(eng, prompt, ONE, True)
+        torch.cuda.synchronize()
+        gpu = sum(a.elapsed_time(b) for a, b, _ in hit_pattern.replays)
+        out.append((1e3 * s, gpu))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="hit_switches.json")
+    a = ap.parse_args()
+    model = build("k3-small", "cuda", torch.bfloat16)
+    V = model.config.text_config.vocab_size
+    eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
+                                     max_num_seqs=256, gpu_memory_fraction=0.5, enable_prefix_caching=True))
+    eng.warm_up()
+    mods = [(importlib.import_module(m), n) for m, n in FLAGS]
+    default = tuple(bool(getattr(m, n)) for m, n in mods)
+    combos = list(itertools.product((False, True), repeat=len(FLAGS)))
+    hits(eng, V, 2, 7)  # warm-up: the hit's graphs and kernels
+    hit_pattern.event_replay()
+    res = {c: [] for c in combos}
+    for r in range(a.rounds):
+        order = combos[r % len(combos):] + combos[:r % len(combos)]
+        for c in order:
+            settings = [(m, n, v) for (m, n), v in zip(mods, c)]
+            res[c] += with_settings(eng, settings, lambda: hits(eng, V, a.reps, 1000 * r + 11))
+        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    rows = []
+    print("  " + "  ".join(f"{n:>11}" for _, n in FLAGS) + "   TTFT ms   GPU ms  (all TTFT)")
+    for c in combos:
+        ttft, gpu = [t for t, _ in res[c]], [g for _, g in res[c]]
+        rows.append(dict(flags=dict(zip((n for _, n in FLAGS), c)), default=c == default,
+                         ttft_ms=statistics.median(ttft), gpu_ms=statistics.median(gpu), all_ttft_ms=ttft,
+                         all_gpu_ms=gpu))
+        mark = " (default)" if c == default else ""
+        print("  " + "  ".join(f"{str(v):>11}" for v in c) + f"   {statistics.median(ttft):7.3f}  "
+              f"{statistics.median(gpu):7.3f}  {' '.join(f'{t:.2f}' for t in ttft)}{mark}")
+    Path(a.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rounds=a.rounds, reps=a.reps,
+                                           rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
