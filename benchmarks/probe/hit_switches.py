@@ -3,7 +3,8 @@ figures (a median of 3, each switch after the other) are the switches or the ord
 `serve.py` builds it; each round visits every combination in a rotated order, graphs captured afresh for each
 (`serve.with_settings`), and times `--reps` hits (`serve.py`'s pattern: cold, junction, then the timed third
 request on a fresh prefix): TTFT by CUDA events (`serve.timed_request`) and the GPU time of the hit's graph
-replays (`hit_pattern.event_replay`). Medians per combination over every round.
+replays (`hit_pattern.event_replay`), the host time before the first replay call and inside the replay calls.
+Medians per combination over every round.
 
     python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] --out hit_switches.json
 """
@@ -15,6 +16,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,8 +33,25 @@ ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 FLAGS = (("k3.ops.gemv", "WIDE_64"), ("k3.ops.mla_decode", "PAGE_TABLE"), ("k3.serve.runner", "HOST_TABLES"))
 
 
-def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, float]]:
-    """(TTFT ms, GPU ms of its graph replays) of the third request on each of `reps` fresh 16K prefixes."""
+launches: list = []  # (host time before, after) of each CUDAGraph.replay call
+
+
+def time_launches():
+    """Wrap CUDAGraph.replay (outside `hit_pattern.event_replay`'s wrapper): the host time of each call."""
+    fn = torch.cuda.CUDAGraph.replay
+
+    def wrapper(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(self, *a, **k)
+        finally:
+            launches.append((t, time.perf_counter()))
+    torch.cuda.CUDAGraph.replay = wrapper
+
+
+def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, ...]]:
+    """(TTFT ms, GPU ms of its graph replays, host ms from the request to its first replay call, host ms in the
+    replay calls) of the third request on each of `reps` fresh 16K prefixes."""
     out = []
     for rep in range(reps):
         eng.reset_prefix_cache()
@@ -42,10 +61,13 @@ def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, float]]:
             eng.generate([prefix + tail], ONE)
         prompt, res = prefix + tails[2], None
         hit_pattern.replays.clear()
+        launches.clear()
+        t0 = time.perf_counter()
         s, res = timed_request(eng, prompt, ONE, True)
         torch.cuda.synchronize()
         gpu = sum(a.elapsed_time(b) for a, b, _ in hit_pattern.replays)
-        out.append((1e3 * s, gpu))
+        pre = 1e3 * (launches[0][0] - t0) if launches else float("nan")
+        out.append((1e3 * s, gpu, pre, 1e3 * sum(b - a for a, b in launches)))
     return out
 
 
@@ -65,6 +87,7 @@ def main():
     combos = list(itertools.product((False, True), repeat=len(FLAGS)))
     hits(eng, V, 2, 7)  # warm-up: the hit's graphs and kernels
     hit_pattern.event_replay()
+    time_launches()
     res = {c: [] for c in combos}
     for r in range(a.rounds):
         order = combos[r % len(combos):] + combos[:r % len(combos)]
@@ -73,15 +96,19 @@ def main():
             res[c] += with_settings(eng, settings, lambda: hits(eng, V, a.reps, 1000 * r + 11))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     rows = []
-    print("  " + "  ".join(f"{n:>11}" for _, n in FLAGS) + "   TTFT ms   GPU ms  (all TTFT)")
+    print("  " + "  ".join(f"{n:>11}" for _, n in FLAGS) + "   TTFT ms   GPU ms   pre ms  launch ms  (all TTFT)")
     for c in combos:
-        ttft, gpu = [t for t, _ in res[c]], [g for _, g in res[c]]
+        ttft, gpu, pre, launch = (list(x) for x in zip(*res[c]))
+        med = [statistics.median(x) for x in (ttft, gpu, pre, launch)]
         rows.append(dict(flags=dict(zip((n for _, n in FLAGS), c)), default=c == default,
-                         ttft_ms=statistics.median(ttft), gpu_ms=statistics.median(gpu), all_ttft_ms=ttft,
-                         all_gpu_ms=gpu))
+                         ttft_ms=med[0], gpu_ms=med[1], pre_ms=med[2], launch_ms=med[3], all_ttft_ms=ttft,
+                         all_gpu_ms=gpu, all_pre_ms=pre, all_launch_ms=launch))
         mark = " (default)" if c == default else ""
-        print("  " + "  ".join(f"{str(v):>11}" for v in c) + f"   {statistics.median(ttft):7.3f}  "
-              f"{statistics.median(gpu):7.3f}  {' '.join(f'{t:.2f}' for t in ttft)}{mark}")
+        print("  " + "  ".join(f"{str(v):>11}" for v in c) + f"   {med[0]:7.3f}  {med[1]:7.3f}  {med[2]:7.3f}"
+              f"  {med[3]:9.3f}  {' '.join(f'{t:.2f}' for t in ttft)}{mark}")
+    print("per round (rounds x reps), default combination: pre ms " + " ".join(
+        f"{x:.2f}" for x in rows[combos.index(default)]["all_pre_ms"]) + "; launch ms " + " ".join(
+        f"{x:.2f}" for x in rows[combos.index(default)]["all_launch_ms"]))
     Path(a.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rounds=a.rounds, reps=a.reps,
                                            rows=rows), indent=1))
 

@@ -32,11 +32,12 @@ MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
 # [1536, 768] 4.33 / 4.40 against 4.06 / 3.91, dense gate_up [12288, 1536] 13.0 / 13.2 against 12.5 / 12.8, the head
 # 127.7 / 144.2 against 125.8 / 137.2; but every other K = 1,536 projection 8-25 % slower (12 sequential chunks of
 # 128 columns: kda_in 8.9 against 9.7) and the dense down (K 6,144) twice as slow. K3_GEMV_WIDE=0: never.
-# Up to 32 rows only: a 16K prefix hit's 64-row tail took 3.06 ms with the 64-row tiles and 2.82 ms with cuBLAS
-# (`benchmarks/serve.py`, H200, 2026-12-04; cuBLAS had also won it in both of session 17's runs), while decode at
-# batch 32 is 1.86 against 1.88 ms. K3_GEMV_WIDE_64=1: 33-64 rows (the 64-row tiles) too.
+# Up to 64 rows: `benchmarks/probe/hit_switches.py` (H200, 2026-12-04) has a 16K prefix hit's graph (a 64-row tail) at
+# 2.000 against 2.039 ms of GPU time with the 64-row tiles, whatever the other switches (four pairs, 0.03-0.04 ms
+# each). Its TTFT moves by ±0.2 ms from one graph capture to the next, which is what `serve.py`'s one-capture
+# figures (2.82 against 3.06 ms) had measured. K3_GEMV_WIDE_64=0: up to 32 rows.
 WIDE = os.environ.get("K3_GEMV_WIDE", "1") == "1"
-WIDE_64 = os.environ.get("K3_GEMV_WIDE_64", "0") == "1"
+WIDE_64 = os.environ.get("K3_GEMV_WIDE_64", "1") == "1"
 WIDE_MAX_K, WIDE_MIN_N = 768, 12288
 # whether the norm / SiTU-GLU prologues run inside the GEMV (K3_GEMV_PROLOGUE=1) or as their own kernels before it
 # (the default). H200, 2026-12-03: on the MMA tile's 16 rows the batch-1 step took 2.24 ms against 1.62 ms; in

@@ -28,7 +28,8 @@ FUSED_WRITE = os.environ.get("K3_MLA_FUSED_WRITE", "1") == "1"
 # table_history=S)`: the kernel finds position p's page at column p // page_size) instead of a per-position [n, S]
 # page table built inside every captured forward (a gather and a select over n x S, plus the row mask and offsets:
 # ≈ 6 small kernels per decode step, 8 MB of writes in a 16K prefix hit's). H200, 2026-12-04 (`benchmarks/serve.py`
-# flips it in the same run): decode batch 1 / 32 1.11 / 1.83 ms against 1.13 / 1.86; the hit level (3.10 / 3.06 ms).
+# flips it in the same run): decode batch 1 / 32 1.11 / 1.83 ms against 1.13 / 1.86; a 16K prefix hit's graph
+# 0.03-0.06 ms less GPU time whatever the other switches (`benchmarks/probe/hit_switches.py`: 2.000 against 2.044 ms).
 # K3_MLA_PAGE_TABLE=0: the per-position table.
 PAGE_TABLE = os.environ.get("K3_MLA_PAGE_TABLE", "1") == "1"
 
