@@ -6,7 +6,7 @@ request on a fresh prefix): TTFT by CUDA events (`serve.timed_request`) and the 
 replays (`hit_pattern.event_replay`), the host time before the first replay call and inside the replay calls.
 Medians per combination over every round.
 
-    python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] --out hit_switches.json
+    python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] [--only-default] [--gc-freeze] --out F.json
 """
 from __future__ import annotations
 
@@ -75,16 +75,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only-default", action="store_true", help="time the default combination only")
+    ap.add_argument("--gc-freeze", action="store_true", help="the engine freezes Python's GC (as `serve.py`)")
     ap.add_argument("--out", default="hit_switches.json")
     a = ap.parse_args()
     model = build("k3-small", "cuda", torch.bfloat16)
     V = model.config.text_config.vocab_size
     eng = Engine(model, EngineConfig(hash_block_size=512, block_size=6144, max_num_batched_tokens=8192,
-                                     max_num_seqs=256, gpu_memory_fraction=0.5, enable_prefix_caching=True))
+                                     max_num_seqs=256, gpu_memory_fraction=0.5, enable_prefix_caching=True,
+                                     gc_freeze=a.gc_freeze))
     eng.warm_up()
     mods = [(importlib.import_module(m), n) for m, n in FLAGS]
     default = tuple(bool(getattr(m, n)) for m, n in mods)
-    combos = list(itertools.product((False, True), repeat=len(FLAGS)))
+    combos = [default] if a.only_default else list(itertools.product((False, True), repeat=len(FLAGS)))
     hits(eng, V, 2, 7)  # warm-up: the hit's graphs and kernels
     hit_pattern.event_replay()
     time_launches()
