@@ -6,7 +6,11 @@ request on a fresh prefix): TTFT by CUDA events (`serve.timed_request`) and the 
 replays (`hit_pattern.event_replay`), the host time before the first replay call and inside the replay calls.
 Medians per combination over every round.
 
-    python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] [--only-default] [--gc-freeze] --out F.json
+    python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] [--only-default] [--gc-freeze] [--trace] \
+        --out hit_switches.json
+
+`--trace`: then 2 x reps more hits with every engine call on their path stamped, in the default combination (as
+`host_hit.py --trace`): which call takes the host time that differs from one process to the next.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hit_pattern  # noqa: E402
+from host_hit import stamped_request, timeline, trace_all  # noqa: E402
 from serve import build, rand_prompts, timed_request, with_settings  # noqa: E402
 
 from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -77,6 +82,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only-default", action="store_true", help="time the default combination only")
     ap.add_argument("--gc-freeze", action="store_true", help="the engine freezes Python's GC (as `serve.py`)")
+    ap.add_argument("--trace", action="store_true",
+                    help="then the default combination's hits with every engine call on their path stamped "
+                         "(`host_hit.trace_all`): their median timeline in this process")
     ap.add_argument("--out", default="hit_switches.json")
     a = ap.parse_args()
     model = build("k3-small", "cuda", torch.bfloat16)
@@ -112,8 +120,20 @@ def main():
     print("per round (rounds x reps), default combination: pre ms " + " ".join(
         f"{x:.2f}" for x in rows[combos.index(default)]["all_pre_ms"]) + "; launch ms " + " ".join(
         f"{x:.2f}" for x in rows[combos.index(default)]["all_launch_ms"]))
-    Path(a.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rounds=a.rounds, reps=a.reps,
-                                           rows=rows), indent=1))
+    out = dict(device=torch.cuda.get_device_name(), rounds=a.rounds, reps=a.reps, rows=rows)
+    if a.trace:  # which engine call takes the time that moves from one process to the next
+        trace_all()
+        runs = []
+        for rep in range(2 * a.reps):
+            eng.reset_prefix_cache()
+            prefix = rand_prompts(1, 16384, V, 5000 + 100 * rep)[0]
+            tails = rand_prompts(3, 64, V, 5001 + 100 * rep)
+            for tail in tails[:2]:
+                eng.generate([prefix + tail], ONE)
+            runs.append(stamped_request(eng, prefix + tails[2], ONE))
+        out["timeline"] = timeline(runs, "hits")
+        print(out["timeline"])
+    Path(a.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

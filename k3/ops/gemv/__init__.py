@@ -61,8 +61,8 @@ def fits(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor | None) -> bool
 
 
 def max_rows(w: torch.Tensor | None = None) -> int:
-    """Rows up to which `linear` takes the kernel (for the weight w [N, K]): `MAX_ROWS`, or 32 (64 with `WIDE_64`) with `WIDE`
-    where the wide tiles won (any shape when w is None; MAX_ROWS 0: never)."""
+    """Rows up to which `linear` takes the kernel (for the weight w [N, K]): `MAX_ROWS`, or 32 (64 with `WIDE_64`)
+    with `WIDE` where the wide tiles won (any shape when w is None; MAX_ROWS 0: never)."""
     wide = WIDE and MAX_ROWS and (w is None or w.shape[1] <= WIDE_MAX_K or w.shape[0] >= WIDE_MIN_N)
     return max(MAX_ROWS, 64 if WIDE_64 else 32) if wide else MAX_ROWS
 
