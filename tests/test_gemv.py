@@ -76,13 +76,29 @@ def test_gemv_reads_strided_weights_and_keeps_leading_dims():
     assert rel_rmse(F.linear(x.double(), w.double()), y.cpu()) <= 1e-6
 
 
+def test_wide_row_switches(monkeypatch):
+    """K3_GEMV_WIDE takes 17-32 rows to the kernel, K3_GEMV_WIDE_64 also 33-64 (a prefix hit's 64-row tail); a
+    40-row input follows the second switch, a 20-row input the first; K3_GEMV_MAX_ROWS=0 turns every path off."""
+    w = torch.randn(24, 32).to(DEV)
+    for wide, w64, limit in ((False, True, 16), (True, False, 32), (True, True, 64)):
+        monkeypatch.setattr(gemv, "MAX_ROWS", 16)
+        monkeypatch.setattr(gemv, "WIDE", wide)
+        monkeypatch.setattr(gemv, "WIDE_64", w64)
+        assert gemv.max_rows() == gemv.max_rows(w) == limit
+        with torch.no_grad():
+            for rows in (16, 20, 40, 64, 65):
+                assert gemv.fits(torch.randn(rows, 32).to(DEV), w) == (CUDA and rows <= limit), (wide, w64, rows)
+        monkeypatch.setattr(gemv, "MAX_ROWS", 0)
+        assert gemv.max_rows() == 0
+
+
 def test_linear_dispatch():
     """`linear` takes the kernel for ≤ `max_rows()` rows without autograd, else F.linear (same values); the
     output dtype is honoured on both paths; bad shapes name the sizes."""
     g = rng(3)
     w = torch.randn(24, 32, generator=g).to(DEV)
     few, many = torch.randn(2, 32, generator=g).to(DEV), torch.randn(gemv.max_rows() + 1, 32, generator=g).to(DEV)
-    assert gemv.max_rows() == (max(gemv.MAX_ROWS, 64 if gemv.WIDE_64 else 32) if gemv.WIDE else gemv.MAX_ROWS)
+    assert gemv.max_rows() <= gemv_triton.MAX_TILE_ROWS  # the kernel's widest MMA tile
     with torch.no_grad():
         assert gemv.fits(few, w) == CUDA  # the interpreter only through direct calls
         assert not gemv.fits(many, w)
