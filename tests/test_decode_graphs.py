@@ -139,6 +139,11 @@ def test_packed_batch_decode_on_device_equals_the_host_builder(monkeypatch, page
         page = dev.dec_page[:, p // ps]
         assert torch.equal(page[host.dec_valid], host.dec_page[host.dec_valid])
         assert torch.equal((p % ps).expand(n, w)[host.dec_valid], host.dec_off[host.dec_valid])
+        page, off, valid = dev.decode_positions(ps)  # the gather fallback's per-position form, built once
+        assert dev.decode_positions(ps) is dev._positions and torch.equal(valid[:, :w], host.dec_valid)
+        assert not valid[:, w:].any()
+        assert torch.equal(page[:, :w][host.dec_valid], host.dec_page[host.dec_valid])
+        assert torch.equal(off[:, :w][host.dec_valid], host.dec_off[host.dec_valid])
         return
     assert dev.dec_history is None
     assert torch.equal(dev.dec_valid[:, :w], host.dec_valid) and not dev.dec_valid[:, w:].any()

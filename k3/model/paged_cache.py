@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -87,6 +87,16 @@ class PackedBatch:
     key_len: torch.Tensor | None = None
     dec_history: int | None = None  # set: `dec_page` is each decode row's page table [nd, P] over this many
     # positions (`mla_decode.PAGE_TABLE`), and `dec_off` / `dec_valid` are not built
+    _positions: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def decode_positions(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page, row offset, valid) [nd, S] of the decode rows' histories, per position: the fields themselves,
+        or, from page tables (`dec_history`), converted once per batch (not once per MLA layer)."""
+        if self.dec_history is None:
+            return self.dec_page, self.dec_off, self.dec_valid
+        if self._positions is None:
+            self._positions = per_position(self.dec_page, self.dec_len, self.dec_history, page_size)
+        return self._positions
 
     @property
     def num_docs(self) -> int:
@@ -444,10 +454,7 @@ class PagedLayerCache:
     def decode_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The leading single-token documents' histories [0, start + 1) (after `write_latents`), padded:
         (c ‖ k_pe [nd, S, C + R] in `dtype`, valid [nd, S] bool); rows past a document's end are zero."""
-        b = self.batch
-        page, off, valid = b.dec_page, b.dec_off, b.dec_valid
-        if b.dec_history is not None:  # page tables (`mla_decode.PAGE_TABLE`): the per-position form, here
-            page, off, valid = per_position(page, b.dec_len, b.dec_history, self.pc.page_size)
+        page, off, valid = self.batch.decode_positions(self.pc.page_size)
         kv = self.pc.mla[:, self.j][page, off].to(dtype)
         return torch.where(valid[..., None], kv, torch.zeros((), dtype=dtype, device=kv.device)), valid
 
