@@ -54,21 +54,27 @@ def time_launches():
     torch.cuda.CUDAGraph.replay = wrapper
 
 
-def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, ...]]:
-    """(TTFT ms, GPU ms of its graph replays, host ms from the request to its first replay call, host ms in the
-    replay calls) of the third request on each of `reps` fresh 16K prefixes."""
-    out = []
+def third_requests(eng, V: int, reps: int, seed: int):
+    """`serve.py`'s hit pattern: for each of `reps` fresh 16K prefixes, its cold and junction requests run, then
+    the third (the hit) is yielded, its prompt built, for the caller to time."""
     for rep in range(reps):
         eng.reset_prefix_cache()
         prefix = rand_prompts(1, 16384, V, seed + 100 * rep)[0]
         tails = rand_prompts(3, 64, V, seed + 1 + 100 * rep)
         for tail in tails[:2]:
             eng.generate([prefix + tail], ONE)
-        prompt, res = prefix + tails[2], None
+        yield prefix + tails[2]
+
+
+def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, ...]]:
+    """(TTFT ms, GPU ms of its graph replays, host ms from the request to its first replay call, host ms in the
+    replay calls) of each of `third_requests`' hits."""
+    out = []
+    for prompt in third_requests(eng, V, reps, seed):
         hit_pattern.replays.clear()
         launches.clear()
         t0 = time.perf_counter()
-        s, res = timed_request(eng, prompt, ONE, True)
+        s, _ = timed_request(eng, prompt, ONE, True)
         torch.cuda.synchronize()
         gpu = sum(a.elapsed_time(b) for a, b, _ in hit_pattern.replays)
         pre = 1e3 * (launches[0][0] - t0) if launches else float("nan")
@@ -123,14 +129,7 @@ def main():
     out = dict(device=torch.cuda.get_device_name(), rounds=a.rounds, reps=a.reps, rows=rows)
     if a.trace:  # which engine call takes the time that moves from one process to the next
         trace_all()
-        runs = []
-        for rep in range(2 * a.reps):
-            eng.reset_prefix_cache()
-            prefix = rand_prompts(1, 16384, V, 5000 + 100 * rep)[0]
-            tails = rand_prompts(3, 64, V, 5001 + 100 * rep)
-            for tail in tails[:2]:
-                eng.generate([prefix + tail], ONE)
-            runs.append(stamped_request(eng, prefix + tails[2], ONE))
+        runs = [stamped_request(eng, prompt, ONE) for prompt in third_requests(eng, V, 2 * a.reps, 5000)]
         out["timeline"] = timeline(runs, "hits")
         print(out["timeline"])
     Path(a.out).write_text(json.dumps(out, indent=1))
