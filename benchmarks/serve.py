@@ -59,12 +59,39 @@ class Clock:
             self.s = time.perf_counter() - self.t
 
 
-def timed_request(eng, prompt: list[int], params, cuda: bool):
+replay_log: list = []  # `--hit-detail`: (host time of the call, of its return, start, end event) of each replay
+hit_detail: dict = {}  # `--hit-detail`: {which hits: [(TTFT, host before the first replay, in the replay calls,
+#                        the replays' GPU time) in ms]}
+
+
+def log_replays() -> None:
+    """`--hit-detail`: CUDA events around each CUDAGraph.replay call and its host times, into `replay_log`."""
+    fn = torch.cuda.CUDAGraph.replay
+
+    def wrapper(self, *a, **k):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        s.record()
+        try:
+            return fn(self, *a, **k)
+        finally:
+            e.record()
+            replay_log.append((t, time.perf_counter(), s, e))
+    torch.cuda.CUDAGraph.replay = wrapper
+
+
+def timed_request(eng, prompt: list[int], params, cuda: bool, detail: str | None = None):
     """(seconds, output) of one blocking request. The prompt is built before the clock starts and the output is
     returned, so it is freed after the clock stops: freeing a 16K-token output (its prompt list of Python ints) takes
-    ≈ 0.2 ms, the caller's work, not the request's. Free the previous output before calling."""
+    ≈ 0.2 ms, the caller's work, not the request's. Free the previous output before calling. `detail` (with
+    `log_replays` on): file the request's split (TTFT, host before the first replay, launch, graph GPU ms) under it."""
+    replay_log.clear()
     with Clock(cuda) as c:
         out = eng.generate([prompt], params)[0]
+    if detail is not None and replay_log:
+        hit_detail.setdefault(detail, []).append((1e3 * c.s, 1e3 * (replay_log[0][0] - c.t),
+                                                  1e3 * sum(b - a for a, b, _, _ in replay_log),
+                                                  sum(x.elapsed_time(y) for _, _, x, y in replay_log)))
     return c.s, out
 
 
@@ -355,7 +382,7 @@ def run(a) -> dict:
         tails = rand_prompts(4, 64, V, 9 + 100 * rep)
         for name, tail in zip(("cold", "junction", "prefix_hit"), tails):
             out = None
-            s, out = timed_request(eng, prefix + tail, one, cuda)
+            s, out = timed_request(eng, prefix + tail, one, cuda, detail=f"main {name}")
             rounds[name].append((s, out.num_cached_tokens))
         if eng.runner.use_graphs:  # the same hit with the tail run eagerly (no extend graph), before / after
             out = None
@@ -384,7 +411,7 @@ def run(a) -> dict:
                 tails = rand_prompts(4, 64, V, 9 + 100 * rep)
                 for tail in tails[:2]:
                     eng.generate([prefix + tail], one)
-                times.append(timed_request(eng, prefix + tails[2], one, cuda)[0])
+                times.append(timed_request(eng, prefix + tails[2], one, cuda, detail=f"row {key}")[0])
             return dict(seconds=statistics.median(times))
         for key, settings in flipped(HIT_SWITCHES).items():
             if key == "all":
@@ -509,16 +536,28 @@ def main():
     ap.add_argument("--ttft-reps", type=int, default=3, help="rounds of the cold / prefix-hit TTFT (median reported)")
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave Python's GC as it is (k3 serve freezes it after loading, EngineConfig.gc_freeze)")
+    ap.add_argument("--hit-detail", action="store_true",
+                    help="split each timed prefix hit into the host time before its graph replay, the replay "
+                         "calls and the graph's GPU time (CUDA events around every replay)")
     ap.add_argument("--out", default="serve.json")
     a = ap.parse_args()
     if a.reps < 1 or a.ttft_reps < 1:
         ap.error(f"--reps {a.reps} and --ttft-reps {a.ttft_reps} must be >= 1")
     if not a.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --smoke for the CPU check")
+    if a.hit_detail and torch.cuda.is_available():
+        log_replays()
     t0 = time.time()
     res = run(a)
     res["wall_seconds"] = time.time() - t0
     print(table(res))
+    if hit_detail:
+        res["hit_detail_ms"] = hit_detail
+        print("hit detail, ms (median; each request): TTFT = host before the replay + replay calls + graph GPU + rest")
+        for k, rows in hit_detail.items():
+            med = [statistics.median(x) for x in zip(*rows)]
+            print(f"  {k:32s} TTFT {med[0]:6.3f}  pre {med[1]:6.3f}  launch {med[2]:6.3f}  GPU {med[3]:6.3f}  rest "
+                  f"{med[0] - med[1] - med[3]:6.3f}   pre each: {' '.join(f'{r[1]:.2f}' for r in rows)}")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {a.out} ({res['wall_seconds']:.0f} s)")
