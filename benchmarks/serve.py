@@ -193,6 +193,8 @@ HIT_SWITCHES = {
                             "its run tables built in the graph"),
     "mla_page_table_seconds": ("k3.ops.mla_decode", "PAGE_TABLE", "MLA reading each row's page table",
                                "MLA pages per position"),
+    "graph_copies_seconds": ("k3.serve.runner", "GRAPH_COPIES", "its admission copies in the graph",
+                             "its admission copies as host calls before the graph"),
 }
 
 

@@ -307,6 +307,48 @@ def test_engine_with_graph_paths_equals_the_engine_without(one_thread, host_tabl
     assert any(k[0] == "extend" for k in eb.runner.graphs) and any(k[0] != "extend" for k in eb.runner.graphs)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.cuda])])
+def test_extend_graph_runs_the_admission_copies(one_thread, device, monkeypatch):
+    """`K3_GRAPH_COPIES`: prefix hits (a cached KDA checkpoint into the new slot, a shared MLA page's rows into the
+    sequence's own page) whose copies the extend graph runs as its first kernel give the tokens and logits of the
+    same engine with the copies run before the forward, bitwise (the same bytes reach the same computation); the
+    graphs did take copies. On CUDA a bf16 engine replays real graphs and the Triton kernel."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve import pool as pool_mod
+
+    model = make_tiny(seed=17)
+    if device == "cuda":
+        model = model.cuda().to(torch.bfloat16)
+    rng = random.Random(17)
+    shared = [rng.randrange(4000) for _ in range(40)]
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(2, 20))] for _ in range(3)]
+    tails = [[rng.randrange(4000) for _ in range(rng.randrange(1, 8))] for _ in range(4)]
+    taken = []
+    take = pool_mod.PagePool.take_deferred
+
+    def counted(self, max_segments):
+        segs = take(self, max_segments)
+        taken.append(len(segs))
+        return segs
+    monkeypatch.setattr(pool_mod.PagePool, "take_deferred", counted)
+    runs = []
+    for copies in (False, True):
+        monkeypatch.setattr("k3.serve.runner.GRAPH_COPIES", copies)
+        taken.clear()
+        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=96, max_num_batched_tokens=64,
+                                         max_num_seqs=8, record_logits=True))
+        assert eng.runner.enable_graphs()
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        outs = eng.generate([shared + [7, 8, 9]], sp)  # the prefix computed and cached
+        for tail in tails:  # hits with short tails, alone (an extend graph each), then beside short prompts
+            outs += eng.generate([shared + tail], sp)
+        outs += eng.generate([shared + tail for tail in tails] + prompts, sp)
+        runs.append((outs, eng))
+        eng.check_pool()
+        assert (sum(taken) > 0) == copies, taken
+    assert_same_outputs(runs, tol=0.0)
+
+
 def assert_same_outputs(runs, tol: float = 1e-4) -> None:
     """Two engines' (outputs, engine) on the same requests: the same tokens, recorded logits within `tol`."""
     (a, ea), (b, eb) = runs

@@ -164,7 +164,7 @@ def test_extend_fill_equals_writing_every_field(tokens, nseq, pages):
     g.tokens, g.seqs, g.pages, g._pad_for, g._arange = tokens, nseq, pages, None, np.arange(max(tokens, nseq))
     g.runs = tokens // STATES_AT_MULTIPLE + nseq + 1
     g.i32 = -(-(2 * g.runs + 2 * nseq + 1) // 2)
-    g.host_np = np.full(4 * tokens + 2 * nseq + 1 + (nseq + 1) * pages + g.i32, 12345, dtype=np.int64)
+    g.host_np = np.full(g.buffer_words(), 12345, dtype=np.int64)
     g.host_f = g.fields(g.host_np)
     rng = random.Random(tokens)
     for scratch in [(7, 9)] * 30 + [(3, 4)] * 5:

@@ -80,3 +80,76 @@ def test_bad_sizes():
     cfg = K3Config.preset("k3-tiny").text_config
     with pytest.raises(ValueError, match="num_pages"):
         PagePool(PoolLayout.for_model(cfg, 16, torch.float32), num_pages=1)
+
+
+def _ops(rng, pool):
+    """A random admission-like list of pool ops (slot copies, token copies, zero-fills) over pages 0-5."""
+    ops = []
+    for _ in range(rng.randrange(1, 6)):
+        kind = rng.choice(["slot", "tokens", "zero"])
+        src, dst = rng.sample(range(pool.num_pages), 2)
+        ops.append((kind, src, dst, rng.randrange(1, pool.layout.block_size + 1)))
+    return ops
+
+
+def _run(pool, ops):
+    for kind, src, dst, n in ops:
+        if kind == "slot":
+            pool.copy_slot(src, dst)
+        elif kind == "tokens":
+            pool.copy_tokens(src, dst, n)
+        else:
+            pool.zero_slot(dst)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deferred_copies_equal_the_eager_ones(pool, seed):
+    """`defer` on: the ops only record (the pool's bytes do not move); the recorded list as word segments, run by
+    `apply_page_ops`, gives the bytes the eager ops give, or (a page written twice, or read after another op
+    writes it) `take_deferred` runs them itself in order and returns none. Fresh random bytes on every page."""
+    import random
+
+    from k3.ops.page_ops import apply_page_ops, table_words
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=g, dtype=torch.uint8))
+    start = pool.storage.clone()
+    ops = _ops(rng, pool)
+    _run(pool, ops)
+    want = pool.storage.clone()
+    pool.storage.copy_(start)
+    pool.defer = True
+    _run(pool, ops)
+    assert torch.equal(pool.storage, start)  # nothing ran yet
+    segs = pool.take_deferred(max_segments=64)
+    dsts = [d for _, _, d, _ in ops]
+    independent = len(set(dsts)) == len(dsts) and not any(s in dsts for k, s, _, _ in ops if k != "zero")
+    assert bool(segs) == independent
+    if segs:
+        assert torch.equal(pool.storage, start)
+        table = torch.tensor([len(segs), *(x for s in segs for x in s)] + [0] * 3)
+        assert table.numel() == table_words(len(segs) + 1)
+        apply_page_ops(pool.words, table)
+    assert torch.equal(pool.storage, want)
+    assert pool.take_deferred(64) == []
+
+
+def test_deferred_copies_run_before_any_other_access(pool):
+    """Whatever else touches the pool's memory runs the recorded ops first (to_host, from_host, copy_page, flush);
+    a list over `max_segments` runs at once."""
+    pool.defer = True
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.state[a].fill_(3.0)
+    pool.copy_slot(a, b)
+    assert not torch.equal(pool.state[b], pool.state[a])
+    buf = pool.to_host(b)
+    assert torch.equal(pool.state[b], pool.state[a]) and torch.equal(buf, pool.storage[b].cpu())
+    pool.zero_slot(b)
+    pool.from_host(buf, c)
+    assert not pool.state[b].any() and torch.equal(pool.state[c], pool.state[a])
+    pool.copy_tokens(a, b, 3)
+    assert pool.take_deferred(max_segments=pool.layout.num_mla_layers - 1) == []  # too many: run here
+    assert torch.equal(pool.mla[b, :, :3], pool.mla[a, :, :3])
+    pool.zero_slot(c)
+    pool.flush()
+    assert not pool.state[c].any()

@@ -36,7 +36,7 @@ from serve import build, rand_prompts, timed_request, with_settings  # noqa: E40
 from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-# (module, flag): every combination of these is timed
+# (module, flag): every combination of these is timed (`--flags module:name ...` names others)
 FLAGS = (("k3.ops.gemv", "WIDE_64"), ("k3.ops.mla_decode", "PAGE_TABLE"), ("k3.serve.runner", "HOST_TABLES"))
 
 
@@ -114,6 +114,8 @@ def main():
                          "(`host_hit.trace_all`): their median timeline in this process")
     ap.add_argument("--api", action="store_true",
                     help="then the default combination's hits under torch.profiler: their CUDA API calls by name")
+    ap.add_argument("--flags", nargs="+", metavar="MODULE:NAME", help="the switches to combine (default: "
+                    + " ".join(f"{m}:{n}" for m, n in FLAGS) + ")")
     ap.add_argument("--out", default="hit_switches.json")
     a = ap.parse_args()
     model = build("k3-small", "cuda", torch.bfloat16)
@@ -122,9 +124,12 @@ def main():
                                      max_num_seqs=256, gpu_memory_fraction=0.5, enable_prefix_caching=True,
                                      gc_freeze=a.gc_freeze))
     eng.warm_up()
-    mods = [(importlib.import_module(m), n) for m, n in FLAGS]
+    flags = FLAGS if not a.flags else tuple(tuple(f.split(":")) for f in a.flags)
+    if any(len(f) != 2 for f in flags):
+        ap.error(f"--flags: each is MODULE:NAME, got {a.flags}")
+    mods = [(importlib.import_module(m), n) for m, n in flags]
     default = tuple(bool(getattr(m, n)) for m, n in mods)
-    combos = [default] if a.only_default else list(itertools.product((False, True), repeat=len(FLAGS)))
+    combos = [default] if a.only_default else list(itertools.product((False, True), repeat=len(flags)))
     hits(eng, V, 2, 7)  # warm-up: the hit's graphs and kernels
     hit_pattern.event_replay()
     time_launches()
@@ -136,11 +141,11 @@ def main():
             res[c] += with_settings(eng, settings, lambda: hits(eng, V, a.reps, 1000 * r + 11))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     rows = []
-    print("  " + "  ".join(f"{n:>11}" for _, n in FLAGS) + "   TTFT ms   GPU ms   pre ms  launch ms  (all TTFT)")
+    print("  " + "  ".join(f"{n:>11}" for _, n in flags) + "   TTFT ms   GPU ms   pre ms  launch ms  (all TTFT)")
     for c in combos:
         ttft, gpu, pre, launch = (list(x) for x in zip(*res[c]))
         med = [statistics.median(x) for x in (ttft, gpu, pre, launch)]
-        rows.append(dict(flags=dict(zip((n for _, n in FLAGS), c)), default=c == default,
+        rows.append(dict(flags=dict(zip((n for _, n in flags), c)), default=c == default,
                          ttft_ms=med[0], gpu_ms=med[1], pre_ms=med[2], launch_ms=med[3], all_ttft_ms=ttft,
                          all_gpu_ms=gpu, all_pre_ms=pre, all_launch_ms=launch))
         mark = " (default)" if c == default else ""

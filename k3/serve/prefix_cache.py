@@ -178,6 +178,7 @@ class PrefixCache:
                 if page is None:
                     host.put_block(buf, bkeys)
                     return False
+                self.pool.flush()  # copies the pool still holds back run first (`PagePool.defer`)
                 self.pool.mla[page, :, :buf.shape[1]].copy_(buf)
                 for k, r in bkeys:
                     self.register_block(k, page, r)
@@ -303,6 +304,7 @@ class HostTier:
 
     def store_block(self, page: int, keys: list[tuple[bytes, int]]) -> None:
         rows = max(r for _, r in keys)
+        self.pool.flush()
         self.put_block(self.pool.mla[page, :, :rows].to("cpu", copy=True), keys)
 
     def put_block(self, buf: torch.Tensor, keys: list[tuple[bytes, int]]) -> None:

@@ -36,12 +36,17 @@ from ..ops.attn_res import static_tables
 from ..ops.conv import CONV_TILE
 from ..ops.kda import STATES_AT_MULTIPLE
 from ..ops.moe import grouped_mm_available
+from ..ops.page_ops import apply_page_ops, table_words, triton_available as page_ops_triton
 from .pool import PagePool, PoolExhausted
 
 # whether the extend and prefill graphs take their run tables (and a prefill's checkpoint table and conv tiles) from
 # the host with their inputs (`token_runs_host`, `prefill_tables_host`) or (K3_GRAPH_HOST_TABLES=0) build them
 # inside the captured forward (≈ 50 / 35 small kernels); `benchmarks/serve.py` flips it in the same run
 HOST_TABLES = os.environ.get("K3_GRAPH_HOST_TABLES", "1") == "1"
+# whether an extend graph runs the pool copies of its step's admissions (a prefix hit's KDA checkpoint into the
+# sequence's slot, a shared MLA page's rows into its own) as its first kernel (`k3.ops.page_ops`, from a table in
+# its inputs) rather than as host calls before it (`PagePool.defer`); read when a graph is captured
+GRAPH_COPIES = os.environ.get("K3_GRAPH_COPIES", "1") == "1"
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIN_HISTORY = 256          # smallest padded MLA history of a decode graph (then powers of two)
@@ -79,9 +84,11 @@ class _Graph:
     built on the device from them), `fill` and `select` (the rows returned). `ALL_ROWS`: logits of every row
     (decode) rather than of `batch.rows`."""
     ALL_ROWS = False
+    copies = 0  # pool copy segments the graph can run first (`ExtendGraph`; 0: the runner runs them before it)
 
     def _capture(self, runner: "ModelRunner", mempool) -> None:
         self.runner, self.graph = runner, None
+        runner.pool.flush()  # the eager warm-up below reads the pool (its scratch pages)
         self.host_np = self.host.numpy()  # the pinned buffer as NumPy (same memory): `fill` writes through it
         self.host_f = self.fields(self.host_np)  # its fields as views, built once (≈ 20 µs a step after a forward)
         self.fill([], runner.scratch)
@@ -106,6 +113,8 @@ class _Graph:
         takes its token from the runner's `last_tokens[src]` (the previous step's sample) instead of ids."""
         r = self.runner
         f = self.fields(self.buf)
+        if self.copies:
+            apply_page_ops(r.pool.words, f["copies"])
         r.cache.batch = b = self.batch(f)
         ids = f["ids"] if "src" not in f else torch.where(f["src"] >= 0, r.last_tokens[f["src"].clamp_min(0)], f["ids"])
         try:
@@ -113,10 +122,20 @@ class _Graph:
         finally:
             r.cache.batch = None
 
-    def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int]) -> torch.Tensor:
+    def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int], segs=()) -> torch.Tensor:
         if self.graph is not None:
             self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
-        self.fill(seqs, scratch)
+        try:
+            self.fill(seqs, scratch)
+            if segs:  # the pool copies this step's admissions asked for (`PagePool.take_deferred`)
+                t = self.host_f["copies"]
+                t[0] = len(segs)
+                t[1:1 + 3 * len(segs)] = [x for seg in segs for x in seg]
+        except BaseException:  # the copies must still run before anything reads the pool: the forward did not
+            if segs:
+                table = torch.tensor([len(segs), *(x for seg in segs for x in seg)])
+                apply_page_ops(self.runner.pool.words, table.to(self.runner.device))
+            raise
         self.buf.copy_(self.host, non_blocking=self.graph is not None)
         if self.graph is None:
             self.out = self.run()
@@ -195,19 +214,27 @@ class ExtendGraph(_Graph):
         N, n = tokens, seqs
         self.runs = N // STATES_AT_MULTIPLE + n + 1
         self.i32 = -(-(2 * self.runs + 2 * n + 1) // 2)  # int64 words holding the int32 tables
-        self.host = torch.empty(4 * N + 2 * n + 1 + (n + 1) * self.pages + self.i32, dtype=torch.long,
-                                pin_memory=runner.device.type == "cuda")
+        # room for the copies of n admissions (a slot and a page's rows in every MLA layer each) and n more slots
+        # (checkpoints, decode snapshots); more run before the graph
+        use = GRAPH_COPIES and (runner.device.type != "cuda" or page_ops_triton())
+        self.copies = n * (2 + runner.pool.layout.num_mla_layers) if use else 0
+        self.host = torch.empty(self.buffer_words(), dtype=torch.long, pin_memory=runner.device.type == "cuda")
         self.buf = torch.empty_like(self.host, device=runner.device)
         self._capture(runner, mempool)
+
+    def buffer_words(self) -> int:
+        N, n = self.tokens, self.seqs
+        return 4 * N + 2 * n + 1 + (n + 1) * self.pages + table_words(self.copies) + self.i32
 
     def fields(self, t: torch.Tensor) -> dict:
         N, n, R = self.tokens, self.seqs, self.runs
         ids, src, pos, tdoc = t[:4 * N].reshape(4, N)  # views of a tensor or of its NumPy array (`fill`)
         at = 4 * N + 2 * n + 1 + (n + 1) * self.pages
-        i32 = t[at:].view(torch.int32 if isinstance(t, torch.Tensor) else np.int32)
+        c = at + table_words(self.copies)
+        i32 = t[c:].view(torch.int32 if isinstance(t, torch.Tensor) else np.int32)
         return dict(ids=ids, src=src, pos=pos, tdoc=tdoc, cu=t[4 * N:4 * N + n + 1],
                     slots=t[4 * N + n + 1:4 * N + 2 * n + 1],
-                    table=t[4 * N + 2 * n + 1:at].reshape(n + 1, self.pages),
+                    table=t[4 * N + 2 * n + 1:at].reshape(n + 1, self.pages), copies=t[at:c],
                     runs=i32[:2 * R].reshape(R, 2), first=i32[2 * R:2 * R + n], cu32=i32[2 * R + n:2 * R + 2 * n + 1])
 
     def batch(self, f: dict) -> PackedBatch:
@@ -455,8 +482,12 @@ class ModelRunner:
         if not seqs:
             raise ValueError("ModelRunner.forward: no sequences")
         g = self.graph_for(seqs)
+        self.pool.defer = GRAPH_COPIES and self.use_graphs and self.use_extend_graphs  # for the next step's copies
+        segs = self.pool.take_deferred(g.copies) if g is not None and g.copies else []
+        if not segs:
+            self.pool.flush()  # those not taken run first (none with `defer` off)
         if g is not None:
-            return g(seqs, self.scratch)
+            return g(seqs, self.scratch, segs)
         b = self.batch(seqs)
         ids = to_device(torch.tensor([t for s in seqs for t in s.tokens]), self.device)
         src, at = [], 0
