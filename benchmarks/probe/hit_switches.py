@@ -11,8 +11,6 @@ Medians per combination over every round.
 
 `--trace`: then 2 x reps more hits with every engine call on their path stamped, in the default combination (as
 `host_hit.py --trace`): which call takes the host time that differs from one process to the next.
-`--api`: then `reps` more hits under torch.profiler: the CUDA runtime / driver calls they make (count and host µs per
-hit, by name): whether a slow process's extra host time is in the driver.
 """
 from __future__ import annotations
 
@@ -84,25 +82,6 @@ def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, ...]]:
     return out
 
 
-def api_calls(eng, V: int, reps: int) -> dict[str, tuple[float, float]]:
-    """{CUDA runtime / driver call: (count, host µs) per hit} of `reps` hits under torch.profiler, by host time."""
-    from torch.profiler import ProfilerActivity, profile
-    gen = third_requests(eng, V, reps, 9000)
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=acts) as prof:
-        prof.toggle_collection_dynamic(False, acts)
-        for prompt in gen:  # the cold and junction requests run inside too; only the hits' calls are kept
-            prof.toggle_collection_dynamic(True, acts)
-            eng.generate([prompt], ONE)
-            torch.cuda.synchronize()
-            prof.toggle_collection_dynamic(False, acts)
-    rows = {}
-    for e in prof.key_averages():
-        if e.key.startswith("cu"):
-            rows[e.key] = (e.count / reps, e.self_cpu_time_total / reps)
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -112,8 +91,6 @@ def main():
     ap.add_argument("--trace", action="store_true",
                     help="then the default combination's hits with every engine call on their path stamped "
                          "(`host_hit.trace_all`): their median timeline in this process")
-    ap.add_argument("--api", action="store_true",
-                    help="then the default combination's hits under torch.profiler: their CUDA API calls by name")
     ap.add_argument("--flags", nargs="+", metavar="MODULE:NAME", help="the switches to combine (default: "
                     + " ".join(f"{m}:{n}" for m, n in FLAGS) + ")")
     ap.add_argument("--out", default="hit_switches.json")
@@ -160,11 +137,6 @@ def main():
         runs = [stamped_request(eng, prompt, ONE) for prompt in third_requests(eng, V, 2 * a.reps, 5000)]
         out["timeline"] = timeline(runs, "hits")
         print(out["timeline"])
-    if a.api:
-        out["api"] = api_calls(eng, V, a.reps)
-        print("CUDA API calls per hit: count, host µs")
-        for name, (n, us) in out["api"].items():
-            print(f"  {n:7.1f} {us:9.1f}  {name}")
     Path(a.out).write_text(json.dumps(out, indent=1))
 
 
