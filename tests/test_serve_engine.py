@@ -64,6 +64,19 @@ def test_batched_requests_equal_each_alone(model):
     assert eng.stats()["num_steps"] < sum(len(p) for p in ps)  # they really were batched
 
 
+def test_generate_params_checked_and_left_as_given(model):
+    """`generate` refuses params that are not SamplingParams, naming the type, and does not change the caller's
+    (its final-only copy is its own)."""
+    eng = tiny_engine(model)
+    sp = SamplingParams(max_tokens=2, temperature=0, output_kind="delta")
+    out = eng.generate(prompts(2, 3), sp)
+    assert sp.output_kind == "delta" and all(o.finished and len(o.token_ids) == 2 for o in out)
+    with pytest.raises(ValueError, match="params must be SamplingParams.*dict"):
+        eng.generate(prompts(1, 4), {"max_tokens": 2})
+    with pytest.raises(ValueError, match="params must be SamplingParams.*str"):
+        eng.generate(prompts(2, 4), [SamplingParams(), "greedy"])
+
+
 def test_sampling_seeded_topk_and_logprobs(model):
     p = prompts(1, 2)[0]
     sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=123, logprobs=True)
