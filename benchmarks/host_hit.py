@@ -44,7 +44,7 @@ TRACED = ((engine_mod.Engine, "generate"), (engine_mod.Engine, "step"), (runner_
           (scheduler_mod.Scheduler, "on_token"), (scheduler_mod.Scheduler, "after_forward"),
           (scheduler_mod.Scheduler, "schedule_continuation"), (prefix_cache_mod.PrefixCache, "lookup"),
           (prefix_cache_mod.RecentPrompts, "extend"), (pool_mod.PagePool, "copy_slot"),
-          (pool_mod.PagePool, "copy_tokens"), (runner_mod.ModelRunner, "publish"), (runner_mod._Graph, "__call__"),
+          (pool_mod.PagePool, "copy_tokens"), (runner_mod.ModelRunner, "published"), (runner_mod._Graph, "__call__"),
           (runner_mod.PrefillGraph, "fill"), (request_mod.Sequence, "output_prompt"),
           (request_mod.Sequence, "to_output"), (scheduler_mod.Scheduler, "remove"), (engine_mod.Engine, "_retire"),
           (engine_mod.Engine, "_check_stop"), (engine_mod, "_valid_ids"), (engine_mod, "sample_device"))

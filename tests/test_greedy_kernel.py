@@ -37,6 +37,35 @@ def test_greedy_pick_kernels_equal_the_torch_ops(dtype):
         greedy_pick_triton(x, split=64, block=128)
 
 
+
+def test_greedy_pick_writes_the_engine_rows_and_ids():
+    """`rows` / `last` (the engine's read-back rows and the next forward's device-fed ids): the kernels' second
+    kernel writes what `write_outputs` writes after the torch ops, bitwise, a failed row as (-1, NaN) and id 0;
+    `last` past n untouched; wrong shapes or dtypes refused, naming them."""
+    pytest.importorskip("triton")
+    from k3.ops.greedy_triton import greedy_pick_triton
+    from k3.ops.sampling import greedy_pick
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(6)).to(dev) * 3
+    x[2, 3] = float("nan")
+    outs = []
+    for pick in (lambda **kw: greedy_pick(x, backend="torch", **kw),
+                 lambda **kw: greedy_pick_triton(x, split=64, block=16, **kw)):
+        rows = torch.full((2, 5), 7.0, dtype=torch.float64, device=dev)
+        last = torch.full((8,), 99, dtype=torch.int64, device=dev)
+        tok, lp = pick(rows=rows, last=last)
+        assert torch.equal(rows[0], tok.double()) and torch.equal(rows[1].isnan(), lp.isnan())
+        assert last[:5].tolist() == tok.clamp_min(0).tolist() and last[5:].tolist() == [99] * 3
+        outs.append((tok, rows, last))
+    (t0, r0, l0), (t1, r1, l1) = outs
+    assert t0.tolist() == t1.tolist() and t0[2] == -1 and l1[2] == 0
+    assert (r0[1] - r1[1]).nan_to_num().abs().max() <= 1e-5 and torch.equal(r0[0], r1[0])
+    with pytest.raises(ValueError, match="rows must be a contiguous float64 \\[2, 5\\]"):
+        greedy_pick(x, backend="torch", rows=torch.zeros(2, 5, device=dev))
+    with pytest.raises(ValueError, match="last must be a contiguous int64 vector of at least 5"):
+        greedy_pick_triton(x, rows=None, last=torch.zeros(4, dtype=torch.int64, device=dev))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_greedy_pick_kernels_at_k3_vocabulary():
@@ -62,13 +91,13 @@ def test_engine_with_the_greedy_kernels_equals_the_torch_ops(monkeypatch):
     prompts = [[(3 * i + 5 * j) % 4000 for j in range(5 + 6 * i)] for i in range(3)]
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=True)
     cfg = EngineConfig(block_size=8, hash_block_size=4, num_pages=64)
-    monkeypatch.setattr(serve_sampling, "greedy_pick", lambda x: greedy_pick(x, backend="torch"))
+    monkeypatch.setattr(serve_sampling, "greedy_pick", lambda x, **kw: greedy_pick(x, backend="torch", **kw))
     ref = Engine(model, cfg).generate(prompts, sp)
     calls = []
 
-    def kernels(x):
+    def kernels(x, **kw):
         calls.append(x.shape[0])
-        return greedy_pick(x, backend="triton")
+        return greedy_pick(x, backend="triton", **kw)
 
     monkeypatch.setattr(serve_sampling, "greedy_pick", kernels)
     out = Engine(model, cfg).generate(prompts, sp)

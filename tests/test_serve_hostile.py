@@ -207,12 +207,12 @@ def test_a_request_with_nan_logits_fails_alone(server, tok, model, monkeypatch):
     name = "sample_device"
     real = getattr(engine_module, name)
 
-    def poisoned(logits, params, generators):
+    def poisoned(logits, params, generators, **kw):
         bad = [i for i, p in enumerate(params) if p.temperature == 0.123]
         if bad:
             logits = logits.clone()
             logits[bad, 7] = float("nan")
-        return real(logits, params, generators)
+        return real(logits, params, generators, **kw)
 
     monkeypatch.setattr(engine_module, name, poisoned)
     prompts = [tok.encode(t) for t in ("iota kappa", "lambda", "mu nu xi")]

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._triton import interpreted as _interpreted, pdl
+from .sampling import check_outputs
 from ._triton_jit import pdl_sync
 
 SPLIT, BLOCK = 8192, 2048  # columns per program of the first kernel, per load (a 163,840-wide row: 20 programs)
@@ -53,8 +54,8 @@ def greedy_part_kernel(x_ptr, m_ptr, i_ptr, s_ptr, f_ptr, V, sx, NS, SPLIT: tl.c
 
 
 @triton.jit
-def greedy_combine_kernel(m_ptr, i_ptr, s_ptr, f_ptr, tok_ptr, lp_ptr, NS, BS: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def greedy_combine_kernel(m_ptr, i_ptr, s_ptr, f_ptr, tok_ptr, lp_ptr, rows_ptr, last_ptr, n, NS, BS: tl.constexpr,
+                          ROWS: tl.constexpr = False, LAST: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BS)
@@ -68,20 +69,28 @@ def greedy_combine_kernel(m_ptr, i_ptr, s_ptr, f_ptr, tok_ptr, lp_ptr, NS, BS: t
     tok = tl.min(tl.where(m == mx, idx, 2147483647), 0)  # splits are in column order: the first maximal one
     total = tl.sum(s * tl.exp(m - mx_safe), 0)
     bad = (bad > 0) | (mx == float("-inf"))
-    tl.store(tok_ptr + r, tl.where(bad, -1, tok).to(tl.int64))
-    tl.store(lp_ptr + r, tl.where(bad, float("nan"), -tl.log(total)))
+    tok = tl.where(bad, -1, tok).to(tl.int64)
+    lp = tl.where(bad, float("nan"), -tl.log(total))
+    tl.store(tok_ptr + r, tok)
+    tl.store(lp_ptr + r, lp)
+    if ROWS:  # the engine's read-back rows [2, n] fp64: ids (exact below 2^53), log p
+        tl.store(rows_ptr + r, tok.to(tl.float64))
+        tl.store(rows_ptr + n + r, lp.to(tl.float64))
+    if LAST:  # the next forward's device-fed ids: a failed row's -1 as 0 (a valid index; the host drops the row)
+        tl.store(last_ptr + r, tl.maximum(tok, 0))
 
 
 def interpreted() -> bool:
     return _interpreted(greedy_part_kernel)
 
 
-def greedy_pick_triton(logits: torch.Tensor, split: int = SPLIT, block: int = BLOCK
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_pick_triton(logits: torch.Tensor, split: int = SPLIT, block: int = BLOCK, rows: torch.Tensor | None = None,
+                       last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] (unit column stride) → (token ids [n] int64, −1 for a non-finite row; log p(token) [n]
     fp32, NaN there). split / block: columns per first-kernel program / per load (powers of two, block ≤ split;
-    tests use small ones)."""
+    tests use small ones). `rows` / `last`: as `k3.ops.sampling.greedy_pick`'s, written by the second kernel."""
     n, V = logits.shape
+    check_outputs(n, logits.device, rows, last)
     if split & (split - 1) or block & (block - 1) or block > split:
         raise ValueError(f"greedy_pick: split={split} and block={block} must be powers of two with block <= split")
     tok = torch.empty(n, dtype=torch.int64, device=logits.device)
@@ -95,6 +104,7 @@ def greedy_pick_triton(logits: torch.Tensor, split: int = SPLIT, block: int = BL
     i, f = torch.empty(2, n, ns, dtype=torch.int32, device=logits.device).unbind(0)
     greedy_part_kernel[(n, ns)](logits, m, i, s, f, V, logits.stride(0), ns, SPLIT=split, BLOCK=block,
                                 num_warps=8 if block >= 2048 else 4, **pdl(lp))
-    greedy_combine_kernel[(n,)](m, i, s, f, tok, lp, ns, BS=max(16, triton.next_power_of_2(ns)), num_warps=1,
-                                **pdl(lp))
+    greedy_combine_kernel[(n,)](m, i, s, f, tok, lp, tok if rows is None else rows, tok if last is None else last, n,
+                                ns, BS=max(16, triton.next_power_of_2(ns)), ROWS=rows is not None,
+                                LAST=last is not None, num_warps=1, **pdl(lp))
     return tok, lp

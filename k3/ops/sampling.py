@@ -27,19 +27,48 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
 GREEDY_KERNEL = os.environ.get("K3_GREEDY_KERNEL", "1") == "1"
 
 
-def greedy_pick(logits: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_pick(logits: torch.Tensor, backend: str = "auto", rows: torch.Tensor | None = None,
+                last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] → (argmax ids [n] int64, log p(id) [n] fp32 under log_softmax(logits)), a row that is not
     finite (`nonfinite_rows`) giving id −1 and log p NaN; on the device, nothing read back. backend "auto": two
     Triton kernels on CUDA with `GREEDY_KERNEL` (`greedy_triton.py`: one pass over the logits), else (and
-    "torch") these ops, its reference."""
+    "torch") these ops, its reference. `rows` / `last`: also written, as `write_outputs` writes them (the
+    kernels in their second kernel: no extra launches)."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"greedy_pick: unknown backend {backend!r}; valid backends are auto, torch, triton")
     if backend == "triton" or (backend == "auto" and GREEDY_KERNEL and logits.is_cuda and logits.dim() == 2
                                and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
                                and importable(__name__.rsplit(".", 1)[0] + ".greedy_triton")):
         from .greedy_triton import greedy_pick_triton
-        return greedy_pick_triton(logits if logits.stride(-1) == 1 else logits.contiguous())
-    return picked(logits, logits.argmax(-1), nonfinite_rows(logits))
+        return greedy_pick_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), rows=rows, last=last)
+    return write_outputs(*picked(logits, logits.argmax(-1), nonfinite_rows(logits)), rows, last)
+
+
+def check_outputs(n: int, device: torch.device, rows: torch.Tensor | None, last: torch.Tensor | None) -> None:
+    """ValueError unless `rows` is None or a contiguous fp64 [2, n] and `last` None or an int64 vector of at least
+    n, both on `device`."""
+    if rows is not None and (rows.dtype != torch.float64 or tuple(rows.shape) != (2, n) or not rows.is_contiguous()
+                             or rows.device != device):
+        raise ValueError(f"rows must be a contiguous float64 [2, {n}] on {device}, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
+    if last is not None and (last.dtype != torch.int64 or last.dim() != 1 or last.shape[0] < n
+                             or not last.is_contiguous() or last.device != device):
+        raise ValueError(f"last must be a contiguous int64 vector of at least {n} on {device}, got {last.dtype} "
+                         f"{tuple(last.shape)} on {last.device}")
+
+
+def write_outputs(tok: torch.Tensor, lp: torch.Tensor, rows: torch.Tensor | None = None,
+                  last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picks (tok [n] int64, −1 for a failed row; lp [n]) also as the serving engine keeps them, on the device:
+    `rows` [2, n] fp64 ← (ids, log p) (its one read-back: ids < 2^53 are exact in fp64) and `last[:n]` ← the ids
+    with −1 as 0 (the next forward's device-fed tokens must be valid indices; the host drops a failed row).
+    Returns (tok, lp)."""
+    check_outputs(tok.shape[0], tok.device, rows, last)
+    if rows is not None:
+        rows.copy_(torch.stack([tok.double(), lp.double()]))
+    if last is not None:
+        last[:tok.shape[0]].copy_(tok.clamp_min(0))
+    return tok, lp
 
 
 def picked(logits: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -357,7 +357,7 @@ class ModelRunner:
                                 mla_layers=[l.layer_idx for l in layers if not l.is_kda],
                                 kda_backend=None if kda_backend == "auto" else kda_backend)
         self.device = self.lm.lm_head.weight.device
-        # the latest step's sampled ids on the device (`publish`): the next forward's decodes read theirs here
+        # the latest step's sampled ids on the device (`published`): the next forward's decodes read theirs here
         self.last_tokens = torch.zeros(max(max_seqs, 1), dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
         self._mempool = None
@@ -469,12 +469,13 @@ class ModelRunner:
             self.graph_for([probe(1)] * b)
         return sorted(self.graphs, key=str)
 
-    def publish(self, tokens: torch.Tensor) -> None:
-        """Keep a step's sampled ids [n] (device) for the next forward's `SeqInput.src` rows (a failed row's -1
-        becomes 0: the sequence is dropped when the host sees it, and an id must stay a valid index)."""
-        if tokens.shape[0] > self.last_tokens.shape[0]:
-            raise ValueError(f"{tokens.shape[0]} sampled ids exceed the runner's max_seqs {self.last_tokens.shape[0]}")
-        self.last_tokens[:tokens.shape[0]].copy_(tokens.clamp_min(0), non_blocking=True)
+    def published(self, n: int) -> torch.Tensor:
+        """Where a step's n sampled ids go for the next forward's `SeqInput.src` rows (`last_tokens`; the sampler
+        writes them, a failed row's -1 as 0: the sequence is dropped when the host sees it, and an id must stay a
+        valid index)."""
+        if n > self.last_tokens.shape[0]:
+            raise ValueError(f"{n} sampled ids exceed the runner's max_seqs {self.last_tokens.shape[0]}")
+        return self.last_tokens
 
     @torch.no_grad()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sampling import filter_probs, greedy_pick, host_tensor, nonfinite_rows, picked
+from ..ops.sampling import filter_probs, greedy_pick, host_tensor, nonfinite_rows, picked, write_outputs
 from .request import SamplingParams
 
 
@@ -29,12 +29,14 @@ class SamplingError(RuntimeError):
         self.rows, self.params = rows, params
 
 
-def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                  rows: torch.Tensor | None = None, last: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] fp32 → (token ids [n] int64, log p(token) [n] fp32 under log_softmax(logits)), both on
     the logits' device and without reading anything back to the host (the engine's asynchronous scheduling
     feeds the ids to the next forward before the host has seen them). A row whose logits are not finite
-    (`nonfinite_rows`) gets token -1 and log-prob NaN; the others are sampled as if it were absent."""
+    (`nonfinite_rows`) gets token -1 and log-prob NaN; the others are sampled as if it were absent. `rows` /
+    `last`: also written (`k3.ops.sampling.write_outputs`; an all-greedy batch in the greedy kernels)."""
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"need one SamplingParams and generator per row ({n}), got {len(params)} and "
@@ -43,7 +45,7 @@ def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if not rand:  # the common decode batch: argmax and its log-prob in one pass (two kernels on CUDA)
-        return greedy_pick(logits)
+        return greedy_pick(logits, rows=rows, last=last)
     bad = nonfinite_rows(logits)
     out = torch.empty(n, dtype=torch.long, device=dev)
     if greedy:
@@ -61,7 +63,7 @@ def sample_device(logits: torch.Tensor, params: list[SamplingParams], generators
     for j, i in enumerate(rand):
         if generators[i] is not None:
             out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    return picked(logits, out, bad)
+    return write_outputs(*picked(logits, out, bad), rows, last)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
