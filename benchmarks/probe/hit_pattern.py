@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_hit import PHASES, cprofile_report, stamped_request, timed, timeline, times  # noqa: E402
 from host_hit import trace_all  # noqa: E402
 from prefill_profile import engine_and_prompts  # noqa: E402
-from serve import rand_prompts  # noqa: E402
+from serve import log_replays, rand_prompts, replay_log  # noqa: E402
 
 from k3.serve import SamplingParams  # noqa: E402
 from k3.serve import engine as engine_mod, request as request_mod, runner as runner_mod  # noqa: E402
@@ -37,7 +37,6 @@ from k3.serve import scheduler as scheduler_mod  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 NAMES = ("cold", "junction", "hit3", "hit4", "hit5", "hit6")
-replays: list = []  # (start event, end event, host time of the replay call) of this request's graph replays
 sampled: list = []  # (the sampled step's copy-done event, host time when `_finish` saw it done)
 # more of the engine's steps, timed like `host_hit.PHASES` (the hit's time outside those phases: ~0.4 ms on the
 # H200 host against ~0.05 ms on a CPU)
@@ -47,20 +46,9 @@ MORE = ((engine_mod.Engine, "step"), (engine_mod.Engine, "generate"), (runner_mo
 
 
 def event_replay():
-    """Wrap CUDAGraph.replay (CUDA events around each replay and the host time of the call) and `Engine._finish`
-    (the host time its wait for the sampled tokens returns: the event's synchronize)."""
-    fn = torch.cuda.CUDAGraph.replay
-
-    def wrapper(self, *a, **k):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t = time.perf_counter()
-        s.record()
-        try:
-            return fn(self, *a, **k)
-        finally:
-            e.record()
-            replays.append((s, e, t))
-    torch.cuda.CUDAGraph.replay = wrapper
+    """Wrap CUDAGraph.replay (`serve.log_replays`: CUDA events around each replay, the host times of the call) and
+    `Engine._finish` (the host time its wait for the sampled tokens returns: the event's synchronize)."""
+    log_replays()
     sample = engine_mod.Engine._sample
 
     class Stamped:
@@ -142,7 +130,7 @@ def main():
         prefix = rand_prompts(1, 16384, V, 8 + 100 * rep)[0]
         for name, tail in zip(NAMES, rand_prompts(len(NAMES), 64, V, 9 + 100 * rep)):
             times.clear()
-            replays.clear()
+            replay_log.clear()
             sampled.clear()
             prompt, out = prefix + tail, None  # built / freed outside the clock (`serve.timed_request`)
             torch.cuda.synchronize()
@@ -152,9 +140,9 @@ def main():
             torch.cuda.synchronize()
             res[name]["wall"].append((t_end - t) * 1e3)
             res[name]["cached"].append(out.num_cached_tokens)
-            res[name]["replay_gpu"].append(sum(s.elapsed_time(e) for s, e, _ in replays))
-            if replays and sampled:  # the last replay (the sampled step's) against the copy-done event
-                s, e, t_call = replays[-1]
+            res[name]["replay_gpu"].append(sum(s.elapsed_time(e) for _, _, s, e in replay_log))
+            if replay_log and sampled:  # the last replay (the sampled step's) against the copy-done event
+                t_call, _, s, e = replay_log[-1]
                 ev, t_wake = sampled[-1]
                 res[name]["host_to_replay_call"].append((t_call - t) * 1e3)  # host work before the graph
                 res[name]["gpu_replay_to_copied"].append(s.elapsed_time(ev))  # graph + sampling + copy

@@ -3,7 +3,7 @@ figures (a median of 3, each switch after the other) are the switches or the ord
 `serve.py` builds it; each round visits every combination in a rotated order, graphs captured afresh for each
 (`serve.with_settings`), and times `--reps` hits (`serve.py`'s pattern: cold, junction, then the timed third
 request on a fresh prefix): TTFT by CUDA events (`serve.timed_request`) and the GPU time of the hit's graph
-replays (`hit_pattern.event_replay`), the host time before the first replay call and inside the replay calls.
+replays, the host time before the first replay call and inside the replay calls (`serve.py --hit-detail`'s split).
 Medians per combination over every round.
 
     python benchmarks/probe/hit_switches.py [--rounds 3] [--reps 5] [--only-default] [--gc-freeze] [--trace] \
@@ -20,14 +20,13 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hit_pattern  # noqa: E402
+import serve  # noqa: E402
 from host_hit import stamped_request, timeline, trace_all  # noqa: E402
 from serve import build, rand_prompts, timed_request, with_settings  # noqa: E402
 
@@ -36,22 +35,6 @@ from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 # (module, flag): every combination of these is timed (`--flags module:name ...` names others)
 FLAGS = (("k3.ops.gemv", "WIDE_64"), ("k3.ops.mla_decode", "PAGE_TABLE"), ("k3.serve.runner", "HOST_TABLES"))
-
-
-launches: list = []  # (host time before, after) of each CUDAGraph.replay call
-
-
-def time_launches():
-    """Wrap CUDAGraph.replay (outside `hit_pattern.event_replay`'s wrapper): the host time of each call."""
-    fn = torch.cuda.CUDAGraph.replay
-
-    def wrapper(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(self, *a, **k)
-        finally:
-            launches.append((t, time.perf_counter()))
-    torch.cuda.CUDAGraph.replay = wrapper
 
 
 def third_requests(eng, V: int, reps: int, seed: int):
@@ -67,19 +50,11 @@ def third_requests(eng, V: int, reps: int, seed: int):
 
 
 def hits(eng, V: int, reps: int, seed: int) -> list[tuple[float, ...]]:
-    """(TTFT ms, GPU ms of its graph replays, host ms from the request to its first replay call, host ms in the
-    replay calls) of each of `third_requests`' hits."""
-    out = []
+    """(TTFT ms, host ms from the request to its first replay call, host ms in the replay calls, GPU ms of its graph
+    replays) of each of `third_requests`' hits (`serve.timed_request`'s split, `serve.log_replays` on)."""
     for prompt in third_requests(eng, V, reps, seed):
-        hit_pattern.replays.clear()
-        launches.clear()
-        t0 = time.perf_counter()
-        s, _ = timed_request(eng, prompt, ONE, True)
-        torch.cuda.synchronize()
-        gpu = sum(a.elapsed_time(b) for a, b, _ in hit_pattern.replays)
-        pre = 1e3 * (launches[0][0] - t0) if launches else float("nan")
-        out.append((1e3 * s, gpu, pre, 1e3 * sum(b - a for a, b in launches)))
-    return out
+        timed_request(eng, prompt, ONE, True, detail="hit")
+    return serve.hit_detail.pop("hit")
 
 
 def main():
@@ -108,8 +83,7 @@ def main():
     default = tuple(bool(getattr(m, n)) for m, n in mods)
     combos = [default] if a.only_default else list(itertools.product((False, True), repeat=len(flags)))
     hits(eng, V, 2, 7)  # warm-up: the hit's graphs and kernels
-    hit_pattern.event_replay()
-    time_launches()
+    serve.log_replays()
     res = {c: [] for c in combos}
     for r in range(a.rounds):
         order = combos[r % len(combos):] + combos[:r % len(combos)]
@@ -120,7 +94,7 @@ def main():
     rows = []
     print("  " + "  ".join(f"{n:>11}" for _, n in flags) + "   TTFT ms   GPU ms   pre ms  launch ms  (all TTFT)")
     for c in combos:
-        ttft, gpu, pre, launch = (list(x) for x in zip(*res[c]))
+        ttft, pre, launch, gpu = (list(x) for x in zip(*res[c]))
         med = [statistics.median(x) for x in (ttft, gpu, pre, launch)]
         rows.append(dict(flags=dict(zip((n for _, n in flags), c)), default=c == default,
                          ttft_ms=med[0], gpu_ms=med[1], pre_ms=med[2], launch_ms=med[3], all_ttft_ms=ttft,
