@@ -9,6 +9,7 @@ forward eagerly), perf_counter around each phase, median over the hits (ms).
     python benchmarks/host_hit.py --stub-forward --cprofile   # and the hits' Python by function (cProfile)
     python benchmarks/host_hit.py --stub-forward --trace      # the hits' median timeline of engine calls
     python benchmarks/host_hit.py --stub-forward --trace --cold 8192   # a cold prompt's instead (prefill)
+    python benchmarks/host_hit.py --stub-forward --array   # the prompts as int64 NumPy arrays instead of lists
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -142,6 +144,8 @@ def main():
                          "(on a CPU the graph's work runs eagerly and would hide the host's)")
     ap.add_argument("--cprofile", action="store_true", help="also profile the hits' Python by function")
     ap.add_argument("--trace", action="store_true", help="then the median timeline of engine calls")
+    ap.add_argument("--array", action="store_true",
+                    help="the timed prompts as int64 NumPy arrays (built before each call), not lists of ints")
     ap.add_argument("--cold", type=int, default=0, metavar="TOKENS",
                     help="with --trace: cold prompts of this many tokens (a prefill) instead of hits")
     a = ap.parse_args()
@@ -168,9 +172,11 @@ def main():
         timed(cls, name)
     per = collections.defaultdict(list)
     cached = []
+    form = (lambda p: np.asarray(p, dtype=np.int64)) if a.array else (lambda p: p)
     for tail in tails[3:]:
         times.clear()
-        cached.append(eng.generate([prefix + tail], one)[0].num_cached_tokens)
+        prompt = form(prefix + tail)
+        cached.append(eng.generate([prompt], one)[0].num_cached_tokens)
         for k, v in times.items():
             per[k].append(sum(v))
         per["outside the phases"].append(  # the call's host time in none of the timed phases
@@ -178,8 +184,9 @@ def main():
     if a.cprofile:
         prof = cProfile.Profile()
         for tail in tails[3:]:
+            prompt = form(prefix + tail)
             prof.enable()
-            eng.generate([prefix + tail], one)
+            eng.generate([prompt], one)
             prof.disable()
         print(cprofile_report(prof, len(tails) - 3))
     if a.trace:
@@ -193,6 +200,7 @@ def main():
                 eng.reset_prefix_cache()
             prompt = (torch.randint(0, V, (a.cold,), generator=torch.Generator().manual_seed(100 + i)).tolist()
                       if a.cold else prefix + tail)
+            prompt = form(prompt)
             runs.append(stamped_request(eng, prompt, one))
         print(timeline(runs, f"cold {a.cold}-token prompts" if a.cold else "hits"))
     res = {k: statistics.median(v) for k, v in per.items()}

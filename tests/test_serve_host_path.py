@@ -56,6 +56,47 @@ def test_submit_converts_and_rejects_ids_as_before():
         assert outcome(new) == want, make()
 
 
+def test_submit_takes_arrays_and_tensors_through_their_buffer():
+    """A prompt as a NumPy array, a torch tensor or an `array.array` of any integer type: the int64 array a list of
+    the same ids gives (`_checked_ids`), the same errors for empty or out-of-range ids, and a clear one for a float,
+    bool or 2-D input; and the engine's tokens for it equal the list's."""
+    eng = Engine(make_tiny(seed=1), EngineConfig(block_size=16, hash_block_size=4, num_pages=64))
+    V = eng.text_config.vocab_size
+    rng = random.Random(3)
+
+    def submitted(ids):
+        rid = eng.submit(ids, ONE)
+        seq = eng.requests.pop(rid)
+        eng._inbox.remove(seq)
+        return seq.prompt_ids.tolist()
+
+    for _ in range(40):
+        p = [rng.randrange(V) for _ in range(rng.randrange(1, 50))]
+        forms = [np.array(p), np.array(p, dtype=np.int32), np.array(p, dtype=np.uint32), torch.tensor(p),
+                 torch.tensor(p, dtype=torch.int32), array("q", p), array("l", p), array("I", p),
+                 np.repeat(np.array(p), 2)[::2]]  # a strided view
+        if rng.random() < 0.5:  # one id out of range, negative or ≥ V
+            j, bad = rng.randrange(len(p)), rng.choice([-1, -7, V, V + 3])
+            p[j] = bad
+            forms = [np.array(p), torch.tensor(p), array("q", p)]
+        want = outcome(lambda: _checked_ids(p, V).tolist())
+        for f in forms:
+            assert outcome(lambda: submitted(f)) == want, (type(f), want)
+    for f, msg in [(np.array([], dtype=np.int64), "empty"), (torch.tensor([], dtype=torch.long), "empty"),
+                   (np.array([1.0, 2.0]), "integers, got dtype float64"), (torch.tensor([1.5]), "integers, got a"),
+                   (torch.tensor([True]), "integers, got a torch.bool"), (np.array([True]), "integers, got dtype bool"),
+                   (array("d", [1.0]), "typecode 'd'"),
+                   (np.zeros((2, 3), dtype=np.int64), "one sequence \\(1-D\\), got shape \\(2, 3\\)"),
+                   (torch.zeros(1, 4, dtype=torch.long), "got shape \\(1, 4\\)"),
+                   (np.array([2 ** 63], dtype=np.uint64), f"\\[0, {V}\\), got \\[9223372036854775808\\]")]:
+        with pytest.raises(ValueError, match=msg):
+            eng.submit(f, ONE)
+    prompt = [rng.randrange(V) for _ in range(30)]
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    a, b = eng.generate([prompt], sp)[0], eng.generate([np.array(prompt, dtype=np.int32)], sp)[0]
+    assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids == prompt
+
+
 @pytest.mark.parametrize("max_bytes", [64 << 20, 8 * 40], ids=["by-count", "by-bytes"])
 def test_recent_prompts_give_the_keys_of_hashing_every_block(max_bytes):
     """Reused keys equal hashing every block, with entries evicted by count (3) or by bytes (40 tokens: a

@@ -141,6 +141,40 @@ def _valid_ids(ids, vocab_size: int) -> array | None:
     return q
 
 
+_INT_TYPECODES = frozenset("bBhHiIlLqQ")
+
+
+def _buffer_ids(ids, vocab_size: int) -> array | None:
+    """A 1-D integer NumPy array, torch tensor or `array.array` of ids as `submit`'s int64 array, converted through
+    its buffer: no Python int per id (16K ids in ≈ 10 µs, against ≈ 100 µs from a list: a caller holding a
+    prompt as an array skips that on a prefix hit's critical path). None for other types (lists take `_valid_ids`);
+    ValueError naming what is wrong, with `_checked_ids`' messages for the same faults."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"prompt token ids must be integers, got a {ids.dtype} tensor")
+        x = ids.detach().cpu().numpy()
+    elif isinstance(ids, np.ndarray):
+        x = ids
+    elif isinstance(ids, array):
+        if ids.typecode not in _INT_TYPECODES:
+            raise ValueError(f"prompt token ids must be integers, got an array of typecode {ids.typecode!r}")
+        x = np.frombuffer(ids, dtype=np.dtype(ids.typecode))
+    else:
+        return None
+    if x.ndim != 1:
+        raise ValueError(f"prompt token ids must be one sequence (1-D), got shape {tuple(x.shape)}")
+    if x.dtype.kind not in "iu":
+        raise ValueError(f"prompt token ids must be integers, got dtype {x.dtype}")
+    if not x.size:
+        raise ValueError("prompt_token_ids is empty; need at least one token")
+    if x.min() < 0 or x.max() >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
+                         f"{x[(x < 0) | (x >= vocab_size)][:5].tolist()}")
+    out = array("q")
+    out.frombytes(memoryview(np.ascontiguousarray(x, dtype=np.int64)).cast("B"))
+    return out
+
+
 def _checked_ids(ids, vocab_size: int) -> array:
     """Any iterable of integers in [0, vocab_size) as an int64 array, else ValueError naming what is wrong: the
     general path of `Engine.submit` (and the oracle of `_valid_ids`)."""
@@ -226,16 +260,20 @@ class Engine:
         return cls(model.eval(), config)
 
     # ---- requests --------------------------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-               request_id: str | None = None, group: str | None = None) -> str:
-        """Queue a request; returns its id. `group` (e.g. the server request a choice belongs to) makes
-        admission round-robin between groups, so one large request cannot starve the others."""
+    def submit(self, prompt_token_ids: "list[int] | np.ndarray | torch.Tensor | array",
+               params: SamplingParams | None = None, request_id: str | None = None, group: str | None = None) -> str:
+        """Queue a request; returns its id. The prompt: a list or tuple of ints, or a 1-D integer NumPy array,
+        torch tensor or `array.array` (read through its buffer: no per-id conversion). `group` (e.g. the server
+        request a choice belongs to) makes admission round-robin between groups, so one large request cannot
+        starve the others."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         V = self.text_config.vocab_size
         ids = _valid_ids(prompt_token_ids, V)
-        if ids is None:  # not a list / tuple of valid ids: the general path converts it or says what is wrong
+        if ids is None:  # an array or tensor through its buffer; else the general path converts it or says why not
+            ids = _buffer_ids(prompt_token_ids, V)
+        if ids is None:
             ids = _checked_ids(prompt_token_ids, V)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
