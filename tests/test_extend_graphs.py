@@ -349,6 +349,52 @@ def test_extend_graph_runs_the_admission_copies(one_thread, device, monkeypatch)
     assert_same_outputs(runs, tol=0.0)
 
 
+def test_deferred_copies_under_preemption_and_pauses(one_thread, monkeypatch):
+    """The deferred copies against the same load with every copy run at once: requests on two shared prefixes
+    with short tails, in a pool small enough to preempt, seeded sampling (a different token anywhere shows), two
+    requests paused and resumed mid-way while the others take their pages. The same tokens and log-probs, bitwise;
+    the graphs took copies and the pool preempted."""
+    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve import pool as pool_mod
+
+    model = make_tiny(seed=18)
+    rng = random.Random(18)
+    bases = [[rng.randrange(4000) for _ in range(rng.randrange(40, 70))] for _ in range(2)]
+    ps = [rng.choice(bases) + [rng.randrange(4000) for _ in range(rng.randrange(1, 9))] for _ in range(10)]
+    sp = [SamplingParams(max_tokens=rng.randrange(20, 60), temperature=1.0, seed=i, logprobs=True, ignore_eos=True)
+          for i in range(len(ps))]
+    taken = []
+    take = pool_mod.PagePool.take_deferred
+    monkeypatch.setattr(pool_mod.PagePool, "take_deferred", lambda self, m: taken.append(take(self, m)) or taken[-1])
+    runs = []
+    for copies in (False, True):
+        monkeypatch.setattr("k3.serve.runner.GRAPH_COPIES", copies)
+        taken.clear()
+        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=8, num_pages=14, max_num_batched_tokens=48,
+                                         max_num_seqs=6))
+        assert eng.runner.enable_graphs()
+        first = eng.generate(ps[:1], sp[0])  # the first prefix cached
+        rids = [eng.submit(p, s) for p, s in zip(ps[1:], sp[1:])]
+        done = {}
+        for step in itertools.count():
+            if step == 5:
+                paused = [eng.pause(r) for r in rids[:2]]
+            if step == 9:
+                for p in paused:
+                    eng.resume(p)
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            if step > 9 and not eng.has_unfinished():
+                break
+        outs = first + [done[r] for r in rids]
+        assert eng.stats()["preemptions"] > 0 and eng.stats()["num_paused"] == 2
+        assert any(taken) == copies
+        eng.check_pool()
+        runs.append([(o.token_ids, o.logprobs) for o in outs])
+    assert runs[0] == runs[1]
+
+
 def assert_same_outputs(runs, tol: float = 1e-4) -> None:
     """Two engines' (outputs, engine) on the same requests: the same tokens, recorded logits within `tol`."""
     (a, ea), (b, eb) = runs
