@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from k3.ops.page_ops import apply_page_ops, page_ops_reference, table_words, triton_available
+from k3.ops.page_ops import apply_page_ops, page_ops_reference, table_of, table_words, triton_available
 
 
 def _segments(rng: random.Random, size: int, k: int) -> list[tuple[int, int, int]]:
@@ -21,9 +21,7 @@ def _segments(rng: random.Random, size: int, k: int) -> list[tuple[int, int, int
 
 def _table(segs, room: int, device="cpu") -> torch.Tensor:
     t = torch.zeros(table_words(room), dtype=torch.long)
-    t[0] = len(segs)
-    if segs:
-        t[1:1 + 3 * len(segs)] = torch.tensor([x for s in segs for x in s])
+    t[:1 + 3 * len(segs)] = torch.tensor(table_of(segs))
     return t.to(device)
 
 

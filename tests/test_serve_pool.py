@@ -109,7 +109,7 @@ def test_deferred_copies_equal_the_eager_ones(pool, seed):
     writes it) `take_deferred` runs them itself in order and returns none. Fresh random bytes on every page."""
     import random
 
-    from k3.ops.page_ops import apply_page_ops, table_words
+    from k3.ops.page_ops import apply_page_ops, table_of, table_words
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=g, dtype=torch.uint8))
@@ -127,7 +127,7 @@ def test_deferred_copies_equal_the_eager_ones(pool, seed):
     assert bool(segs) == independent
     if segs:
         assert torch.equal(pool.storage, start)
-        table = torch.tensor([len(segs), *(x for s in segs for x in s)] + [0] * 3)
+        table = torch.tensor(table_of(segs) + [0] * 3)
         assert table.numel() == table_words(len(segs) + 1)
         apply_page_ops(pool.words, table)
     assert torch.equal(pool.storage, want)

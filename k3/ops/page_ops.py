@@ -22,6 +22,11 @@ def table_words(segments: int) -> int:
     return 1 + 3 * segments
 
 
+def table_of(segments) -> list[int]:
+    """The table's words for `segments` ((src, dst, n) each), without spare room: [count, src, dst, n, ...]."""
+    return [len(segments), *(x for seg in segments for x in seg)]
+
+
 def page_ops_reference(words: torch.Tensor, table: torch.Tensor) -> None:
     """The table's segments in order, by PyTorch slicing (reads the table on the host)."""
     t = table.tolist()

@@ -165,11 +165,7 @@ def _buffer_ids(ids, vocab_size: int) -> array | None:
         raise ValueError(f"prompt token ids must be one sequence (1-D), got shape {tuple(x.shape)}")
     if x.dtype.kind not in "iu":
         raise ValueError(f"prompt token ids must be integers, got dtype {x.dtype}")
-    if not x.size:
-        raise ValueError("prompt_token_ids is empty; need at least one token")
-    if x.min() < 0 or x.max() >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
-                         f"{x[(x < 0) | (x >= vocab_size)][:5].tolist()}")
+    _check_in_vocab(x, vocab_size)
     out = array("q")
     out.frombytes(memoryview(np.ascontiguousarray(x, dtype=np.int64)).cast("B"))
     return out
@@ -182,13 +178,17 @@ def _checked_ids(ids, vocab_size: int) -> array:
         a = array("q", ids)
     except (TypeError, OverflowError) as e:
         raise ValueError(f"prompt token ids must be integers: {e}") from None
-    if not a:
+    _check_in_vocab(np.frombuffer(a, dtype=np.int64), vocab_size)
+    return a
+
+
+def _check_in_vocab(x: np.ndarray, vocab_size: int) -> None:
+    """ValueError unless the integer ids x are non-empty and all in [0, vocab_size), naming the first bad ones."""
+    if not x.size:
         raise ValueError("prompt_token_ids is empty; need at least one token")
-    x = np.frombuffer(a, dtype=np.int64)
     if x.min() < 0 or x.max() >= vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
                          f"{x[(x < 0) | (x >= vocab_size)][:5].tolist()}")
-    return a
 
 
 @functools.cache

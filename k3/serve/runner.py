@@ -36,7 +36,7 @@ from ..ops.attn_res import static_tables
 from ..ops.conv import CONV_TILE
 from ..ops.kda import STATES_AT_MULTIPLE
 from ..ops.moe import grouped_mm_available
-from ..ops.page_ops import apply_page_ops, table_words, triton_available as page_ops_triton
+from ..ops.page_ops import apply_page_ops, table_of, table_words, triton_available as page_ops_triton
 from .pool import PagePool, PoolExhausted
 
 # whether the extend and prefill graphs take their run tables (and a prefill's checkpoint table and conv tiles) from
@@ -125,16 +125,14 @@ class _Graph:
     def __call__(self, seqs: list[SeqInput], scratch: tuple[int, int], segs=()) -> torch.Tensor:
         if self.graph is not None:
             self.copied.synchronize()  # the previous step's copy out of the pinned buffer has finished
+        table = table_of(segs) if segs else None  # the pool copies this step asked for (`PagePool.take_deferred`)
         try:
             self.fill(seqs, scratch)
-            if segs:  # the pool copies this step's admissions asked for (`PagePool.take_deferred`)
-                t = self.host_f["copies"]
-                t[0] = len(segs)
-                t[1:1 + 3 * len(segs)] = [x for seg in segs for x in seg]
+            if table:
+                self.host_f["copies"][:len(table)] = table
         except BaseException:  # the copies must still run before anything reads the pool: the forward did not
-            if segs:
-                table = torch.tensor([len(segs), *(x for seg in segs for x in seg)])
-                apply_page_ops(self.runner.pool.words, table.to(self.runner.device))
+            if table:
+                apply_page_ops(self.runner.pool.words, torch.tensor(table).to(self.runner.device))
             raise
         self.buf.copy_(self.host, non_blocking=self.graph is not None)
         if self.graph is None:
