@@ -1,0 +1,323 @@
+"""Would a persistent decode kernel pay? A batch-1 decode step's dense projections as a chain of one-row GEMVs
+(k3-small's shapes in order, 16 layers with their own weights: ≈ 620 MB, far more than L2), four ways:
+
+  graph         the production GEMV (`k3.ops.gemv.triton.gemv`, PDL) one kernel per GEMV, in a CUDA graph;
+  graph+pf{A}   the same, plus an L2 prefetch of GEMV i+A's weights on a side stream of the graph, launched when
+                GEMV i−1 has finished (graph edges, no polling): weights stream from HBM while the chain runs;
+  persist       ONE kernel of G programs (one per SM): each GEMV's row tiles are shared out, a grid-wide barrier
+                (an atomic counter) separates consecutive GEMVs;
+  persist+pf{A} the same, each program prefetching into L2 the tiles it will own A GEMVs later before it waits
+                at the barrier (Hopper's `cp.async.bulk.prefetch.L2`: one instruction per contiguous tile).
+
+Every mode's output is checked against an fp32 PyTorch chain (relative RMS error); prints µs per step, µs per
+GEMV and the HBM rate, against the bytes' time at 4.3 TB/s. The chain: y_i = W_i x_i, x_{i+1} = y_i[:K_{i+1}].
+
+    python benchmarks/probe/persistent_chain.py --out persistent_chain.json
+    TRITON_INTERPRET=1 python benchmarks/probe/persistent_chain.py --check   # CPU: the kernels' math, one program
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+# one KDA + MoE layer of k3-small in decode order ([N, K]): the six projections (q‖k‖v‖f_a‖b‖g padded to 64),
+# f_b, o_proj (norm + gate prologue in production), the MoE's joined input (latent down ‖ shared gate ‖ up ‖
+# router), the shared experts' down and the latent up projection
+LAYER = ((6336, 1536), (1536, 128), (1536, 1536), (2848, 1536), (1536, 1024), (1536, 768))
+HBM = 4.3e12  # bytes/s: the H200's bandwidth as `benchmarks/serve.py` counts it
+
+
+@triton.jit
+def _grid_barrier(cnt_ptr, target):
+    """Every program arrives (release: its stores before it are visible), then waits until `target` arrivals."""
+    tl.debug_barrier()  # this program's threads have issued their stores
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while v < target:
+        v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Thread 0 asks the TMA unit to bring `nbytes` (a multiple of 16, 16-byte aligned) at ptr into L2."""
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _tile(w_ptr, x_ptr, y_ptr, rows, N, K, BN: tl.constexpr, CH: tl.constexpr):
+    """y[rows] = W[rows, :K] · x[:K] for one tile of BN rows, fp32 sums, bf16 out (x read past L1: other programs
+    wrote it)."""
+    rm = rows < N
+    acc = tl.zeros([BN], tl.float32)
+    for c0 in range(0, K, CH):
+        cols = c0 + tl.arange(0, CH)
+        cm = cols < K
+        x = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rm[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit
+def persistent_chain_kernel(w_ptr, act_ptr, tab_ptr, cnt_ptr, L, G, BN: tl.constexpr, CH: tl.constexpr,
+                            AHEAD: tl.constexpr):
+    """Program p of G: for GEMV i = 0..L-1 (table row i: weight offset, N, K, input offset, output offset, all in
+    elements), tiles p, p+G, … of BN rows; a grid barrier between GEMVs. AHEAD > 0: before each barrier, prefetch
+    into L2 the program's tiles of GEMV i+AHEAD (and at the start those of GEMVs 0..AHEAD-1). The last program to
+    finish resets the two counters (cnt[0]: barrier arrivals, cnt[1]: finished programs) for the next launch."""
+    p = tl.program_id(0)
+    if AHEAD > 0:
+        for j in range(0, AHEAD):
+            _prefetch_tiles(w_ptr, tab_ptr, j, p, G, L, BN)
+    for i in range(0, L):
+        wo = tl.load(tab_ptr + 5 * i)
+        N = tl.load(tab_ptr + 5 * i + 1)
+        K = tl.load(tab_ptr + 5 * i + 2)
+        xo = tl.load(tab_ptr + 5 * i + 3)
+        yo = tl.load(tab_ptr + 5 * i + 4)
+        for t in range(p, tl.cdiv(N, BN), G):
+            _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH)
+        if AHEAD > 0:
+            _prefetch_tiles(w_ptr, tab_ptr, i + AHEAD, p, G, L, BN)
+        if i + 1 < L:
+            _grid_barrier(cnt_ptr, G * (i + 1))
+    done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == G - 1:
+        tl.atomic_xchg(cnt_ptr, 0)
+        tl.atomic_xchg(cnt_ptr + 1, 0)
+
+
+@triton.jit
+def _prefetch_tiles(w_ptr, tab_ptr, i, p, G, L, BN: tl.constexpr):
+    if i < L:
+        wo = tl.load(tab_ptr + 5 * i)
+        N = tl.load(tab_ptr + 5 * i + 1)
+        K = tl.load(tab_ptr + 5 * i + 2)
+        for t in range(p, tl.cdiv(N, BN), G):
+            n = tl.minimum(BN, N - t * BN)
+            _prefetch_l2(w_ptr + wo + t.to(tl.int64) * BN * K, (n * K * 2).to(tl.int32))
+
+
+@triton.jit
+def prefetch_kernel(w_ptr, nbytes, SPAN: tl.constexpr):
+    """Program q: prefetch bytes [q·SPAN, (q+1)·SPAN) of one weight (bf16) into L2."""
+    q = tl.program_id(0)
+    n = tl.minimum(SPAN, nbytes - q * SPAN)
+    _prefetch_l2(w_ptr + q.to(tl.int64) * (SPAN // 2), n.to(tl.int32))
+
+
+def build(layers: int, device, seed: int = 0, layer=None):
+    """`layers` copies of `layer`'s shapes (default `LAYER`) as flat bf16 weights (each GEMV's [N, K] block at a
+    16-byte aligned offset), the activation buffer (the input at 0, output i at its own offset), the int64 table;
+    also the shapes, the weights' offsets and the activation rows' width."""
+    g = torch.Generator().manual_seed(seed)
+    sh = [s for _ in range(layers) for s in (layer or LAYER)]
+    offs, o = [], 0
+    for n, k in sh:
+        offs.append(o)
+        o += -(-n * k // 8) * 8
+    w = torch.empty(o, dtype=torch.bfloat16)
+    for (n, k), off in zip(sh, offs):
+        w[off:off + n * k] = (torch.randn(n, k, generator=g) / k ** 0.5).flatten().to(torch.bfloat16)
+    width = max(n for n, _ in sh)
+    act = torch.zeros((len(sh) + 1) * width, dtype=torch.bfloat16)
+    x0 = torch.randn(sh[0][1], generator=g).to(torch.bfloat16)
+    act[:x0.numel()] = x0
+    tab = torch.tensor([[off, n, k, i * width, (i + 1) * width] for i, ((n, k), off) in enumerate(zip(sh, offs))],
+                       dtype=torch.int64)
+    return w.to(device), act.to(device), tab.flatten().to(device), sh, offs, width
+
+
+def reference(w, act, sh, offs, width) -> torch.Tensor:
+    """The chain in fp32 from the bf16 weights, each output rounded to bf16 as the kernels store it."""
+    x = act[:sh[0][1]].float()
+    for (n, k), off in zip(sh, offs):
+        y = (w[off:off + n * k].float().view(n, k) @ x[:k]).to(torch.bfloat16).float()
+        x = y
+    return x
+
+
+def step_error(ws: list[torch.Tensor], ys: list[torch.Tensor], x0: torch.Tensor) -> float:
+    """The largest relative RMS error of one GEMV (outputs ys) against the fp32 product of its own bf16 input:
+    bf16 rounding alone is ≈ 3e-3; a wrong tile, mask, barrier or prefetch gives O(1)."""
+    errs, x = [], x0
+    for wt, y in zip(ws, ys):
+        errs.append(rel_rms(y, wt.float() @ x[:wt.shape[1]].float()))
+        x = y
+    return max(errs)
+
+
+def persistent_outputs(act, sh, width) -> list[torch.Tensor]:
+    return [act[(i + 1) * width:(i + 1) * width + n] for i, (n, _) in enumerate(sh)]
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+
+
+def run_persistent(w, act, tab, cnt, L, G, BN, CH, ahead, warps=4):
+    persistent_chain_kernel[(G,)](w, act, tab, cnt, L, G, BN=BN, CH=CH, AHEAD=ahead, num_warps=warps)
+
+
+def run_graph_chain(ws, x0, ahead: int, side: torch.cuda.Stream | None):
+    """Production GEMVs, one per weight → their outputs; with ahead > 0 the side stream prefetches weight i+ahead
+    once GEMV i−1 is done (recorded events become graph edges)."""
+    from k3.ops.gemv.triton import gemv
+    main = torch.cuda.current_stream()
+    if ahead:
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for j in range(min(ahead, len(ws))):
+                _prefetch_weight(ws[j])
+    x, ys = x0, []
+    for i, wt in enumerate(ws):
+        if ahead and i + ahead < len(ws):
+            ev = torch.cuda.Event()
+            ev.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(ev)
+                _prefetch_weight(ws[i + ahead])
+        x = gemv(x[:wt.shape[1]].view(1, -1), wt).view(-1)
+        ys.append(x)
+    if ahead:
+        main.wait_stream(side)
+    return ys
+
+
+def _prefetch_weight(wt: torch.Tensor, span: int = 64 << 10):
+    nbytes = wt.numel() * 2
+    prefetch_kernel[(triton.cdiv(nbytes, span),)](wt, nbytes, SPAN=span, num_warps=1)
+
+
+def time_graph(fn, reps: int) -> float:
+    """Median µs of a CUDA graph of fn over `reps` replays (CUDA events around each)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(times)
+
+
+def check_cpu() -> int:
+    """Triton's interpreter (one program: the barrier never waits): the persistent chain against PyTorch."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("--check runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    small = ((96, 64), (64, 16), (48, 64), (80, 48), (40, 80), (64, 40))  # the same chaining pattern
+    w, act, tab, sh, offs, width = build(2, "cpu", seed=1, layer=small)
+    ref = reference(w, act, sh, offs, width)
+    cnt = torch.zeros(2, dtype=torch.int32)
+    run_persistent(w, act, tab, cnt, len(sh), 1, 16, 32, 0)
+    ys = persistent_outputs(act, sh, width)
+    ws = [w[o:o + n * k].view(n, k) for (n, k), o in zip(sh, offs)]
+    err, step = rel_rms(ys[-1], ref), step_error(ws, ys, act[:sh[0][1]])
+    print(f"persistent chain, one program, {len(sh)} GEMVs: worst GEMV rel. RMS error {step:.1e} (bf16 rounding "
+          f"≈ 3e-3), the chain's end against PyTorch's {err:.1e}; counters {cnt.tolist()} (reset: [0, 0])")
+    return 0 if step < 6e-3 and err < 0.1 and cnt.tolist() == [0, 0] else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--bn", type=int, nargs="+", default=[16, 32], help="rows per tile of the persistent kernel")
+    ap.add_argument("--ch", type=int, default=256, help="columns per chunk of the persistent kernel")
+    ap.add_argument("--ahead", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="persistent programs per SM")
+    ap.add_argument("--out", default="persistent_chain.json")
+    ap.add_argument("--check", action="store_true", help="CPU: the persistent kernel's math in the interpreter")
+    a = ap.parse_args()
+    if a.check:
+        return check_cpu()
+    dev = torch.device("cuda")
+    w, act, tab, sh, offs, width = build(a.layers, dev)
+    ref = reference(w, act, sh, offs, width)
+    nbytes = sum(n * k * 2 for n, k in sh)
+    floor = nbytes / HBM * 1e6
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    res = dict(device=torch.cuda.get_device_name(), gemvs=len(sh), weight_bytes=nbytes, hbm_floor_us=floor,
+               sms=sms, rows={})
+    print(f"{len(sh)} GEMVs, {nbytes / 1e6:.0f} MB of weights: {floor:.1f} µs at 4.3 TB/s; {sms} SMs", flush=True)
+
+    def report(name, fn, outs):
+        try:
+            act[width:].zero_()
+            t = time_graph(fn, a.reps)
+            ys = outs()
+            err = rel_rms(ys[-1], ref)  # the chain's end: rounding differences grow along it (≈ 3e-2 over 12)
+            step = step_error(ws, ys, x0)
+            row = dict(us=t, us_per_gemv=t / len(sh), tb_s=nbytes / t / 1e6, of_floor=floor / t, end_rel_rms=err,
+                       worst_gemv_rel_rms=step, ok=bool(step < 6e-3))
+            print(f"{name:24s} {t:8.1f} µs  {t / len(sh):5.2f} µs/GEMV  {nbytes / t / 1e6:5.2f} TB/s  "
+                  f"{100 * floor / t:5.1f} % of HBM  end err {err:.1e}  GEMV err {step:.1e}"
+                  f"{'' if row['ok'] else '  WRONG'}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row = dict(error=repr(e)[:600])
+            print(f"{name:24s} failed: {e!r}"[:600], flush=True)
+        res["rows"][name] = row
+
+    ws = [w[o:o + n * k].view(n, k) for (n, k), o in zip(sh, offs)]
+    x0 = act[:sh[0][1]].clone()
+    side = torch.cuda.Stream()
+    last = {}
+    for ahead in [0] + a.ahead:
+        def fn(ahead=ahead):
+            last["ys"] = run_graph_chain(ws, x0, ahead, side)
+        report("graph" if not ahead else f"graph+pf{ahead}", fn, lambda: last["ys"])
+    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    out = lambda: persistent_outputs(act, sh, width)  # noqa: E731
+    for per_sm in a.per_sm:
+        for bn in a.bn:
+            for ahead in [0] + a.ahead:
+                G = sms * per_sm
+                name = f"persist G{G} BN{bn}" + (f"+pf{ahead}" if ahead else "")
+                cnt.zero_()  # in case a run before failed half-way (each launch leaves them at 0 itself)
+                report(name, lambda G=G, bn=bn, ahead=ahead: run_persistent(w, act, tab, cnt, len(sh), G, bn, a.ch,
+                                                                            ahead), out)
+    # the barrier alone: as many GEMVs of one 16 x 16 tile each (one program works, all wait)
+    bw, bact, btab, bsh, _, _ = build(a.layers, dev, layer=((16, 16),) * len(LAYER))
+    for per_sm in a.per_sm:
+        G = sms * per_sm
+        cnt.zero_()
+        try:
+            t = time_graph(lambda G=G: run_persistent(bw, bact, btab, cnt, len(bsh), G, 16, 16, 0), a.reps)
+            res["rows"][f"barrier G{G}"] = dict(us=t, us_per_barrier=t / (len(bsh) - 1))
+            name = f"barrier G{G}"
+            print(f"{name:24s} {t:8.1f} µs  {t / (len(bsh) - 1):5.2f} µs per grid barrier", flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["rows"][f"barrier G{G}"] = dict(error=repr(e)[:600])
+            print(f"barrier G{G} failed: {e!r}"[:600], flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
