@@ -17,6 +17,8 @@
 #       benchmarks/probe/hit_switches.py (a 16K hit under every combination of its switches, interleaved; HS=1);
 #       benchmarks/probe/moe_fused.py (the one-kernel routed experts experiment; MF=1);
 #       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
+#       benchmarks/probe/persistent_chain.py (96 decode GEMVs: graph kernels, an L2 prefetch side stream, one
+#       persistent kernel with grid barriers; PC=1, PC_ARGS for its options);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -101,6 +103,11 @@ if [ "${KS:-0}" = 1 ]; then  # short extend steps' KDA and conv launch settings;
   timeout ${KS_S:-240} python3 benchmarks/probe/kda_small.py --out "$OUT/kda_small.json" > "$OUT/kda_small.log" 2>&1 \
     || echo "kda small exit $?" >> "$OUT/kda_small.log"
   tail -10 "$OUT/kda_small.log"
+fi
+if [ "${PC:-0}" = 1 ]; then  # would a persistent decode kernel or an L2 prefetch stream pay? (a GEMV chain)
+  timeout ${PC_S:-150} python3 benchmarks/probe/persistent_chain.py ${PC_ARGS:-} --out "$OUT/persistent_chain.json" \
+    > "$OUT/persistent_chain.log" 2>&1 || echo "persistent chain exit $?" >> "$OUT/persistent_chain.log"
+  grep -v -i warn "$OUT/persistent_chain.log" | tail -40
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \

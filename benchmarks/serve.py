@@ -170,6 +170,8 @@ SWITCHES = {
                             "MLA splits combined by PyTorch ops"),
     "mla_page_table_step_ms": ("k3.ops.mla_decode", "PAGE_TABLE", "MLA reading each row's page table",
                                "MLA pages per position"),
+    "l2_prefetch_step_ms": ("k3.ops.l2_prefetch", "ON", "each projection's weight prefetched into L2 a projection "
+                            "ahead", "no L2 prefetch"),
 }
 
 
@@ -195,6 +197,8 @@ HIT_SWITCHES = {
                                "MLA pages per position"),
     "graph_copies_seconds": ("k3.serve.runner", "GRAPH_COPIES", "its admission copies in the graph",
                              "its admission copies as host calls before the graph"),
+    "l2_prefetch_seconds": ("k3.ops.l2_prefetch", "ON", "its projections' weights prefetched into L2 one ahead",
+                            "no L2 prefetch"),
 }
 
 
