@@ -19,6 +19,7 @@
 #       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
 #       benchmarks/probe/persistent_chain.py (96 decode GEMVs: graph kernels, an L2 prefetch side stream, one
 #       persistent kernel with grid barriers; PC=1, PC_ARGS for its options);
+#       benchmarks/probe/graph_branches.py (independent GEMVs of a layer side by side in the graph; GB=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -108,6 +109,11 @@ if [ "${PC:-0}" = 1 ]; then  # would a persistent decode kernel or an L2 prefetc
   timeout ${PC_S:-150} python3 benchmarks/probe/persistent_chain.py ${PC_ARGS:-} --out "$OUT/persistent_chain.json" \
     > "$OUT/persistent_chain.log" 2>&1 || echo "persistent chain exit $?" >> "$OUT/persistent_chain.log"
   grep -v -i warn "$OUT/persistent_chain.log" | tail -40
+fi
+if [ "${GB:-0}" = 1 ]; then  # independent kernels of a layer on two streams of the graph against one after another
+  timeout ${GB_S:-90} python3 benchmarks/probe/graph_branches.py --out "$OUT/graph_branches.json" \
+    > "$OUT/graph_branches.log" 2>&1 || echo "graph branches exit $?" >> "$OUT/graph_branches.log"
+  grep -v -i warn "$OUT/graph_branches.log" | tail -4
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \
