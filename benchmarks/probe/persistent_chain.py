@@ -3,7 +3,8 @@
 
   graph         the production GEMV (`k3.ops.gemv.triton.gemv`, PDL) one kernel per GEMV, in a CUDA graph;
   graph+pf{A}   the same, plus an L2 prefetch of GEMV i+A's weights on a side stream of the graph, launched when
-                GEMV i−1 has finished (graph edges, no polling): weights stream from HBM while the chain runs;
+                GEMV i−1 has finished (graph edges, no polling): weights stream from HBM while the chain runs
+                (`k3.ops.l2_prefetch.l2_prefetch`, what the engine's K3_L2_PREFETCH graphs hold);
   persist       ONE kernel of G programs (one per SM): each GEMV's row tiles are shared out, a grid-wide barrier
                 (an atomic counter) separates consecutive GEMVs;
   persist+pf{A} the same, each program prefetching into L2 the tiles it will own A GEMVs later before it waits
@@ -27,31 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._triton_jit import grid_barrier, grid_done, prefetch_l2
+
 # one KDA + MoE layer of k3-small in decode order ([N, K]): the six projections (q‖k‖v‖f_a‖b‖g padded to 64),
 # f_b, o_proj (norm + gate prologue in production), the MoE's joined input (latent down ‖ shared gate ‖ up ‖
 # router), the shared experts' down and the latent up projection
 LAYER = ((6336, 1536), (1536, 128), (1536, 1536), (2848, 1536), (1536, 1024), (1536, 768))
 HBM = 4.3e12  # bytes/s: the H200's bandwidth as `benchmarks/serve.py` counts it
-
-
-@triton.jit
-def _grid_barrier(cnt_ptr, target):
-    """Every program arrives (release: its stores before it are visible), then waits until `target` arrivals."""
-    tl.debug_barrier()  # this program's threads have issued their stores
-    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    while v < target:
-        v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Thread 0 asks the TMA unit to bring `nbytes` (a multiple of 16, 16-byte aligned) at ptr into L2."""
-    tl.inline_asm_elementwise(
-        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -92,11 +75,8 @@ def persistent_chain_kernel(w_ptr, act_ptr, tab_ptr, cnt_ptr, L, G, BN: tl.const
         if AHEAD > 0:
             _prefetch_tiles(w_ptr, tab_ptr, i + AHEAD, p, G, L, BN)
         if i + 1 < L:
-            _grid_barrier(cnt_ptr, G * (i + 1))
-    done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if done == G - 1:
-        tl.atomic_xchg(cnt_ptr, 0)
-        tl.atomic_xchg(cnt_ptr + 1, 0)
+            grid_barrier(cnt_ptr, G * (i + 1))
+    grid_done(cnt_ptr, G)
 
 
 @triton.jit
@@ -107,15 +87,7 @@ def _prefetch_tiles(w_ptr, tab_ptr, i, p, G, L, BN: tl.constexpr):
         K = tl.load(tab_ptr + 5 * i + 2)
         for t in range(p, tl.cdiv(N, BN), G):
             n = tl.minimum(BN, N - t * BN)
-            _prefetch_l2(w_ptr + wo + t.to(tl.int64) * BN * K, (n * K * 2).to(tl.int32))
-
-
-@triton.jit
-def prefetch_kernel(w_ptr, nbytes, SPAN: tl.constexpr):
-    """Program q: prefetch bytes [q·SPAN, (q+1)·SPAN) of one weight (bf16) into L2."""
-    q = tl.program_id(0)
-    n = tl.minimum(SPAN, nbytes - q * SPAN)
-    _prefetch_l2(w_ptr + q.to(tl.int64) * (SPAN // 2), n.to(tl.int32))
+            prefetch_l2(w_ptr + wo + t.to(tl.int64) * BN * K, (n * K * 2).to(tl.int32))
 
 
 def build(layers: int, device, seed: int = 0, layer=None):
@@ -197,9 +169,9 @@ def run_graph_chain(ws, x0, ahead: int, side: torch.cuda.Stream | None):
     return ys
 
 
-def _prefetch_weight(wt: torch.Tensor, span: int = 64 << 10):
-    nbytes = wt.numel() * 2
-    prefetch_kernel[(triton.cdiv(nbytes, span),)](wt, nbytes, SPAN=span, num_warps=1)
+def _prefetch_weight(wt: torch.Tensor):
+    from k3.ops.l2_prefetch import l2_prefetch  # the engine's prefetch (K3_L2_PREFETCH)
+    l2_prefetch(wt)
 
 
 def time_graph(fn, reps: int) -> float:
@@ -267,7 +239,9 @@ def compile_sm90() -> int:
     for ahead in (0, 2):
         r = report(persistent_chain_kernel, types, dict(BN=16, CH=256, AHEAD=ahead))
         print(f"sm_90a persistent kernel, AHEAD {ahead}: {r}")
-    print(f"sm_90a prefetch kernel: {report(prefetch_kernel, dict(w_ptr='*bf16'), dict(SPAN=65536), num_warps=1)}")
+    from k3.ops.l2_prefetch_triton import l2_prefetch_kernel
+    r = report(l2_prefetch_kernel, dict(addr="i64", nbytes="i64"), dict(SPAN=65536), num_warps=1)
+    print(f"sm_90a prefetch kernel (k3.ops.l2_prefetch): {r}")
     return 0
 
 

@@ -26,3 +26,36 @@ def pdl_sync(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def grid_barrier(cnt_ptr, target):
+    """A barrier of a persistent kernel's programs (all resident at once): every program arrives (release: its
+    stores before it are visible to the others), then waits until the counter reaches `target` (= programs ×
+    barriers so far; acquire). Data another program stored before the barrier must then be read past L1
+    (`cache_modifier=".cg"`). Under the CPU interpreter programs run one after another: only one program works."""
+    tl.debug_barrier()  # this program's threads have issued their stores
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while v < target:
+        v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def grid_done(cnt_ptr, programs):
+    """A persistent kernel's last statement: the last program to get here zeroes the barrier counter cnt[0] and
+    this one, cnt[1], so the next launch (a graph replay) starts from zero."""
+    if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.atomic_xchg(cnt_ptr, 0)
+        tl.atomic_xchg(cnt_ptr + 1, 0)
+
+
+@triton.jit
+def prefetch_l2(addr, nbytes):
+    """Thread 0 of the program asks the TMA unit to bring `nbytes` (a multiple of 16) at `addr` (a pointer or an
+    int64 address, 16-byte aligned) into L2 (`cp.async.bulk.prefetch.L2.global`, sm_90+; not in the interpreter)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_jit import prefetch_l2
+
 
 @triton.jit
 def l2_prefetch_kernel(addr, nbytes, SPAN: tl.constexpr):
     """addr, nbytes: 16-byte aligned start and a multiple of 16 (`prefetch_bytes` rounds them)."""
     start = tl.program_id(0).to(tl.int64) * SPAN
-    n = tl.minimum(nbytes - start, SPAN).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr + start, n], dtype=tl.int32, is_pure=False, pack=1)
+    prefetch_l2(addr + start, tl.minimum(nbytes - start, SPAN).to(tl.int32))
 
 
 def prefetch_bytes(addr: int, nbytes: int, span: int) -> None:
