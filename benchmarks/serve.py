@@ -170,6 +170,8 @@ SWITCHES = {
                             "MLA splits combined by PyTorch ops"),
     "mla_page_table_step_ms": ("k3.ops.mla_decode", "PAGE_TABLE", "MLA reading each row's page table",
                                "MLA pages per position"),
+    "moe_block_step_ms": ("k3.ops.moe_block", "ON", "a batch-1 step's MoE as one persistent kernel",
+                          "a batch-1 step's MoE as eight kernels"),
     "l2_prefetch_step_ms": ("k3.ops.l2_prefetch", "ON", "each projection's weight prefetched into L2 a projection "
                             "ahead", "no L2 prefetch"),
 }

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
+from ..ops import moe_block
 from ..ops.gemv import linear, linear_fp32_tail
 from ..ops.moe import experts_forward, route, routed_decode_fits
 from .layers import RMSNorm, SituMLP, joined_weight
@@ -112,6 +113,8 @@ class LatentMoE(nn.Module):
         if joined:  # inference: x's latent, the shared experts' gate ‖ up and the router's logits (fp32) as one
             # GEMM (a GEMV in a decode step) over joined weights
             w_in = joined_weight(self, "in_proj", [down, sh.gate_proj.weight, sh.up_proj.weight, router], down.dtype)
+            if self._block_fits(xf, w_in):  # a batch-1 decode step: the whole MoE as one kernel (K3_MOE_BLOCK)
+                return self._block_decode(xf, w_in, residual).reshape(shape)
             y_in, logits = linear_fp32_tail(xf, w_in, router.shape[0])
             lat, gate_up = y_in.split([down.shape[0], y_in.shape[-1] - down.shape[0]], dim=-1)
         else:
@@ -143,6 +146,27 @@ class LatentMoE(nn.Module):
         # the shared experts' output is a new tensor: the up projection accumulates into it in place
         shared = sh.down(gate_up, res, residual_inplace) if joined else sh(xf, res, residual_inplace)
         return linear(y, self.routed_expert_up_proj.weight, add=shared, norm=norm, add_inplace=True).reshape(shape)
+
+    def _block_fits(self, xf: torch.Tensor, w_in: torch.Tensor) -> bool:
+        sh, ex, up = self.shared_experts, self.experts, self.routed_expert_up_proj.weight
+        return (moe_block.ON and (sh.beta, sh.linear_beta) == (self.cfg.activation_situ_beta,
+                                                               self.cfg.activation_situ_linear_beta)
+                and moe_block.fits(xf, w_in, ex.w1, ex.w2, ex.w3, sh.down_proj.weight, up))
+
+    def _block_decode(self, xf: torch.Tensor, w_in: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """`forward`'s joined inference branch for one row as one persistent kernel (`k3.ops.moe_block`)."""
+        sh, ex, rn = self.shared_experts, self.experts, self.routed_expert_norm
+        bias = self.gate.e_score_correction_bias
+        out, idx, _, scores = moe_block.moe_block_decode(
+            xf, w_in, self.routed_expert_down_proj.weight.shape[0], sh.gate_proj.weight.shape[0], ex.w1, ex.w2,
+            ex.w3, sh.down_proj.weight, self.routed_expert_up_proj.weight, None if rn is None else (rn.weight, rn.eps),
+            None if bias is None else bias.float(), self.top_k, self.cfg.moe_renormalize,
+            self.cfg.routed_scaling_factor, sh.beta, sh.linear_beta,
+            None if residual is None else residual.reshape(1, -1).contiguous(),
+            moe_block.counters_for(self, xf.device))
+        if self.record_routing:
+            self.last_routing = (idx, scores)
+        return out
 
     def _ep_forward(self, lat, idx, w, w1, w2, w3, beta, linear_beta):
         return self.expert_parallel(lat, idx, w, w1, w2, w3, self.cfg.num_experts, beta, linear_beta)

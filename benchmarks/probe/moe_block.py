@@ -1,0 +1,116 @@
+"""A batch-1 decode step's LatentMoE at k3-small's width, bf16: the composed path (the engine's default: the joined
+GEMV, the routed experts' two kernels, the shared SiTU and down projection, the latent norm, the up projection)
+against `k3.ops.moe_block`'s one persistent kernel under several launch settings. Each in a CUDA graph of 16
+layers' MoEs (their own weights: ≈ 16 × 24 MB read per replay, more than L2 holds), CUDA events around replays,
+median of --reps; checks every setting's output against the composed path's (relative RMS, bf16) and prints
+µs per layer with the weight bytes' time at 4.3 TB/s.
+
+    python benchmarks/probe/moe_block.py --out moe_block.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+
+import torch
+
+from k3.config import K3Config
+from k3.model.moe import LatentMoE
+from k3.ops import moe_block
+
+
+def layers(n: int):
+    cfg = K3Config.preset("k3-small").text_config
+    torch.manual_seed(0)
+    out = []
+    for _ in range(n):
+        m = LatentMoE(cfg).cuda()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(std=p.shape[-1] ** -0.5)
+            m.gate.e_score_correction_bias.normal_(std=0.05)
+        out.append(m.to(torch.bfloat16).eval())
+    return cfg, out
+
+
+def read_bytes(cfg) -> int:
+    """Weight bytes one row's MoE reads: the joined input, K experts, the shared down and the up projection."""
+    D, L, I, IS, E, K = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size,
+                         cfg.num_shared_experts * cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_token)
+    return 2 * ((L + 2 * IS + E) * D + K * 3 * I * L + D * IS + D * L)
+
+
+def timed(fn, reps: int) -> float:
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        t = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            t.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default="moe_block.json")
+    a = ap.parse_args()
+    cfg, mods = layers(a.layers)
+    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    outs = [None] * len(mods)
+
+    def chain():  # each layer on the same input (no chaining: the routing stays the same from replay to replay)
+        for i, m in enumerate(mods):
+            outs[i] = m(x, residual=res)
+    floor = read_bytes(cfg) / 4.3e12 * 1e6
+    result = {"device": torch.cuda.get_device_name(), "layers": a.layers, "bytes_per_layer": read_bytes(cfg),
+              "hbm_floor_us_per_layer": floor, "rows": {}}
+    moe_block.ON = False
+    base = timed(chain, a.reps) / a.layers
+    ref = [o.float().clone() for o in outs]
+    result["rows"]["composed"] = {"us_per_layer": base}
+    print(f"{a.layers} MoE layers, {read_bytes(cfg) / 1e6:.1f} MB each ({floor:.2f} µs at 4.3 TB/s)\n"
+          f"composed path: {base:6.2f} µs per layer", flush=True)
+    moe_block.ON = True
+    default = dict(moe_block.LAUNCH)
+    tiles = [(default["bn"], default["bi"], default["bl"]), (16, 8, 8), (4, 4, 4), (8, 8, 4)]  # one compile each
+    settings = [dict(default, bn=bn, bi=bi, bl=bl, per_sm=ps)
+                for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
+    for c in settings:
+        key = "bn{bn} bi{bi} bl{bl} ch{ch} w{warps} x{per_sm}".format(**c)
+        moe_block.LAUNCH.update(c)
+        try:
+            t = timed(chain, a.reps) / a.layers
+            err = max(float((o.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()) for o, r in zip(outs, ref))
+            result["rows"][key] = {"us_per_layer": t, "rel_rms": err}
+            print(f"block {key:28s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM) "
+                  f"rel. RMS {err:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            result["rows"][key] = {"error": repr(e)[:500]}
+            print(f"block {key}: failed {e!r}"[:500], flush=True)
+    moe_block.LAUNCH.update(default)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

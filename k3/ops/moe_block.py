@@ -1,0 +1,130 @@
+"""A batch-1 decode step's whole LatentMoE (joined input projection, routing, routed experts, shared experts,
+latent norm, up projection, residual) as ONE persistent kernel (`moe_block_triton.py`).
+
+Why: at batch 1 the MoE of a k3-small layer is eight short kernels (the joined GEMV, the routed experts' two, the
+shared experts' SiTU and down projection, the latent norm, the up projection) whose time is mostly each kernel's
+fixed cost, not the ≈ 24 MB they read. One kernel whose programs stay resident and meet at three grid barriers
+(`k3.ops._triton_jit.grid_barrier`) pays that cost once.
+
+`moe_block_decode` is the one dispatch point; its reference is the composed path it replaces (`LatentMoE.forward`'s
+joined inference branch: `linear_fp32_tail`, `experts_decode_routed`, `SituMLP.down`, `linear` with the norm),
+which `tests/test_moe_block.py` compares against. The values differ from that path only by the order of fp32
+sums (and the shared SiTU-GLU's exact tanh where the separate kernel may use the hardware's on a GPU).
+
+`ON` (K3_MOE_BLOCK=1) is read at each call; off by default until `benchmarks/serve.py` has timed it. On a CPU the
+kernel runs under Triton's interpreter with one program (the interpreter runs programs one after another, so a
+grid barrier among several would never be passed).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._triton import importable, pdl
+
+ON = os.environ.get("K3_MOE_BLOCK", "0") == "1"
+# rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
+# load (CH); warps; programs per SM. Not yet tuned on a GPU.
+LAUNCH = {"bn": 8, "bi": 4, "bl": 4, "ch": 256, "warps": 4, "per_sm": 2}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def available(x: torch.Tensor) -> bool:
+    """The kernel can run where x lives: CUDA with Triton, or the CPU interpreter (TRITON_INTERPRET=1)."""
+    if not importable(__name__ + "_triton"):
+        return False
+    if x.is_cuda:
+        return True
+    from ._triton import interpreted
+    from .moe_block_triton import moe_block_kernel
+    return interpreted(moe_block_kernel)
+
+
+def fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `LatentMoE` takes this kernel: `ON`, one row, no autograd, one float dtype for x and the weights."""
+    return (ON and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled() and x.dtype in _DTYPES
+            and all(w.dtype == x.dtype and w.device == x.device for w in weights) and available(x))
+
+
+def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: int, w1: torch.Tensor,
+                     w2: torch.Tensor, w3: torch.Tensor, w_shared_down: torch.Tensor, w_up: torch.Tensor,
+                     norm: tuple[torch.Tensor, float] | None, bias: torch.Tensor | None, top_k: int,
+                     renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
+                     residual: torch.Tensor | None, counters: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, D] → (residual + LatentMoE(x) [1, D] in x's dtype, topk_idx [1, K] long, topk_weight [1, K] fp32,
+    scores [1, E] fp32).
+
+    w_in [L + 2·I_s + E, D]: the latent down projection ‖ the shared experts' gate ‖ up ‖ the router (the joined
+    weight of `LatentMoE`); w1 / w3 [E, I, L] (any expert / row strides), w2 [E, L, I]; w_shared_down [D, I_s];
+    w_up [D, L]; norm: the latent RMSNorm's (weight [L], eps) or None; bias: the selection bias [E] or None.
+    counters: an int32 [2] device tensor of zeros the kernel uses for its barriers and leaves at zero (one per
+    caller; two launches must not share one at the same time)."""
+    D = x.shape[-1]
+    E, I, L = w1.shape
+    IS, K = shared, top_k
+    _check(x, w_in, latent, shared, w1, w2, w3, w_shared_down, w_up, norm, bias, top_k, residual, counters)
+    dev, dt = x.device, x.dtype
+    f32 = dict(device=dev, dtype=torch.float32)
+    lat, gu, h, y, sh = (torch.empty(n, device=dev, dtype=dt) for n in (L, 2 * IS, K * I, L, D))
+    z = torch.empty(E, **f32)
+    idx = torch.empty(1, K, device=dev, dtype=torch.long)
+    wt, scores = torch.empty(1, K, **f32), torch.empty(1, E, **f32)
+    out = torch.empty(1, D, device=dev, dtype=dt)
+    import triton
+
+    from .moe_block_triton import moe_block_kernel
+    c = LAUNCH
+    G = torch.cuda.get_device_properties(dev).multi_processor_count * c["per_sm"] if x.is_cuda else 1
+    nw, eps = norm if norm is not None else (x, 0.0)
+    moe_block_kernel[(G,)](
+        x, x if residual is None else residual, out, w_in, w1, w3, w2, w_shared_down, w_up, nw,
+        z if bias is None else bias, lat, gu, z, h, y, sh, idx, wt, scores, counters,
+        w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), w2.stride(0), w2.stride(1), float(scaling_factor),
+        float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
+        BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
+        BLN=triton.next_power_of_2(L), num_warps=c["warps"], **pdl(x))
+    return out, idx, wt, scores
+
+
+def _check(x, w_in, latent, shared, w1, w2, w3, w_sd, w_up, norm, bias, top_k, residual, counters) -> None:
+    D = x.shape[-1]
+    E, I, L = w1.shape
+    want = {"w_in": (w_in, (L + 2 * shared + E, D)), "w3": (w3, (E, I, L)), "w2": (w2, (E, L, I)),
+            "w_shared_down": (w_sd, (D, shared)), "w_up": (w_up, (D, L))}
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"moe_block_decode: x must be one row [1, D], got {tuple(x.shape)}")
+    if latent != L:
+        raise ValueError(f"moe_block_decode: latent={latent} but the experts take {L} columns")
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"moe_block_decode: {name} has shape {tuple(t.shape)}, expected {shape}")
+    for name, t in (("x", x), ("w_in", w_in), ("w_shared_down", w_sd), ("w_up", w_up)):
+        if not t.is_contiguous():
+            raise ValueError(f"moe_block_decode: {name} must be contiguous")
+    if w1.stride(-1) != 1 or w3.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("moe_block_decode: the expert weights need unit column stride")
+    if not 0 < top_k <= E:
+        raise ValueError(f"moe_block_decode: top_k={top_k} must lie in [1, {E}]")
+    if norm is not None and (tuple(norm[0].shape) != (L,) or not norm[0].is_contiguous()):
+        raise ValueError(f"moe_block_decode: the norm weight must be a contiguous [{L}], got {tuple(norm[0].shape)}")
+    if bias is not None and (tuple(bias.shape) != (E,) or bias.dtype != torch.float32):
+        raise ValueError(f"moe_block_decode: bias must be fp32 [{E}], got {bias.dtype} {tuple(bias.shape)}")
+    if residual is not None and (tuple(residual.shape) != (1, D) or not residual.is_contiguous()):
+        raise ValueError(f"moe_block_decode: residual must be a contiguous [1, {D}], got {tuple(residual.shape)}")
+    if counters.dtype != torch.int32 or counters.numel() != 2 or counters.device != x.device:
+        raise ValueError("moe_block_decode: counters must be an int32 [2] tensor on x's device")
+
+
+def counters_for(owner: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """The caller's barrier counters on `device` (zeros, made once and kept on `owner`, outside its state)."""
+    cache = owner.__dict__.setdefault("_grid_counters", {})
+    t = cache.get(device)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_block: run the forward once before capturing it in a CUDA graph (the barrier "
+                               "counters must not come from the graph's memory pool)")
+        t = cache[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return t
