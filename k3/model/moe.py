@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import K3TextConfig
 from ..ops import moe_block
+from ..ops._triton import grid_counters
 from ..ops.gemv import linear, linear_fp32_tail
 from ..ops.moe import experts_forward, route, routed_decode_fits
 from .layers import RMSNorm, SituMLP, joined_weight
@@ -163,7 +164,7 @@ class LatentMoE(nn.Module):
             None if bias is None else bias.float(), self.top_k, self.cfg.moe_renormalize,
             self.cfg.routed_scaling_factor, sh.beta, sh.linear_beta,
             None if residual is None else residual.reshape(1, -1).contiguous(),
-            moe_block.counters_for(self, xf.device))
+            grid_counters(self, xf.device))
         if self.record_routing:
             self.last_routing = (idx, scores)
         return out

@@ -55,3 +55,18 @@ def pdl(x) -> dict:
     if not (PDL and x.is_cuda):
         return {}
     return _PDL_ON if _pdl_capable(x.device.index if x.device.index is not None else 0) else {}
+
+
+def grid_counters(owner, device):
+    """A persistent kernel's barrier counters for one caller on `device`: an int32 [2] tensor of zeros, made once
+    and kept on `owner` (a module; outside its state dict). Made outside any CUDA graph capture (the graph's memory
+    pool would own it): run the forward once before capturing it."""
+    import torch
+    cache = owner.__dict__.setdefault("_grid_counters", {})
+    t = cache.get(device)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("grid_counters: run the forward once before capturing it in a CUDA graph (the barrier "
+                               "counters must not come from the graph's memory pool)")
+        t = cache[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return t

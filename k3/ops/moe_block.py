@@ -116,15 +116,3 @@ def _check(x, w_in, latent, shared, w1, w2, w3, w_sd, w_up, norm, bias, top_k, r
         raise ValueError(f"moe_block_decode: residual must be a contiguous [1, {D}], got {tuple(residual.shape)}")
     if counters.dtype != torch.int32 or counters.numel() != 2 or counters.device != x.device:
         raise ValueError("moe_block_decode: counters must be an int32 [2] tensor on x's device")
-
-
-def counters_for(owner: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """The caller's barrier counters on `device` (zeros, made once and kept on `owner`, outside its state)."""
-    cache = owner.__dict__.setdefault("_grid_counters", {})
-    t = cache.get(device)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_block: run the forward once before capturing it in a CUDA graph (the barrier "
-                               "counters must not come from the graph's memory pool)")
-        t = cache[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return t
