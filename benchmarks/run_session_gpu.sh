@@ -21,6 +21,7 @@
 #       persistent kernel with grid barriers; PC=1, PC_ARGS for its options);
 #       benchmarks/probe/graph_branches.py (independent GEMVs of a layer side by side in the graph; GB=1);
 #       benchmarks/probe/moe_block.py (a batch-1 MoE as one persistent kernel vs the composed path; MB=1);
+#       benchmarks/probe/kda_block.py (a batch-1 KDA attention as one persistent kernel vs the composed ops; KB=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
@@ -120,6 +121,11 @@ if [ "${MB:-0}" = 1 ]; then  # a batch-1 step's MoE as one persistent kernel, la
   timeout ${MB_S:-150} python3 benchmarks/probe/moe_block.py --out "$OUT/moe_block.json" > "$OUT/moe_block.log" 2>&1 \
     || echo "moe block exit $?" >> "$OUT/moe_block.log"
   grep -v -i warn "$OUT/moe_block.log" | tail -16
+fi
+if [ "${KB:-0}" = 1 ]; then  # a batch-1 step's KDA attention as one persistent kernel, launch settings, vs composed
+  timeout ${KB_S:-150} python3 benchmarks/probe/kda_block.py --out "$OUT/kda_block.json" > "$OUT/kda_block.log" 2>&1 \
+    || echo "kda block exit $?" >> "$OUT/kda_block.log"
+  grep -v -i warn "$OUT/kda_block.log" | tail -16
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \

@@ -10,10 +10,7 @@ import torch
 
 from conftest import make_tiny, rel_rmse
 from k3.ops import kda_block, moe_block
-from k3.ops.conv import short_conv_step
-from k3.ops.gemv import linear
-from k3.ops.kda import kda_decode_step_gated
-from k3.ops.kda_block import kda_block_decode
+from k3.ops.kda_block import kda_block_decode, kda_block_reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -50,14 +47,7 @@ def _inputs(D, H, K, W, P, dtype, device, seed, bias=True):
 
 def _composed(a):
     """The engine's decode branch for one sequence, op by op, on the pools given (updated in place)."""
-    HK, K = a["w_fb"].shape
-    H = HK // K
-    y, fa, bl, gate, _ = linear(a["x"], a["w_in"]).split([3 * HK, K, H, HK, a["w_in"].shape[0] - 4 * HK - K - H], -1)
-    f = linear(fa, a["w_fb"]).view(1, H, K)
-    q, k, v = short_conv_step(y, a["w_conv"], a["conv_pool"], a["slot"]).split(HK, dim=-1)
-    o = kda_decode_step_gated(q.reshape(1, H, K), k.reshape(1, H, K), v.reshape(1, H, K), f, bl, a["A_log"],
-                              a["dt_bias"], a["state_pool"], a["slot"], a["lower_bound"])
-    return linear(o.reshape(1, HK), a["w_o"], add=a["residual"], gate=gate, norm=(*a["o_norm"], K))
+    return kda_block_reference(**a)
 
 
 @pytest.mark.parametrize("shape", [(64, 2, 16, 4), (96, 3, 32, 4), (64, 2, 16, 3)])  # D, H, K, W

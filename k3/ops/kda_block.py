@@ -3,7 +3,7 @@ gated output norm, o_proj, residual) as ONE persistent kernel (`kda_block_triton
 `k3.ops.moe_block`: six short kernels whose time is mostly fixed cost become one whose programs meet at three grid
 barriers.
 
-`kda_block_decode` is the one dispatch point; its reference is the composed path it replaces
+`kda_block_decode` is the one dispatch point; `kda_block_reference` is the composed path it replaces
 (`KimiDeltaAttention._forward_paged`'s decode branch: `linear`, `short_conv_step`, `kda_decode_step_gated`, the
 gated norm and `linear`), which `tests/test_kda_block.py` compares against, outputs and the updated conv window and
 state. `ON` (K3_KDA_BLOCK=1) is read at each call; off by default until `benchmarks/serve.py` has timed it. On a CPU
@@ -70,6 +70,26 @@ def kda_block_decode(x: torch.Tensor, w_in: torch.Tensor, w_fb: torch.Tensor, w_
         WP=max(2, triton.next_power_of_2(W - 1)), HAS_RES=residual is not None, HAS_DTB=dt_bias is not None,
         BN=c["bn"], BC=c["bc"], BV=min(c["bv"], K), CH=c["ch"], num_warps=c["warps"], **pdl(x))
     return out
+
+
+def kda_block_reference(x: torch.Tensor, w_in: torch.Tensor, w_fb: torch.Tensor, w_conv: torch.Tensor,
+                        conv_pool: torch.Tensor, state_pool: torch.Tensor, slot: torch.Tensor, A_log: torch.Tensor,
+                        dt_bias: torch.Tensor | None, lower_bound: float, o_norm: tuple[torch.Tensor, float],
+                        w_o: torch.Tensor, residual: torch.Tensor | None, counters: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """`kda_block_decode` by the ops the engine's decode branch runs without it (`linear`, `short_conv_step`,
+    `kda_decode_step_gated`, `linear` with the gated norm as its prologue), pools updated in place alike."""
+    from .conv import short_conv_step
+    from .gemv import linear
+    from .kda import kda_decode_step_gated
+    HK, K = w_fb.shape
+    H = HK // K
+    y, fa, bl, gate, _ = linear(x, w_in).split([3 * HK, K, H, HK, w_in.shape[0] - 4 * HK - K - H], -1)
+    f = linear(fa, w_fb).view(1, H, K)
+    q, k, v = short_conv_step(y, w_conv, conv_pool, slot.reshape(1)).split(HK, dim=-1)
+    o = kda_decode_step_gated(q.reshape(1, H, K), k.reshape(1, H, K), v.reshape(1, H, K), f, bl, A_log, dt_bias,
+                              state_pool, slot.reshape(1), lower_bound)
+    return linear(o.reshape(1, HK), w_o, add=residual, gate=gate, norm=(*o_norm, K))
 
 
 def _check(x, w_in, w_fb, w_conv, conv_pool, state_pool, slot, A_log, dt_bias, o_norm, w_o, residual,
