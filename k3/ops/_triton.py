@@ -32,6 +32,14 @@ def device_reason(x, package: str) -> str | None:
     return None
 
 
+def runs_on(x, module: str, kernel: str) -> bool:
+    """Whether the Triton kernel `module.kernel` can run where x lives: CUDA with the module importable, or a CPU
+    tensor with the kernel bound to Triton's interpreter."""
+    if not importable(module):
+        return False
+    return x.is_cuda or interpreted(getattr(importlib.import_module(module), kernel))
+
+
 # Programmatic dependent launch (Hopper's `griddepcontrol`): a kernel launched with it may start while the one
 # before it in the stream finishes; every program first waits for that kernel's completion and memory flush
 # (`pdl_sync` in `_triton_jit`, the first statement of each kernel taking `PDL`), then lets the next kernel

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ._triton import importable, pdl
+from ._triton import pdl, runs_on
 
 ON = os.environ.get("K3_KDA_BLOCK", "0") == "1"
 # rows per tile of the projections (BN), conv channels per tile (BC), state columns per recurrent tile (BV),
@@ -26,16 +26,10 @@ LAUNCH = {"bn": 8, "bc": 64, "bv": 16, "ch": 256, "warps": 4, "per_sm": 2}
 def fits(x: torch.Tensor, head_dim: int, *weights: torch.Tensor) -> bool:
     """Whether the KDA layer takes this kernel: `ON`, one row, no autograd, a power-of-two head dim, one float
     dtype for x and the weights, CUDA (or the CPU interpreter)."""
-    if not (ON and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled()
+    return (ON and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and not torch.is_grad_enabled()
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and head_dim >= 16
             and head_dim & (head_dim - 1) == 0 and all(w.dtype == x.dtype and w.device == x.device for w in weights)
-            and importable(__name__ + "_triton")):
-        return False
-    if x.is_cuda:
-        return True
-    from ._triton import interpreted
-    from .kda_block_triton import kda_block_kernel
-    return interpreted(kda_block_kernel)
+            and runs_on(x, __name__ + "_triton", "kda_block_kernel"))
 
 
 def kda_block_decode(x: torch.Tensor, w_in: torch.Tensor, w_fb: torch.Tensor, w_conv: torch.Tensor,

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ._triton import importable, pdl
+from ._triton import pdl, runs_on
 
 ON = os.environ.get("K3_MOE_BLOCK", "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
@@ -32,18 +32,13 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def available(x: torch.Tensor) -> bool:
     """The kernel can run where x lives: CUDA with Triton, or the CPU interpreter (TRITON_INTERPRET=1)."""
-    if not importable(__name__ + "_triton"):
-        return False
-    if x.is_cuda:
-        return True
-    from ._triton import interpreted
-    from .moe_block_triton import moe_block_kernel
-    return interpreted(moe_block_kernel)
+    return runs_on(x, __name__ + "_triton", "moe_block_kernel")
 
 
 def fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `LatentMoE` takes this kernel: `ON`, one row, no autograd, one float dtype for x and the weights."""
-    return (ON and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled() and x.dtype in _DTYPES
+    return (ON and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and not torch.is_grad_enabled()
+            and x.dtype in _DTYPES
             and all(w.dtype == x.dtype and w.device == x.device for w in weights) and available(x))
 
 
