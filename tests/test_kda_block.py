@@ -1,6 +1,6 @@
 """`k3.ops.kda_block` (a batch-1 decode step's KDA attention as one persistent kernel) against the composed ops it
 replaces (`linear`, `short_conv_step`, `kda_decode_step_gated`, the gated norm in `linear`'s prologue): the output,
-the slot's conv window and recurrent state, the other slots untouched; its checks; an engine with it (and the MoE
+the slot's conv window and recurrent state, the other slots untouched; its checks; an engine with it (and / or the MoE
 block) on against the engine without. CPU: Triton's interpreter, one program, fp32; CUDA: every SM's programs."""
 
 import random
@@ -86,26 +86,30 @@ def test_block_rejects_bad_inputs():
             kda_block_decode(**{**a, name: value})
 
 
-def test_engine_with_the_blocks_equals_the_engine_without(monkeypatch):
+@pytest.mark.parametrize("blocks", [("moe",), ("kda", "moe")])
+def test_engine_with_decode_blocks_equals_the_engine_without(blocks, monkeypatch):
     """Greedy decoding at batch 1 (the blocks' steps) and a batch of three (the composed path) in fp32, with the
-    KDA and MoE blocks on against both off: the same tokens, logits within fp32 rounding; the blocks ran."""
+    given persistent blocks on against all off: the same tokens, logits within fp32 rounding; each block ran."""
     dev = _device_or_skip()
     from k3.serve import Engine, EngineConfig, SamplingParams
 
     model = make_tiny(seed=8).to(dev)
     rng = random.Random(8)
     prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
-    calls, block = [], kda_block.kda_block_decode
-    monkeypatch.setattr(kda_block, "kda_block_decode", lambda *a, **k: calls.append(1) or block(*a, **k))
+    mods = {"kda": (kda_block, "kda_block_decode"), "moe": (moe_block, "moe_block_decode")}
+    calls = {b: [] for b in mods}
+    for b, (mod, fn) in mods.items():
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, real=real, b=b, **k: calls[b].append(1) or real(*a, **k))
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(kda_block, "ON", on)
-        monkeypatch.setattr(moe_block, "ON", on)
+        for b, (mod, _) in mods.items():
+            monkeypatch.setattr(mod, "ON", on and b in blocks)
         eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=64, record_logits=True))
         sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
         outs = eng.generate(prompts[:1], sp) + eng.generate(prompts[1:], sp)
         runs.append((outs, eng))
-        assert bool(calls) == on
+        assert {b: bool(c) for b, c in calls.items()} == {b: on and b in blocks for b in mods}
         eng.check_pool()
     (oa, ea), (ob, eb) = runs
     for a, b in zip(oa, ob):

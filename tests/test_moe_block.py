@@ -1,9 +1,7 @@
 """`k3.ops.moe_block` (a batch-1 decode step's whole LatentMoE as one persistent kernel) against the composed path it
 replaces (`LatentMoE.forward`'s joined inference branch with the switch off): outputs, routing, scores; its checks;
-its barrier counters left at zero; an engine with it on against the engine without. On a CPU the kernel runs in
+its barrier counters left at zero (the engine with it: `test_kda_block.py`). On a CPU the kernel runs in
 Triton's interpreter with one program; on CUDA with every SM's programs and grid barriers, also in a CUDA graph."""
-
-import random
 
 import pytest
 import torch
@@ -113,31 +111,6 @@ def test_block_rejects_bad_inputs():
     for name, value, msg in bad:
         with pytest.raises(ValueError, match=msg):
             moe_block_decode(**{**args, name: value})
-
-
-def test_engine_with_the_block_equals_the_engine_without(monkeypatch):
-    """Greedy decoding at batch 1 (the block's steps) and a batch of three (the composed path) in fp32: the same
-    tokens, logits within fp32 rounding."""
-    dev = _device_or_skip()
-    from k3.serve import Engine, EngineConfig, SamplingParams
-
-    model = make_tiny(seed=6).to(dev)
-    rng = random.Random(6)
-    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
-    runs, calls, block = [], [], moe_block.moe_block_decode
-    monkeypatch.setattr(moe_block, "moe_block_decode", lambda *a, **k: calls.append(1) or block(*a, **k))
-    for on in (False, True):
-        monkeypatch.setattr(moe_block, "ON", on)
-        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=64, record_logits=True))
-        sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-        outs = eng.generate(prompts[:1], sp) + eng.generate(prompts[1:], sp)
-        runs.append((outs, eng))
-        assert bool(calls) == on  # the batch-1 steps took the block (its MoE layers, each step)
-    (oa, ea), (ob, eb) = runs
-    for a, b in zip(oa, ob):
-        assert a.token_ids == b.token_ids
-        for u, v in zip(ea.recorded_logits[a.request_id], eb.recorded_logits[b.request_id]):
-            assert (u - v).abs().max() <= 1e-4
 
 
 @cuda

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import graphed, median_ms  # noqa: E402
 
 A, B, C, D = (6336, 1536), (1536, 128), (1536, 1024), (1536, 1536)
 
@@ -41,6 +44,7 @@ def layer(x, w, side: torch.cuda.Stream | None):
     return gemv(b + c, wd)
 
 
+@torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -55,7 +59,7 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(), "layers": a.layers, "rows": {}}
     for rows in a.rows:
         x0 = torch.randn(rows, A[1], device="cuda", generator=g).to(torch.bfloat16)
-        outs, times = {}, {}
+        outs, times, last = {}, {}, {}
         for mode in ("serial", "branches") * 2:  # each twice, interleaved
             s = side if mode == "branches" else None
 
@@ -63,27 +67,9 @@ def main() -> int:
                 x = x0
                 for w in ws:
                     x = layer(x, w, s)
-                return x
-            step()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            cs = torch.cuda.Stream()
-            cs.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(cs), torch.cuda.graph(graph):
-                out = step()
-            torch.cuda.current_stream().wait_stream(cs)
-            for _ in range(3):
-                graph.replay()
-            t = []
-            for _ in range(a.reps):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                t.append(e0.elapsed_time(e1) * 1e3)
-            times.setdefault(mode, []).append(statistics.median(t))
-            outs[mode] = out.clone()
+                last["out"] = x
+            times.setdefault(mode, []).append(1e3 * median_ms(graphed(step), 3, a.reps))
+            outs[mode] = last["out"].clone()
         same = bool(torch.equal(outs["serial"], outs["branches"]))
         row = {m: min(v) for m, v in times.items()}
         row.update(us_per_layer={m: min(v) / a.layers for m, v in times.items()}, equal=same)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-from k3.ops import kda_block
-from k3.ops.kda_block import kda_block_decode, kda_block_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import graphed, median_ms  # noqa: E402
+
+from k3.ops import kda_block  # noqa: E402
+from k3.ops.kda_block import kda_block_decode, kda_block_reference  # noqa: E402
 
 D, H, K, W = 1536, 12, 128, 4
 
@@ -42,25 +45,8 @@ def weight_bytes() -> int:
 
 
 def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    t = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        t.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(t)
+    """Median µs of a CUDA graph of fn over `reps` replays (`benchmarks/timing.py`)."""
+    return 1e3 * median_ms(graphed(fn), 3, reps)
 
 
 @torch.no_grad()

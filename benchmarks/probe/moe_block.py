@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-from k3.config import K3Config
-from k3.model.moe import LatentMoE
-from k3.ops import moe_block
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import graphed, median_ms  # noqa: E402
+
+from k3.config import K3Config  # noqa: E402
+from k3.model.moe import LatentMoE  # noqa: E402
+from k3.ops import moe_block  # noqa: E402
 
 
 def layers(n: int):
@@ -44,28 +47,11 @@ def read_bytes(cfg) -> int:
 
 
 def timed(fn, reps: int) -> float:
-    with torch.no_grad():
-        fn()
-        torch.cuda.synchronize()
-        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.cuda.graph(g):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        t = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            t.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(t)
+    """Median µs of a CUDA graph of fn over `reps` replays (`benchmarks/timing.py`)."""
+    return 1e3 * median_ms(graphed(fn), 3, reps)
 
 
+@torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)

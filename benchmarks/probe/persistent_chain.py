@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops._triton_jit import grid_barrier, grid_done, prefetch_l2
+from k3.ops._triton_jit import grid_barrier, grid_done, prefetch_l2  # noqa: E402
 
 # one KDA + MoE layer of k3-small in decode order ([N, K]): the six projections (q‖k‖v‖f_a‖b‖g padded to 64),
 # f_b, o_proj (norm + gate prologue in production), the MoE's joined input (latent down ‖ shared gate ‖ up ‖
@@ -175,27 +175,8 @@ def _prefetch_weight(wt: torch.Tensor):
 
 
 def time_graph(fn, reps: int) -> float:
-    """Median µs of a CUDA graph of fn over `reps` replays (CUDA events around each)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(times)
+    """Median µs of a CUDA graph of fn over `reps` replays (`benchmarks/timing.py`: CUDA events, 3 warm-ups)."""
+    return 1e3 * median_ms(graphed(fn), 3, reps)
 
 
 def check_cpu() -> int:
