@@ -43,3 +43,8 @@ def graphed(fn):
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+def graph_us(fn, reps: int, warmup: int = 3) -> float:
+    """Median microseconds of one replay of fn captured in a CUDA graph (`graphed`), over `reps` replays."""
+    return 1e3 * median_ms(graphed(fn), warmup, reps)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import graphed, median_ms  # noqa: E402
+from timing import graph_us  # noqa: E402
 
 A, B, C, D = (6336, 1536), (1536, 128), (1536, 1024), (1536, 1536)
 
@@ -68,7 +68,7 @@ def main() -> int:
                 for w in ws:
                     x = layer(x, w, s)
                 last["out"] = x
-            times.setdefault(mode, []).append(1e3 * median_ms(graphed(step), 3, a.reps))
+            times.setdefault(mode, []).append(graph_us(step, a.reps))
             outs[mode] = last["out"].clone()
         same = bool(torch.equal(outs["serial"], outs["branches"]))
         row = {m: min(v) for m, v in times.items()}

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import graphed, median_ms  # noqa: E402
+from timing import graph_us  # noqa: E402
 
 from k3.ops import kda_block  # noqa: E402
 from k3.ops.kda_block import kda_block_decode, kda_block_reference  # noqa: E402
@@ -44,11 +44,6 @@ def weight_bytes() -> int:
     return 2 * ((4 * HK + K + H) * D + HK * K + D * HK)
 
 
-def timed(fn, reps: int) -> float:
-    """Median µs of a CUDA graph of fn over `reps` replays (`benchmarks/timing.py`)."""
-    return 1e3 * median_ms(graphed(fn), 3, reps)
-
-
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,7 +61,7 @@ def main() -> int:
     got = kda_block_decode(**fresh[1])
     err = float((got.float() - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt())
     res["rel_rms_vs_composed"] = err
-    base = timed(lambda: [kda_block_reference(**lay) for lay in layers], a.reps) / a.layers
+    base = graph_us(lambda: [kda_block_reference(**lay) for lay in layers], a.reps) / a.layers
     res["rows"]["composed"] = {"us_per_layer": base}
     print(f"{a.layers} KDA layers, {weight_bytes() / 1e6:.1f} MB each ({floor:.2f} µs at 4.3 TB/s); block against "
           f"composed: rel. RMS {err:.1e}\ncomposed ops: {base:6.2f} µs per layer", flush=True)
@@ -76,7 +71,7 @@ def main() -> int:
         kda_block.LAUNCH.update(default, bn=bn, bc=bc, bv=bv, per_sm=ps)
         key = "bn{bn} bc{bc} bv{bv} w{warps} x{per_sm}".format(**kda_block.LAUNCH)
         try:
-            t = timed(lambda: [kda_block_decode(**lay) for lay in layers], a.reps) / a.layers
+            t = graph_us(lambda: [kda_block_decode(**lay) for lay in layers], a.reps) / a.layers
             res["rows"][key] = {"us_per_layer": t}
             print(f"block {key:26s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM)",
                   flush=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import graphed, median_ms  # noqa: E402
+from timing import graph_us  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.moe import LatentMoE  # noqa: E402
@@ -46,11 +46,6 @@ def read_bytes(cfg) -> int:
     return 2 * ((L + 2 * IS + E) * D + K * 3 * I * L + D * IS + D * L)
 
 
-def timed(fn, reps: int) -> float:
-    """Median µs of a CUDA graph of fn over `reps` replays (`benchmarks/timing.py`)."""
-    return 1e3 * median_ms(graphed(fn), 3, reps)
-
-
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -70,7 +65,7 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(), "layers": a.layers, "bytes_per_layer": read_bytes(cfg),
               "hbm_floor_us_per_layer": floor, "rows": {}}
     moe_block.ON = False
-    base = timed(chain, a.reps) / a.layers
+    base = graph_us(chain, a.reps) / a.layers
     ref = [o.float().clone() for o in outs]
     result["rows"]["composed"] = {"us_per_layer": base}
     print(f"{a.layers} MoE layers, {read_bytes(cfg) / 1e6:.1f} MB each ({floor:.2f} µs at 4.3 TB/s)\n"
@@ -84,7 +79,7 @@ def main() -> int:
         key = "bn{bn} bi{bi} bl{bl} ch{ch} w{warps} x{per_sm}".format(**c)
         moe_block.LAUNCH.update(c)
         try:
-            t = timed(chain, a.reps) / a.layers
+            t = graph_us(chain, a.reps) / a.layers
             err = max(float((o.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()) for o, r in zip(outs, ref))
             result["rows"][key] = {"us_per_layer": t, "rel_rms": err}
             print(f"block {key:28s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM) "

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import graph_us  # noqa: E402
+
 from k3.ops._triton_jit import grid_barrier, grid_done, prefetch_l2  # noqa: E402
 
 # one KDA + MoE layer of k3-small in decode order ([N, K]): the six projections (q‖k‖v‖f_a‖b‖g padded to 64),
@@ -174,11 +177,6 @@ def _prefetch_weight(wt: torch.Tensor):
     l2_prefetch(wt)
 
 
-def time_graph(fn, reps: int) -> float:
-    """Median µs of a CUDA graph of fn over `reps` replays (`benchmarks/timing.py`: CUDA events, 3 warm-ups)."""
-    return 1e3 * median_ms(graphed(fn), 3, reps)
-
-
 def check_cpu() -> int:
     """Triton's interpreter (one program: the barrier never waits): the persistent chain against PyTorch."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -211,7 +209,7 @@ def compiles() -> bool:
 def compile_sm90() -> int:
     """The GPU-only parts (barrier atomics, the bulk L2 prefetch's inline PTX) compiled for sm_90a by the local
     Triton and ptxas (`scripts/kda_regs.py`'s `report`): registers and spills, or a skip without ptxas."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     from kda_regs import PTXAS, report
     if not os.path.exists(PTXAS):
         print(f"sm_90a compile check skipped: no {PTXAS}")
@@ -259,7 +257,7 @@ def main() -> int:
     def report(name, fn, outs, x0):
         try:
             act[width:].zero_()
-            t = time_graph(fn, a.reps)
+            t = graph_us(fn, a.reps)
             ys = outs()
             # the chain's end (row 0): rounding differences grow along it (≈ 3e-2 over 12 GEMVs)
             err = rel_rms(ys[-1].reshape(-1, sh[-1][0])[0], ref)
@@ -300,7 +298,7 @@ def main() -> int:
         G = sms * per_sm
         cnt.zero_()
         try:
-            t = time_graph(lambda G=G: run_persistent(bw, bact, btab, cnt, len(bsh), G, 16, 16, 0), a.reps)
+            t = graph_us(lambda G=G: run_persistent(bw, bact, btab, cnt, len(bsh), G, 16, 16, 0), a.reps)
             res["rows"][f"barrier G{G}"] = dict(us=t, us_per_barrier=t / (len(bsh) - 1))
             name = f"barrier G{G}"
             print(f"{name:24s} {t:8.1f} µs  {t / (len(bsh) - 1):5.2f} µs per grid barrier", flush=True)
