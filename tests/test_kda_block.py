@@ -42,7 +42,7 @@ def _inputs(D, H, K, W, P, dtype, device, seed, bias=True):
         slot=torch.tensor([P - 2], device=device), A_log=(0.3 * torch.randn(H, generator=g)).to(device),
         dt_bias=(0.5 * torch.randn(HK, generator=g)).to(device) if bias else None, lower_bound=-5.0,
         o_norm=((1 + 0.1 * torch.randn(K, generator=g)).to(device=device, dtype=dtype), 1e-6), w_o=r(D, HK, s=HK ** -0.5),
-        residual=r(1, D), counters=torch.zeros(2, dtype=torch.int32, device=device))
+        residual=r(1, D), counters=torch.zeros(3, dtype=torch.int32, device=device))
 
 
 def _composed(a):
@@ -65,7 +65,7 @@ def test_block_equals_the_composed_ops(shape, bias):
     assert torch.equal(b["conv_pool"][..., :-1], a["conv_pool"][..., :-1])
     assert rel_rmse(b["conv_pool"], a["conv_pool"]) <= 1e-6
     assert rel_rmse(b["state_pool"], a["state_pool"]) <= 1e-6
-    assert b["counters"].tolist() == [0, 0]
+    assert b["counters"].tolist() == [0, 0, 0]
     # the other slots: untouched
     fresh = _inputs(D, H, K, W, 4, torch.float32, dev, seed=sum(shape), bias=bias)
     keep = [i for i in range(4) if i != 2]

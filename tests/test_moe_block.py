@@ -5,9 +5,12 @@ Triton's interpreter with one program; on CUDA with every SM's programs and grid
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import make_tiny, rel_rmse
 from k3.ops import moe_block
+from k3.ops._triton_jit import grid_barrier, grid_done
 from k3.ops.moe_block import moe_block_decode
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -84,10 +87,10 @@ def test_block_leaves_its_counters_at_zero_and_takes_one_row_only(monkeypatch):
     with torch.no_grad():
         moe(torch.randn(1, D, device=dev))
         cnt = moe.__dict__["_grid_counters"][torch.device(dev)]
-        assert cnt.tolist() == [0, 0]
+        assert cnt.tolist() == [0, 0, 0]
         cnt.fill_(7)  # two rows: the composed path, which does not touch the counters
         moe(torch.randn(2, D, device=dev))
-        assert cnt.tolist() == [7, 7]
+        assert cnt.tolist() == [7, 7, 7]
 
 
 def test_block_rejects_bad_inputs():
@@ -97,7 +100,7 @@ def test_block_rejects_bad_inputs():
     D, L, IS = moe.routed_expert_up_proj.weight.shape[0], ex.w1.shape[2], sh.gate_proj.weight.shape[0]
     E = ex.w1.shape[0]
     w_in = torch.randn(L + 2 * IS + E, D, device=dev)
-    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(3, dtype=torch.int32, device=dev)
     args = dict(x=torch.randn(1, D, device=dev), w_in=w_in, latent=L, shared=IS, w1=ex.w1, w2=ex.w2, w3=ex.w3,
                 w_shared_down=sh.down_proj.weight, w_up=moe.routed_expert_up_proj.weight, norm=None, bias=None,
                 top_k=2, renormalize=True, scaling_factor=1.0, beta=4.0, linear_beta=25.0, residual=None,
@@ -106,7 +109,7 @@ def test_block_rejects_bad_inputs():
            ("latent", L + 1, "latent="), ("top_k", E + 1, "top_k"), ("bias", torch.zeros(E, device=dev,
                                                                                         dtype=torch.float64), "bias"),
            ("residual", torch.randn(1, D + 1, device=dev), "residual"),
-           ("counters", torch.zeros(3, dtype=torch.int32, device=dev), "counters"),
+           ("counters", torch.zeros(2, dtype=torch.int32, device=dev), "counters"),
            ("norm", (torch.ones(L + 1, device=dev), 1e-6), "norm weight")]
     for name, value, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -143,4 +146,28 @@ def test_cuda_block_at_k3_small_width_and_in_a_graph(monkeypatch):
             graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    assert moe.__dict__["_grid_counters"][torch.device("cuda", torch.cuda.current_device())].tolist() == [0, 0]
+    assert moe.__dict__["_grid_counters"][torch.device("cuda", torch.cuda.current_device())].tolist() == [0, 0, 0]
+
+
+@triton.jit
+def _two_phases(x_ptr, cnt_ptr, G, SPINS: tl.constexpr):
+    """Each program stores its value, meets the others at a barrier, then reads its neighbour's."""
+    p = tl.program_id(0)
+    tl.store(x_ptr + p, p + 1.0)
+    grid_barrier(cnt_ptr, G, SPINS)
+    tl.store(x_ptr + G + p, tl.load(x_ptr + (p + 1) % G, cache_modifier=".cg"))
+    grid_done(cnt_ptr, G)
+
+
+def test_grid_barrier_flags_a_wait_that_times_out():
+    """`grid_barrier`: two programs in the interpreter run one after the other, so the first waits at its barrier
+    for a program that has not started: the wait must end after SPINS polls with cnt[2] set (a flagged wrong
+    result, not a hung GPU); one program passes with the counters back at zero."""
+    _device_or_skip()
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's sequential programs are what makes a wait time out here")
+    for G, flagged in ((1, 0), (2, 1)):
+        x, cnt = torch.zeros(2 * G), torch.zeros(3, dtype=torch.int32)
+        _two_phases[(G,)](x, cnt, G, SPINS=4)
+        assert cnt.tolist() == [0, 0, flagged]
+    assert x.tolist()[:2] == [1.0, 2.0] and x.tolist()[2] == 0.0  # program 0 read program 1's value too early

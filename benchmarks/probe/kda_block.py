@@ -36,7 +36,7 @@ def layer_inputs(i: int) -> dict:
                 state_pool=r(4, H, K, K, s=0.1, dtype=torch.float32), slot=torch.tensor([2], device="cuda"),
                 A_log=r(H, s=0.3, dtype=torch.float32), dt_bias=r(H * K, s=0.5, dtype=torch.float32),
                 lower_bound=-5.0, o_norm=(r(K, s=0.1) + 1, 1e-6), w_o=r(D, HK, s=HK ** -0.5), residual=r(1, D),
-                counters=torch.zeros(2, dtype=torch.int32, device="cuda"))
+                counters=torch.zeros(3, dtype=torch.int32, device="cuda"))
 
 
 def weight_bytes() -> int:
@@ -72,9 +72,10 @@ def main() -> int:
         key = "bn{bn} bc{bc} bv{bv} w{warps} x{per_sm}".format(**kda_block.LAUNCH)
         try:
             t = graph_us(lambda: [kda_block_decode(**lay) for lay in layers], a.reps) / a.layers
-            res["rows"][key] = {"us_per_layer": t}
-            print(f"block {key:26s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM)",
-                  flush=True)
+            timed_out = any(int(lay["counters"][2]) for lay in layers)
+            res["rows"][key] = {"us_per_layer": t, "barrier_timed_out": timed_out}
+            print(f"block {key:26s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM)"
+                  f"{'  BARRIER TIMED OUT' if timed_out else ''}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
             res["rows"][key] = {"error": repr(e)[:500]}
             print(f"block {key}: failed {e!r}"[:500], flush=True)

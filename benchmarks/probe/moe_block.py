@@ -81,9 +81,10 @@ def main() -> int:
         try:
             t = graph_us(chain, a.reps) / a.layers
             err = max(float((o.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()) for o, r in zip(outs, ref))
-            result["rows"][key] = {"us_per_layer": t, "rel_rms": err}
+            timed_out = any(int(c[2]) for m in mods for c in m.__dict__.get("_grid_counters", {}).values())
+            result["rows"][key] = {"us_per_layer": t, "rel_rms": err, "barrier_timed_out": timed_out}
             print(f"block {key:28s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM) "
-                  f"rel. RMS {err:.1e}", flush=True)
+                  f"rel. RMS {err:.1e}{'  BARRIER TIMED OUT' if timed_out else ''}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
             result["rows"][key] = {"error": repr(e)[:500]}
             print(f"block {key}: failed {e!r}"[:500], flush=True)

@@ -66,9 +66,10 @@ def pdl(x) -> dict:
 
 
 def grid_counters(owner, device):
-    """A persistent kernel's barrier counters for one caller on `device`: an int32 [2] tensor of zeros, made once
-    and kept on `owner` (a module; outside its state dict). Made outside any CUDA graph capture (the graph's memory
-    pool would own it): run the forward once before capturing it."""
+    """A persistent kernel's barrier counters for one caller on `device`: an int32 [3] tensor of zeros (arrivals,
+    finished programs, a timed-out barrier's flag: `k3.ops._triton_jit.grid_barrier`), made once and kept on
+    `owner` (a module; outside its state dict). Made outside any CUDA graph capture (the graph's memory pool would
+    own it): run the forward once before capturing it."""
     import torch
     cache = owner.__dict__.setdefault("_grid_counters", {})
     t = cache.get(device)
@@ -76,5 +77,13 @@ def grid_counters(owner, device):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("grid_counters: run the forward once before capturing it in a CUDA graph (the barrier "
                                "counters must not come from the graph's memory pool)")
-        t = cache[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        t = cache[device] = torch.zeros(3, dtype=torch.int32, device=device)
     return t
+
+
+def check_counters(counters, fn: str, device) -> None:
+    """ValueError unless `counters` is an int32 [3] tensor on `device` (`grid_counters`)."""
+    import torch
+    if counters.dtype != torch.int32 or counters.numel() != 3 or counters.device != device:
+        raise ValueError(f"{fn}: counters must be an int32 [3] tensor on {device} (`k3.ops._triton.grid_counters`), "
+                         f"got {counters.dtype} {tuple(counters.shape)} on {counters.device}")

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ._triton import pdl, runs_on
+from ._triton import check_counters, pdl, runs_on
 
 ON = os.environ.get("K3_KDA_BLOCK", "0") == "1"
 # rows per tile of the projections (BN), conv channels per tile (BC), state columns per recurrent tile (BV),
@@ -42,7 +42,7 @@ def kda_block_decode(x: torch.Tensor, w_in: torch.Tensor, w_fb: torch.Tensor, w_
     w_in [≥ 4·H·K + K + H, D]: q ‖ k ‖ v ‖ f_a ‖ b ‖ g projections (the joined weight; padding rows unread);
     w_fb [H·K, K]; w_conv [3·H·K, 1, W] (the three convs' taps, any float dtype); conv_pool [P, 3·H·K, W-1] and
     state_pool [P, H, K, K] fp32 (each slot contiguous); A_log [H]; dt_bias [H·K] or None; o_norm (weight [K], eps);
-    w_o [D, H·K]; counters: an int32 [2] device tensor of zeros (see `k3.ops.moe_block.moe_block_decode`)."""
+    w_o [D, H·K]; counters: `k3.ops._triton.grid_counters`' int32 [3] (see `k3.ops.moe_block.moe_block_decode`)."""
     D = x.shape[-1]
     HK, K = w_fb.shape
     H = HK // K
@@ -120,5 +120,4 @@ def _check(x, w_in, w_fb, w_conv, conv_pool, state_pool, slot, A_log, dt_bias, o
                          f"{tuple(slot.shape)}")
     if residual is not None and (tuple(residual.shape) != (1, D) or not residual.is_contiguous()):
         raise ValueError(f"kda_block_decode: residual must be a contiguous [1, {D}], got {tuple(residual.shape)}")
-    if counters.dtype != torch.int32 or counters.numel() != 2 or counters.device != x.device:
-        raise ValueError("kda_block_decode: counters must be an int32 [2] tensor on x's device")
+    check_counters(counters, "kda_block_decode", x.device)

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ._triton import pdl, runs_on
+from ._triton import check_counters, pdl, runs_on
 
 ON = os.environ.get("K3_MOE_BLOCK", "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
@@ -54,8 +54,8 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
     w_in [L + 2·I_s + E, D]: the latent down projection ‖ the shared experts' gate ‖ up ‖ the router (the joined
     weight of `LatentMoE`); w1 / w3 [E, I, L] (any expert / row strides), w2 [E, L, I]; w_shared_down [D, I_s];
     w_up [D, L]; norm: the latent RMSNorm's (weight [L], eps) or None; bias: the selection bias [E] or None.
-    counters: an int32 [2] device tensor of zeros the kernel uses for its barriers and leaves at zero (one per
-    caller; two launches must not share one at the same time)."""
+    counters: `k3.ops._triton.grid_counters`' int32 [3] (zeros; the kernel leaves its two barrier counters at zero,
+    and sets the third if a barrier timed out); one per caller: two launches must not share one at the same time."""
     D = x.shape[-1]
     E, I, L = w1.shape
     IS, K = shared, top_k
@@ -109,5 +109,4 @@ def _check(x, w_in, latent, shared, w1, w2, w3, w_sd, w_up, norm, bias, top_k, r
         raise ValueError(f"moe_block_decode: bias must be fp32 [{E}], got {bias.dtype} {tuple(bias.shape)}")
     if residual is not None and (tuple(residual.shape) != (1, D) or not residual.is_contiguous()):
         raise ValueError(f"moe_block_decode: residual must be a contiguous [1, {D}], got {tuple(residual.shape)}")
-    if counters.dtype != torch.int32 or counters.numel() != 2 or counters.device != x.device:
-        raise ValueError("moe_block_decode: counters must be an int32 [2] tensor on x's device")
+    check_counters(counters, "moe_block_decode", x.device)
