@@ -133,7 +133,7 @@ if [ "${OPS:-0}" = 1 ]; then
   grep -E "==| t | mla " "$OUT/decode_ops.log"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
-  timeout ${SERVE_S:-260} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
+  timeout ${SERVE_S:-420} python3 benchmarks/serve.py --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1 \
     || echo "serve exit $?" >> "$OUT/serve.log"
   tail -14 "$OUT/serve.log"
 fi
