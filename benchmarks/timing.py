@@ -48,3 +48,31 @@ def graphed(fn):
 def graph_us(fn, reps: int, warmup: int = 3) -> float:
     """Median microseconds of one replay of fn captured in a CUDA graph (`graphed`), over `reps` replays."""
     return 1e3 * median_ms(graphed(fn), warmup, reps)
+
+
+def launch_sweep(launch: dict, settings: list[dict], fn, reps: int, per: int, base_us: float, floor_us: float,
+                 check=None) -> dict:
+    """{setting: row} of fn's CUDA graph (`graph_us`) timed with each of `settings` applied to the `launch` dict
+    (a kernel's launch settings: each setting on top of its defaults, which are restored after): µs per unit
+    (÷ `per`), with the speed-up over `base_us` and the share of `floor_us` printed; `check()` → extra fields of
+    the row (errors, flags: a True one is printed in capitals). A setting that fails is reported in its row, not raised."""
+    default, rows = dict(launch), {}
+    try:
+        for c in settings:
+            launch.update(default, **c)  # each setting on top of the defaults
+            key = " ".join(f"{k}{v}" for k, v in launch.items())
+            try:
+                t = graph_us(fn, reps) / per
+                row = {"us_per_unit": t, **(check() if check else {})}
+                extra = "".join(f"  {k} {v:.1e}" if isinstance(v, float) else f"  {k.upper()}" if v is True else ""
+                                for k, v in row.items() if k != "us_per_unit")
+                print(f"{key:40s} {t:7.2f} µs ({base_us / t:4.2f}x, {100 * floor_us / t:4.1f} % of HBM){extra}",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                row = {"error": repr(e)[:500]}
+                print(f"{key}: failed {e!r}"[:500], flush=True)
+            rows[key] = row
+    finally:
+        launch.clear()
+        launch.update(default)
+    return rows

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import graph_us  # noqa: E402
+from timing import graph_us, launch_sweep  # noqa: E402
 
 from k3.ops import kda_block  # noqa: E402
 from k3.ops.kda_block import kda_block_decode, kda_block_reference  # noqa: E402
@@ -62,24 +62,15 @@ def main() -> int:
     err = float((got.float() - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt())
     res["rel_rms_vs_composed"] = err
     base = graph_us(lambda: [kda_block_reference(**lay) for lay in layers], a.reps) / a.layers
-    res["rows"]["composed"] = {"us_per_layer": base}
+    res["rows"]["composed"] = {"us_per_unit": base}
     print(f"{a.layers} KDA layers, {weight_bytes() / 1e6:.1f} MB each ({floor:.2f} µs at 4.3 TB/s); block against "
           f"composed: rel. RMS {err:.1e}\ncomposed ops: {base:6.2f} µs per layer", flush=True)
-    default = dict(kda_block.LAUNCH)
+    default = kda_block.LAUNCH
     tiles = [(default["bn"], default["bc"], default["bv"]), (16, 64, 16), (4, 32, 16), (8, 128, 32)]
-    for (bn, bc, bv), ps in itertools.product(tiles, (1, 2, 4)):
-        kda_block.LAUNCH.update(default, bn=bn, bc=bc, bv=bv, per_sm=ps)
-        key = "bn{bn} bc{bc} bv{bv} w{warps} x{per_sm}".format(**kda_block.LAUNCH)
-        try:
-            t = graph_us(lambda: [kda_block_decode(**lay) for lay in layers], a.reps) / a.layers
-            timed_out = any(int(lay["counters"][2]) for lay in layers)
-            res["rows"][key] = {"us_per_layer": t, "barrier_timed_out": timed_out}
-            print(f"block {key:26s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM)"
-                  f"{'  BARRIER TIMED OUT' if timed_out else ''}", flush=True)
-        except Exception as e:  # noqa: BLE001 - report and go on
-            res["rows"][key] = {"error": repr(e)[:500]}
-            print(f"block {key}: failed {e!r}"[:500], flush=True)
-    kda_block.LAUNCH.update(default)
+    settings = [dict(bn=bn, bc=bc, bv=bv, per_sm=ps) for (bn, bc, bv), ps in itertools.product(tiles, (1, 2, 4))]
+    res["rows"].update(launch_sweep(
+        kda_block.LAUNCH, settings, lambda: [kda_block_decode(**lay) for lay in layers], a.reps, a.layers, base, floor,
+        lambda: {"barrier_timed_out": any(int(lay["counters"][2]) for lay in layers)}))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     return 0

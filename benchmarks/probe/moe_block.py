@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import graph_us  # noqa: E402
+from timing import graph_us, launch_sweep  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.moe import LatentMoE  # noqa: E402
@@ -67,28 +67,19 @@ def main() -> int:
     moe_block.ON = False
     base = graph_us(chain, a.reps) / a.layers
     ref = [o.float().clone() for o in outs]
-    result["rows"]["composed"] = {"us_per_layer": base}
+    result["rows"]["composed"] = {"us_per_unit": base}
     print(f"{a.layers} MoE layers, {read_bytes(cfg) / 1e6:.1f} MB each ({floor:.2f} µs at 4.3 TB/s)\n"
           f"composed path: {base:6.2f} µs per layer", flush=True)
     moe_block.ON = True
-    default = dict(moe_block.LAUNCH)
+    default = moe_block.LAUNCH
     tiles = [(default["bn"], default["bi"], default["bl"]), (16, 8, 8), (4, 4, 4), (8, 8, 4)]  # one compile each
-    settings = [dict(default, bn=bn, bi=bi, bl=bl, per_sm=ps)
-                for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
-    for c in settings:
-        key = "bn{bn} bi{bi} bl{bl} ch{ch} w{warps} x{per_sm}".format(**c)
-        moe_block.LAUNCH.update(c)
-        try:
-            t = graph_us(chain, a.reps) / a.layers
-            err = max(float((o.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()) for o, r in zip(outs, ref))
-            timed_out = any(int(c[2]) for m in mods for c in m.__dict__.get("_grid_counters", {}).values())
-            result["rows"][key] = {"us_per_layer": t, "rel_rms": err, "barrier_timed_out": timed_out}
-            print(f"block {key:28s} {t:6.2f} µs per layer ({base / t:4.2f}x, {100 * floor / t:4.1f} % of HBM) "
-                  f"rel. RMS {err:.1e}{'  BARRIER TIMED OUT' if timed_out else ''}", flush=True)
-        except Exception as e:  # noqa: BLE001 - report and go on
-            result["rows"][key] = {"error": repr(e)[:500]}
-            print(f"block {key}: failed {e!r}"[:500], flush=True)
-    moe_block.LAUNCH.update(default)
+
+    def check() -> dict:
+        err = max(float((o.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()) for o, r in zip(outs, ref))
+        cnts = [t for m in mods for t in m.__dict__.get("_grid_counters", {}).values()]
+        return {"rel_rms": err, "barrier_timed_out": any(int(t[2]) for t in cnts)}
+    settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
+    result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
