@@ -55,7 +55,8 @@ def launch_sweep(launch: dict, settings: list[dict], fn, reps: int, per: int, ba
     """{setting: row} of fn's CUDA graph (`graph_us`) timed with each of `settings` applied to the `launch` dict
     (a kernel's launch settings: each setting on top of its defaults, which are restored after): µs per unit
     (÷ `per`), with the speed-up over `base_us` and the share of `floor_us` printed; `check()` → extra fields of
-    the row (errors, flags: a True one is printed in capitals). A setting that fails is reported in its row, not raised."""
+    the row (errors, flags: a True one is printed in capitals). A setting that fails is reported in its row, not
+    raised."""
     default, rows = dict(launch), {}
     try:
         for c in settings:
