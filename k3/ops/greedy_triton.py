@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ._triton import interpreted as _interpreted, pdl
-from .sampling import check_outputs
 from ._triton_jit import pdl_sync
+from .sampling import check_outputs
 
 SPLIT, BLOCK = 8192, 2048  # columns per program of the first kernel, per load (a 163,840-wide row: 20 programs)
 

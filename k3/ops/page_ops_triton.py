@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import interpreted as _interpreted, pdl
+from ._triton import pdl, runs_on
 from ._triton_jit import pdl_sync
 
 BLOCK, PROGRAMS = 1024, 264  # words per load (8 KB), programs (2 per H200 SM): a 9.3 MiB slot in ≈ 5 loads each
@@ -34,12 +34,7 @@ def page_ops_kernel(w_ptr, t_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
             tl.store(w_ptr + dst + o, x, mask=m)
 
 
-def runs_on(words: torch.Tensor) -> bool:
-    """Whether the kernel runs on words' device: CUDA, or any device under TRITON_INTERPRET=1."""
-    return words.is_cuda or _interpreted(page_ops_kernel)
-
-
 def page_ops_triton(words: torch.Tensor, table: torch.Tensor) -> None:
-    if not runs_on(words):
+    if not runs_on(words, __name__, "page_ops_kernel"):
         raise ValueError(f"page_ops_triton: needs CUDA tensors (or TRITON_INTERPRET=1), got {words.device}")
     page_ops_kernel[(PROGRAMS,)](words, table, BLOCK=BLOCK, num_warps=4, **pdl(words))
