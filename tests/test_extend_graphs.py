@@ -320,13 +320,25 @@ def segments_taken(monkeypatch) -> list[int]:
     return taken
 
 
+def with_and_without_graph_copies(monkeypatch, taken: list[int], model, **config):
+    """(copies, a fresh engine with its extend graphs on) with `K3_GRAPH_COPIES` off, then on; `taken` (from
+    `segments_taken`) cleared before each."""
+    from k3.serve import Engine, EngineConfig
+    for copies in (False, True):
+        monkeypatch.setattr("k3.serve.runner.GRAPH_COPIES", copies)
+        taken.clear()
+        eng = Engine(model, EngineConfig(**config))
+        assert eng.runner.enable_graphs()
+        yield copies, eng
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.cuda])])
 def test_extend_graph_runs_the_admission_copies(one_thread, device, monkeypatch):
     """`K3_GRAPH_COPIES`: prefix hits (a cached KDA checkpoint into the new slot, a shared MLA page's rows into the
     sequence's own page) whose copies the extend graph runs as its first kernel give the tokens and logits of the
     same engine with the copies run before the forward, bitwise (the same bytes reach the same computation); the
     graphs did take copies. On CUDA a bf16 engine replays real graphs and the Triton kernel."""
-    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve import SamplingParams
 
     model = make_tiny(seed=17)
     if device == "cuda":
@@ -337,12 +349,9 @@ def test_extend_graph_runs_the_admission_copies(one_thread, device, monkeypatch)
     tails = [[rng.randrange(4000) for _ in range(rng.randrange(1, 8))] for _ in range(4)]
     taken = segments_taken(monkeypatch)
     runs = []
-    for copies in (False, True):
-        monkeypatch.setattr("k3.serve.runner.GRAPH_COPIES", copies)
-        taken.clear()
-        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=96, max_num_batched_tokens=64,
-                                         max_num_seqs=8, record_logits=True))
-        assert eng.runner.enable_graphs()
+    for copies, eng in with_and_without_graph_copies(monkeypatch, taken, model, block_size=32, hash_block_size=16,
+                                                     num_pages=96, max_num_batched_tokens=64, max_num_seqs=8,
+                                                     record_logits=True):
         sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         outs = eng.generate([shared + [7, 8, 9]], sp)  # the prefix computed and cached
         for tail in tails:  # hits with short tails, alone (an extend graph each), then beside short prompts
@@ -359,7 +368,7 @@ def test_deferred_copies_under_preemption_and_pauses(one_thread, monkeypatch):
     with short tails, in a pool small enough to preempt, seeded sampling (a different token anywhere shows), two
     requests paused and resumed mid-way while the others take their pages. The same tokens and log-probs, bitwise;
     the graphs took copies and the pool preempted."""
-    from k3.serve import Engine, EngineConfig, SamplingParams
+    from k3.serve import SamplingParams
 
     model = make_tiny(seed=18)
     rng = random.Random(18)
@@ -369,12 +378,8 @@ def test_deferred_copies_under_preemption_and_pauses(one_thread, monkeypatch):
           for i in range(len(ps))]
     taken = segments_taken(monkeypatch)
     runs = []
-    for copies in (False, True):
-        monkeypatch.setattr("k3.serve.runner.GRAPH_COPIES", copies)
-        taken.clear()
-        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=8, num_pages=14, max_num_batched_tokens=48,
-                                         max_num_seqs=6))
-        assert eng.runner.enable_graphs()
+    for copies, eng in with_and_without_graph_copies(monkeypatch, taken, model, block_size=32, hash_block_size=8,
+                                                     num_pages=14, max_num_batched_tokens=48, max_num_seqs=6):
         first = eng.generate(ps[:1], sp[0])  # the first prefix cached
         rids = [eng.submit(p, s) for p, s in zip(ps[1:], sp[1:])]
         done = {}
