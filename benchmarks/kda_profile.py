@@ -95,6 +95,8 @@ def main():
     ap.add_argument("--out", default="kda_profile.json")
     ap.add_argument("--cpu", action="store_true", help="also profile the host-side cost of our forward (cProfile)")
     ap.add_argument("--recur-steps", default="", help="JSON list of recurrence-only specs (see recur_steps)")
+    ap.add_argument("--focus", default="", help="at the end, one line per run: its times and the µs per call of the "
+                    "kernels whose names contain this")
     a = ap.parse_args()
     B, T, H = (int(s) for s in a.shape.split("x"))
     if a.recur_steps:
@@ -130,6 +132,13 @@ def main():
         print(json.dumps(run, indent=1), flush=True)
         with open(a.out, "w") as fh:
             json.dump(out, fh, indent=1)
+    if a.focus:
+        print(f"== {a.shape}: fwd ms, fwd+bwd ms, µs per call of kernels with '{a.focus}'")
+        for run in out["runs"]:
+            ks = {k: v for part in ("fwd_kernels_us", "fwd+bwd_kernels_us") for k, v in run.get(part, {}).items()
+                  if a.focus in k}
+            print(f"== {run['impl']} {json.dumps(run['cfg'])}: {run['fwd_ms']:.3f} {run.get('fwd+bwd_ms', 0):.3f} "
+                  + " ".join(f"{k.split('(')[0]}={v:.0f}" for k, v in ks.items()), flush=True)
 
 
 if __name__ == "__main__":
