@@ -85,6 +85,18 @@ def cpu_profile(fn, reps=50, top=25):
     return {"host_enqueue_us_per_call": host_us, "cprofile": buf.getvalue()}
 
 
+def focus_lines(out, focus):
+    """One line per run: its forward and forward + backward ms, and the µs per call of the kernels whose names
+    contain `focus` (in the forward + backward, else the forward)."""
+    lines = [f"== {out['shape']}: fwd ms, fwd+bwd ms, µs per call of the kernels with '{focus}'"]
+    for run in out["runs"]:
+        ks = {k.split("(")[0]: v for part in ("fwd_kernels_us", "fwd+bwd_kernels_us")
+              for k, v in run.get(part, {}).items() if focus in k}
+        lines.append(f"== {run['impl']} {json.dumps(run['cfg'])}: {run['fwd_ms']:.3f} {run.get('fwd+bwd_ms', 0):.3f} "
+                     + " ".join(f"{k}={v:.0f}" for k, v in ks.items()))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x8192x96", help="BxTxH (D = 128)")
@@ -133,13 +145,7 @@ def main():
         with open(a.out, "w") as fh:
             json.dump(out, fh, indent=1)
     if a.focus:
-        print(f"== {a.shape}: fwd ms, fwd+bwd ms, µs per call of kernels with '{a.focus}'")
-        for run in out["runs"]:
-            ks = {k: v for part in ("fwd_kernels_us", "fwd+bwd_kernels_us") for k, v in run.get(part, {}).items()
-                  if a.focus in k}
-            print(f"== {run['impl']} {json.dumps(run['cfg'])}: {run['fwd_ms']:.3f} {run.get('fwd+bwd_ms', 0):.3f} "
-                  + " ".join(f"{k.split('(')[0]}={v:.0f}" for k, v in ks.items()), flush=True)
-
+        print("\n".join(focus_lines(out, a.focus)), flush=True)
 
 if __name__ == "__main__":
     main()

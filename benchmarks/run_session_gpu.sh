@@ -22,10 +22,11 @@
 #       benchmarks/probe/graph_branches.py (independent GEMVs of a layer side by side in the graph; GB=1);
 #       benchmarks/probe/moe_block.py (a batch-1 MoE as one persistent kernel vs the composed path; MB=1);
 #       benchmarks/probe/kda_block.py (a batch-1 KDA attention as one persistent kernel vs the composed ops; KB=1);
-#       benchmarks/kda_profile.py at the training shape 8 x 4096, H 12: the whole-row KDA intra backward against the
-#       column-block one's launch settings (KIB=1);
+#       benchmarks/kda_profile.py at the training shape 8 x 4096, H 12: the KDA kernels' launch settings, the
+#       column-block intra backward's among them (benchmarks/kda_train_variants.json; KIB=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
-#   4. benchmarks/train_throughput.py at 8 x 4096, plain and with regional torch.compile, in the same run.
+#   4. benchmarks/train_throughput.py at 8 x 4096, plain, under TRAIN_ENV's switches and with regional torch.compile,
+#      in the same run.
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
@@ -74,17 +75,11 @@ if [ "${GEMV:-0}" = 1 ]; then  # the decode projections: cuBLAS vs the GEMV kern
     || echo "gemv exit $?" >> "$OUT/gemv.log"
   cat "$OUT/gemv.log" | tail -45
 fi
-if [ "${KIB:-0}" = 1 ]; then  # the KDA intra backward: whole rows vs column blocks, at the training shape
-  V='[{"intra_bwd_kb": 16, "intra_bwd_cols_vb": 16}, {"intra_bwd_kb": 16, "intra_bwd_cols_vb": 16,
-    "intra_bwd_cols_maxnreg": 168}, {"intra_bwd_kb": 16, "intra_bwd_cols_vb": 32}, {"intra_bwd_kb": 32,
-    "intra_bwd_cols_vb": 32}, {"intra_bwd_kb": 32, "intra_bwd_cols_vb": 32, "intra_bwd_warps": 8},
-    {"intra_bwd_kb": 32, "intra_bwd_cols_vb": 32, "intra_bwd_warps": 8, "intra_bwd_cols_maxnreg": 168},
-    {"intra_bwd_kb": 16, "intra_bwd_cols_vb": 16, "intra_bwd_warps": 2}, {"intra_bwd_kb": 64, "intra_bwd_cols_vb":
-    32, "intra_bwd_warps": 8}, {"intra_bwd_kb": 16, "intra_bwd_cols_vb": 16, "intra_bwd_cols_stages": 2}]'
-  timeout ${KIB_S:-300} python3 benchmarks/kda_profile.py --shape 8x4096x12 --variants "${KIB_VARIANTS:-$V}" \
-    --focus intra_bwd --out "$OUT/kda_intra_bwd.json" > "$OUT/kda_intra_bwd.log" 2>&1 \
-    || echo "kda intra bwd exit $?" >> "$OUT/kda_intra_bwd.log"
-  grep -E "^==|exit|Error" "$OUT/kda_intra_bwd.log"
+if [ "${KIB:-0}" = 1 ]; then  # the KDA kernels' training launch settings (benchmarks/kda_train_variants.json)
+  timeout ${KIB_S:-420} python3 benchmarks/kda_profile.py --shape 8x4096x12 \
+    --variants "$(cat ${KIB_VARIANTS:-benchmarks/kda_train_variants.json})" --focus kda_ \
+    --out "$OUT/kda_train_cfg.json" > "$OUT/kda_train_cfg.log" 2>&1 || echo "kda train cfg exit $?" >> "$OUT/kda_train_cfg.log"
+  grep -E "^==|exit|Error" "$OUT/kda_train_cfg.log"
 fi
 if [ "${MOET:-0}" = 1 ]; then  # MoE expert tiles vs the grouped GEMMs, and their launch settings
   timeout ${MOET_S:-150} python3 benchmarks/probe/moe_tiles.py --out "$OUT/moe_tiles.json" > "$OUT/moe_tiles.log" 2>&1 \
@@ -155,6 +150,11 @@ if [ "${TRAIN:-1}" = 1 ]; then
   TT="python3 benchmarks/train_throughput.py --warmup 3 --steps 8 --batch 8"
   timeout 150 $TT ${TRAIN_ARGS:-} --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
   tail -n 30 "$OUT/train_plain.log"
+  if [ -n "${TRAIN_ENV:-}" ]; then  # the same step under environment switches, e.g. "K3_KDA_INTRA_BWD_KB=16"
+    timeout 150 env $TRAIN_ENV $TT ${TRAIN_ARGS:-} --label "$TRAIN_ENV" --out "$OUT/train_env.json" \
+      > "$OUT/train_env.log" 2>&1 || echo "exit $?" >> "$OUT/train_env.log"
+    tail -n 30 "$OUT/train_env.log"
+  fi
   if [ "${COMPILE:-1}" = 1 ]; then
     timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
       || echo "exit $?" >> "$OUT/train_compile.log"
