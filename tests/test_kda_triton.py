@@ -433,10 +433,11 @@ COLS = [  # B, T, H, K, V, cu_seqlens, column block, its value block
     (1, 37, 2, 32, 16, None, 16, 16),       # V = 16: scratch of its own
     (1, 20, 2, 128, 128, None, 32, 64),     # K = V = 128: scratch in the dS' slots, four column blocks
     (1, 77, 2, 32, 16, [0, 5, 21, 21, 60, 77], 16, 16),
+    (1, 29, 2, 48, 80, None, 32, 32),       # head dims below their blocks (64, 128): masked columns
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,V,cu,kb,vb", COLS, ids=["own-scratch", "ds-slot-scratch", "varlen"])
+@pytest.mark.parametrize("B,T,H,K,V,cu,kb,vb", COLS, ids=["own-scratch", "ds-slot-scratch", "varlen", "odd-dims"])
 def test_column_block_backward(B, T, H, K, V, cu, kb, vb):
     """`kda_intra_bwd_cols_kernel` against the fp64 oracle, and against the whole-row kernel (same inputs, same
     precision: only the order of the column sums differs)."""
