@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops import kda_block
+from ..ops import joined_linear as joined_linear_ops, kda_block
 from ..ops._triton import grid_counters
 from ..ops.gemv import linear
 from ..ops.conv import short_conv, short_conv_split, short_conv_step
@@ -149,18 +149,22 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         HK = H * K
-        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        w_qkv = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if joined_linear_ops.ENABLED:  # the four projections of x as one GEMM (`k3.ops.joined_linear`)
+            y, fa, b, gate = joined_linear_ops.joined_linear(
+                x, [w_qkv, self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight])
+        else:
+            y, fa, b, gate = F.linear(x, torch.cat(w_qkv)), self.f_a_proj(x), self.b_proj(x), None
         w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-        q, k, v = short_conv_split(F.linear(x, w_qkv), w_conv, (HK, HK, HK), cu_seqlens=cu_seqlens,
-                                   backend=self.elementwise_backend)
-        f = self.f_b_proj(self.f_a_proj(x))
-        b = self.b_proj(x)
+        q, k, v = short_conv_split(y, w_conv, (HK, HK, HK), cu_seqlens=cu_seqlens, backend=self.elementwise_backend)
+        f = self.f_b_proj(fa)
         rows = (1, B * T) if cu_seqlens is not None else (B, T)  # packed documents: one row (fla's convention)
         o, _ = chunk_kda_gated(q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, H, K), f.view(*rows, H, K),
                                b.view(*rows, H), self.A_log[:H], self.dt_bias, cu_seqlens=cu_seqlens,
                                use_qk_l2norm_in_kernel=True, lower_bound=self.lower_bound, backend=self.backend)
-        o = rms_norm_gated(o.reshape(B, T, H, K), self.o_norm.weight, self.g_proj(x).view(B, T, H, K),
-                           self.o_norm.eps, backend=self.elementwise_backend)
+        gate = self.g_proj(x) if gate is None else gate
+        o = rms_norm_gated(o.reshape(B, T, H, K), self.o_norm.weight, gate.view(B, T, H, K), self.o_norm.eps,
+                           backend=self.elementwise_backend)
         return self.o_proj(o.reshape(B, T, HK))
 
     def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None,

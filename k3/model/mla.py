@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops import mla_decode as mla_ops
+from ..ops import joined_linear as joined_linear_ops, mla_decode as mla_ops
 from ..ops.attention import chunk_attention, doc_causal_attention
 from ..ops.gemv import linear
 from ..ops.mla_decode import paged_mla_decode, triton_reason
@@ -75,6 +75,18 @@ class MLAttention(nn.Module):
         """x [B, T, D] → (c [B, T, kv_lora_rank] normalised latent, k_pe [B, T, rope])."""
         c, k_pe = linear(x, self.kv_a_proj_with_mqa.weight).split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c), k_pe
+
+    def _project_joined(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor | None]:
+        """`project_q`, `project_latent` and the output gate's logits (None without a gate), with the projections
+        of x (q or q_a, the latent, the gate) as one GEMM (`k3.ops.joined_linear`)."""
+        lora = not hasattr(self, "q_proj")
+        pieces = [self.q_a_proj.weight if lora else self.q_proj.weight, self.kv_a_proj_with_mqa.weight]
+        outs = joined_linear_ops.joined_linear(x, pieces + ([self.g_proj.weight] if self.g_proj is not None else []))
+        q = linear(self.q_a_layernorm(outs[0]), self.q_b_proj.weight) if lora else outs[0]
+        c, k_pe = outs[1].split([self.kv_lora_rank, self.rope], dim=-1)
+        return (q.view(*x.shape[:2], self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
+                outs[2] if self.g_proj is not None else None)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.vdim, self.kv_lora_rank)
@@ -150,12 +162,14 @@ class MLAttention(nn.Module):
             out = self.context_parallel.mla(self, x, cu_seqlens)
             return out if residual is None else residual + out
         B, T, _ = x.shape
-        q = self.project_q(x)
-        c, k_pe = self.project_latent(x)
         if cache is None and attention_mask is None and self.attn_impl in ("auto", "naive") \
                 and self.attn_backend != "reference":
-            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens), residual=residual,
+            q, c, k_pe, gate = self._project_joined(x) if joined_linear_ops.ENABLED else (
+                self.project_q(x), *self.project_latent(x), None)
+            return self._finish(x, self._attend_docs(q, c, k_pe, cu_seqlens), gate=gate, residual=residual,
                                 residual_inplace=residual_inplace)
+        q = self.project_q(x)
+        c, k_pe = self.project_latent(x)
         past = 0
         if cache is not None:
             if "c" in cache:
