@@ -150,11 +150,16 @@ if [ "${TRAIN:-1}" = 1 ]; then
   TT="python3 benchmarks/train_throughput.py --warmup 3 --steps 8 --batch 8"
   timeout 150 $TT ${TRAIN_ARGS:-} --label plain --out "$OUT/train_plain.json" > "$OUT/train_plain.log" 2>&1 || echo "exit $?" >> "$OUT/train_plain.log"
   tail -n 30 "$OUT/train_plain.log"
-  if [ -n "${TRAIN_ENV:-}" ]; then  # the same step under environment switches, e.g. "K3_KDA_INTRA_BWD_KB=16"
-    timeout 150 env $TRAIN_ENV $TT ${TRAIN_ARGS:-} --label "$TRAIN_ENV" --out "$OUT/train_env.json" \
-      > "$OUT/train_env.log" 2>&1 || echo "exit $?" >> "$OUT/train_env.log"
-    tail -n 30 "$OUT/train_env.log"
-  fi
+  # the same step under environment switches, one run per ';'-separated set, e.g.
+  # TRAIN_ENV="K3_JOINED_PROJ=1; K3_KDA_INTRA_BWD_KB=16 K3_KDA_INTRA_BWD_COLS_VB=16"
+  IFS=';' read -ra SETS <<< "${TRAIN_ENV:-}"
+  for i in "${!SETS[@]}"; do
+    E=$(echo ${SETS[$i]})
+    [ -z "$E" ] && continue
+    timeout 150 env $E $TT ${TRAIN_ARGS:-} --label "$E" --out "$OUT/train_env$i.json" > "$OUT/train_env$i.log" 2>&1 \
+      || echo "exit $?" >> "$OUT/train_env$i.log"
+    echo "== $E"; tail -n 12 "$OUT/train_env$i.log"
+  done
   if [ "${COMPILE:-1}" = 1 ]; then
     timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
       || echo "exit $?" >> "$OUT/train_compile.log"

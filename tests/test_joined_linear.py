@@ -99,8 +99,8 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q-lora", "q-proj"])
 def test_model_training_step_equal_with_joined_projections(monkeypatch, q_lora):
-    """k3-tiny in fp64 on packed documents: the loss and every parameter's gradient are the same with the KDA and
-    MLA input projections joined (`K3_JOINED_PROJ`) as without, and the joined path ran (KDA and MLA layers)."""
+    """k3-tiny in fp64 on packed documents: the loss and every parameter's gradient are the same with the KDA,
+    MLA and LatentMoE input projections joined (`K3_JOINED_PROJ`) as without, and the joined paths ran."""
     import k3.ops.joined_linear as JL
     from conftest import make_tiny
     model = make_tiny(seed=3, **({} if q_lora else {"q_lora_rank": None})).double().train()
@@ -117,7 +117,8 @@ def test_model_training_step_equal_with_joined_projections(monkeypatch, q_lora):
         out = model(ids, labels=ids, cu_seqlens=cu)
         (out.loss + 0.1 * out.mtp_loss).backward()
         res[on] = (out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert sorted(set(calls)) == [3, 4], calls  # MLA (q or q_a, latent, gate) and KDA (qkv, f_a, beta, gate)
+    # MoE (latent, shared gate | up), MLA (q or q_a, latent, gate) and KDA (qkv, f_a, beta, gate)
+    assert sorted(set(calls)) == [2, 3, 4], calls
     torch.testing.assert_close(res[True][0], res[False][0], rtol=1e-12, atol=0)
     assert res[True][1].keys() == res[False][1].keys()
     for n, g in res[False][1].items():

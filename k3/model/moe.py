@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops import moe_block
+from ..ops import joined_linear as joined_linear_ops, moe_block
 from ..ops._triton import grid_counters
 from ..ops.gemv import linear, linear_fp32_tail
 from ..ops.moe import experts_forward, route, routed_decode_fits
@@ -110,7 +110,7 @@ class LatentMoE(nn.Module):
         sh, down, router = self.shared_experts, self.routed_expert_down_proj.weight, self.gate.weight
         joined = (sh is not None and self.expert_parallel is None and not torch.is_grad_enabled()
                   and not torch.is_autocast_enabled(x.device.type) and router.dtype == down.dtype)
-        logits = None
+        logits = gate_up = None
         if joined:  # inference: x's latent, the shared experts' gate ‖ up and the router's logits (fp32) as one
             # GEMM (a GEMV in a decode step) over joined weights
             w_in = joined_weight(self, "in_proj", [down, sh.gate_proj.weight, sh.up_proj.weight, router], down.dtype)
@@ -118,6 +118,9 @@ class LatentMoE(nn.Module):
                 return self._block_decode(xf, w_in, residual).reshape(shape)
             y_in, logits = linear_fp32_tail(xf, w_in, router.shape[0])
             lat, gate_up = y_in.split([down.shape[0], y_in.shape[-1] - down.shape[0]], dim=-1)
+        elif sh is not None and joined_linear_ops.ENABLED and torch.is_grad_enabled():
+            # training: x's latent and the shared experts' gate ‖ up as one GEMM (`k3.ops.joined_linear`)
+            lat, gate_up = joined_linear_ops.joined_linear(xf, [down, [sh.gate_proj.weight, sh.up_proj.weight]])
         else:
             lat = linear(xf, down)
         ex, beta, lbeta = self.experts, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta
@@ -141,7 +144,8 @@ class LatentMoE(nn.Module):
             return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm,
                           add_inplace=residual_inplace).reshape(shape)
         if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + sh(xf)).reshape(shape)
+            shared = sh(xf) if gate_up is None else sh.down(gate_up)
+            out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + shared).reshape(shape)
             return out if residual is None else residual + out
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
         # the shared experts' output is a new tensor: the up projection accumulates into it in place
