@@ -1,9 +1,13 @@
 """The token-parallel KDA backward in column blocks: `kda_intra_bwd_kernel`'s gradients with [16, KB] tiles live.
 
-`intra.kda_intra_bwd_kernel` keeps about fifteen [16, K] fp32 tiles live at once (255 registers and ~3 KB of spills
-per thread at K = 128, 4 warps: it is 36 ms of the 551 ms k3-small training step). This kernel gives the same
-gradients from the same inputs while only [16, KB] column blocks and 16 x 16 matrices are live, so it needs no
-spills and more programs fit on an SM -- the way `kda_intra_fwd_kernel` already works.
+`intra.kda_intra_bwd_kernel` keeps about fifteen [16, K] fp32 tiles live at once: at K = 128, 4 warps, its sm_90a
+build takes 255 registers, spills 284 bytes and 57 KB of shared memory, so two programs (8 warps) share an SM, and
+it is 36 ms of the 551 ms k3-small training step (latency-bound: ≈ 2 GB of states and tokens would take 0.45 ms at
+the HBM rate, against 3 ms per layer). This kernel gives the same gradients from the same inputs while only
+[16, KB] column blocks and 16 x 16 matrices are live: 6 KB of shared memory, 168-206 registers, no spills. It
+pays for that in instructions: counted from its SASS (loop bodies x trip counts), 1.7-2.9x the whole-row
+kernel's per program (its passes recompute the factor tiles; small tiles pay loop and layout overhead). Which one
+is faster is for the GPU to say (`benchmarks/kda_train_variants.json`); the loser goes.
 
 Every column-sum the backward needs goes through a 16 x 16 matrix. With w = T diag(beta) ke, u = T diag(beta) v,
 dRw = T^T dw and dRu = T^T du (T = (I + diag(beta) M)^-1):
@@ -32,7 +36,7 @@ def _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, sbase, t0, nvali
                  KB: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     """Key columns [kb, kb + KB) of dqe = do S^T, dw = -du S^T, dkg = vn dS'^T [16, KB] and dD = rowsum(S * dS')
     [KB], over value blocks of VB (a loop: unrolled, as `kda_intra_bwd_kernel` has it, this kernel spills). That
-    kernel keeps its own copy: sharing this helper moved its sm_90a build (3.2 -> 3.5 KB of spills), and it is the
+    kernel keeps its own copy: sharing this helper changed its code generation (more spills), and it is the
     measured default until the GPU decides between the two; the loser is then deleted."""
     rows = tl.arange(0, 16)
     rm = rows < nvalid
@@ -41,20 +45,22 @@ def _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, sbase, t0, nvali
     dqe = tl.zeros([16, KB], tl.float32)
     dw = tl.zeros([16, KB], tl.float32)
     dkg = tl.zeros([16, KB], tl.float32)
-    dD = tl.zeros([KB], tl.float32)
+    SdS = tl.zeros([VB, KB], tl.float32)  # S * dS' summed over value blocks, reduced once after the loop
     for vb in range(0, BV, VB):
         vc = vb + tl.arange(0, VB)
         vm = vc < V
-        sm = kcm[:, None] & vm[None, :]
+        sm = vm[:, None] & kcm[None, :]
         mv = rm[:, None] & vm[None, :]
         offv = (t0 + rows)[:, None] * (H * V) + h * V + vc[None, :]
-        S = tl.load(hall_ptr + sbase + kc[:, None] * V + vc[None, :], mask=sm, other=0.0)
-        dS = tl.load(dsall_ptr + sbase + kc[:, None] * V + vc[None, :], mask=sm, other=0.0)
-        dob = tl.load(do_ptr + offv, mask=mv, other=0.0)
-        dqe += _mm(dob, tl.trans(S), BF16, DOT_PREC)
-        dw -= _mm(tl.load(du_ptr + offv, mask=mv, other=0.0), tl.trans(S), BF16, DOT_PREC)
-        dkg += _mm(tl.load(vnew_ptr + offv, mask=mv, other=0.0), tl.trans(dS), BF16, DOT_PREC)
-        dD += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+        # the states' tiles loaded transposed, [VB, KB]: the products' right operands as they are (no transpose
+        # through shared memory)
+        St = tl.load(hall_ptr + sbase + kc[None, :] * V + vc[:, None], mask=sm, other=0.0)
+        dSt = tl.load(dsall_ptr + sbase + kc[None, :] * V + vc[:, None], mask=sm, other=0.0)
+        dqe += _mm(tl.load(do_ptr + offv, mask=mv, other=0.0), St, BF16, DOT_PREC)
+        dw -= _mm(tl.load(du_ptr + offv, mask=mv, other=0.0), St, BF16, DOT_PREC)
+        dkg += _mm(tl.load(vnew_ptr + offv, mask=mv, other=0.0), dSt, BF16, DOT_PREC)
+        SdS += St.to(tl.float32) * dSt.to(tl.float32)
+    dD = tl.sum(SdS, 0)
     return dqe, dw, dkg, dD
 
 
