@@ -87,8 +87,8 @@ def kernels():
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
                          "kda_intra_bwd_cols_kernel": "intra_bwd_warps",
                          "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
-        if name == "kda_intra_bwd_cols_kernel":  # its launch as CFG would set it when switched on (KB 16)
-            consts.update(KB=16, VB=CFG["intra_bwd_cols_vb"])
+        if name == "kda_intra_bwd_cols_kernel":  # its launch as CFG would set it when switched on (KB 32)
+            consts.update(KB=32, VB=CFG["intra_bwd_cols_vb"], KA=CFG["intra_bwd_cols_ka"])
             opts = dict(num_stages=CFG["intra_bwd_cols_stages"])
             out.append((name, fn, t, consts, warps, opts))
             out.append((name + "[maxnreg 168]", fn, t, consts, warps, dict(opts, maxnreg=168)))

@@ -5,7 +5,8 @@
 Builds each kernel as `scripts/kda_regs.py` does (bf16, D = 128, the JIT's alignment specializations), disassembles
 it (nvdisasm, shipped with Triton) and weights every instruction by the trip counts of the loops around it (backward
 branches): an estimate of the instructions a program issues, per thread and times the warps. The column-block
-kernel is evaluated only where its key and value blocks are equal, so that every loop runs 128 / block times.
+kernel is evaluated only where its key and value blocks are equal and pass A's block is the same or the whole 128
+columns, so that every loop left runs 128 / block times.
 A static count, not a measurement: it says how much work each variant asks of the SM's schedulers, not how well
 they hide latency.
 """
@@ -70,12 +71,14 @@ def main():
     for warps in (4, 8):
         st, dyn, sp = count(sass(fn, types, consts, warps), 1)
         print(f"kda_intra_bwd_kernel       warps {warps}: {dyn:6d} per thread, {dyn * warps:7d} per program, "
-              f"{sp} spill instructions", flush=True)
+              f"{sp} local-memory (LDL/STL)", flush=True)
     _, fn, types, consts, _, _ = ks["kda_intra_bwd_cols_kernel"]
-    for kb, warps, stages in ((16, 4, 1), (16, 4, 2), (16, 2, 1), (32, 4, 1), (32, 8, 1), (64, 8, 1)):
-        st, dyn, sp = count(sass(fn, types, dict(consts, KB=kb, VB=kb), warps, num_stages=stages), 128 // kb)
-        print(f"kda_intra_bwd_cols_kernel  KB=VB {kb:2d} warps {warps} stages {stages}: {dyn:6d} per thread, "
-              f"{dyn * warps:7d} per program, {sp} spill instructions", flush=True)
+    # (KB = VB, KA, warps, stages): KA = KB, or KA = 128 (pass A in one block: its loop over key blocks is gone)
+    for kb, ka, warps, stages in ((16, 16, 4, 1), (16, 16, 2, 1), (32, 32, 4, 1), (32, 128, 4, 1), (32, 32, 8, 1),
+                                  (64, 64, 8, 1)):
+        st, dyn, sp = count(sass(fn, types, dict(consts, KB=kb, VB=kb, KA=ka), warps, num_stages=stages), 128 // kb)
+        print(f"kda_intra_bwd_cols_kernel  KB=VB {kb:2d} KA {ka:3d} warps {warps} stages {stages}: {dyn:6d} per "
+              f"thread, {dyn * warps:7d} per program, {sp} local-memory (LDL/STL)", flush=True)
 
 
 if __name__ == "__main__":

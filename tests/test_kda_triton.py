@@ -429,23 +429,25 @@ def test_dispatch_and_errors():
 
 
 # ---------------------------------------------------------------- the column-block backward (CFG intra_bwd_kb)
-COLS = [  # B, T, H, K, V, cu_seqlens, column block, its value block
-    (1, 37, 2, 32, 16, None, 16, 16),       # V = 16: scratch of its own
-    (1, 20, 2, 128, 128, None, 32, 64),     # K = V = 128: scratch in the dS' slots, four column blocks
-    (1, 77, 2, 32, 16, [0, 5, 21, 21, 60, 77], 16, 16),
-    (1, 29, 2, 48, 80, None, 32, 32),       # head dims below their blocks (64, 128): masked columns
+COLS = [  # B, T, H, K, V, cu_seqlens, column block, its value block, pass A's column block
+    (1, 37, 2, 32, 16, None, 16, 16, 32),       # V = 16: scratch of its own
+    (1, 20, 2, 128, 128, None, 32, 64, 128),    # K = V = 128: scratch in the dS' slots, four column blocks
+    (1, 20, 2, 128, 128, None, 64, 32, 16),     # pass A in narrower blocks than passes B and C
+    (1, 77, 2, 32, 16, [0, 5, 21, 21, 60, 77], 16, 16, 16),
+    (1, 29, 2, 48, 80, None, 32, 32, 64),       # head dims below their blocks (64, 128): masked columns
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,V,cu,kb,vb", COLS, ids=["own-scratch", "ds-slot-scratch", "varlen", "odd-dims"])
-def test_column_block_backward(B, T, H, K, V, cu, kb, vb):
+@pytest.mark.parametrize("B,T,H,K,V,cu,kb,vb,ka", COLS,
+                         ids=["own-scratch", "ds-slot-scratch", "narrow-pass-a", "varlen", "odd-dims"])
+def test_column_block_backward(B, T, H, K, V, cu, kb, vb, ka):
     """`kda_intra_bwd_cols_kernel` against the fp64 oracle, and against the whole-row kernel (same inputs, same
     precision: only the order of the column sums differs)."""
     from k3.ops.kda.triton.chunk import cfg_override
     x, gr = make(B, T, H, K, V, seed=30 + K + T, N=len(cu) - 1 if cu else None, f_scale=4.0)
     kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV)) if cu else {}
     whole = run_gated(triton_gated, x, gr, torch.float32, **kw)
-    with cfg_override(intra_bwd_kb=kb, intra_bwd_cols_vb=vb):
+    with cfg_override(intra_bwd_kb=kb, intra_bwd_cols_vb=vb, intra_bwd_cols_ka=ka):
         compare(x, gr, strict=None if CUDA else STRICT, **kw)
         cols = run_gated(triton_gated, x, gr, torch.float32, **kw)
     for n in whole:
@@ -506,8 +508,8 @@ def test_gpu_bf16_k128(f_shift, f_scale):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("kb,vb,cap", [(16, 16, 0), (16, 16, 168), (32, 32, 0)])
-def test_gpu_bf16_column_block_backward(kb, vb, cap):
+@pytest.mark.parametrize("kb,vb,ka,cap", [(16, 16, 16, 0), (16, 16, 16, 168), (32, 32, 128, 0)])
+def test_gpu_bf16_column_block_backward(kb, vb, ka, cap):
     """The column-block backward in bf16 at K = V = 128 (dS' slots as scratch), varlen, with a register cap."""
     from k3.ops.kda.triton.chunk import cfg_override
     cu = [0, 15, 100, 300, 1200, 2000]
@@ -516,7 +518,7 @@ def test_gpu_bf16_column_block_backward(kb, vb, cap):
         x[n] = x[n].bfloat16().float()
     kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
     whole = run_gated(triton_gated, x, gr, torch.bfloat16, **kw)
-    with cfg_override(intra_bwd_kb=kb, intra_bwd_cols_vb=vb, intra_bwd_cols_maxnreg=cap):
+    with cfg_override(intra_bwd_kb=kb, intra_bwd_cols_vb=vb, intra_bwd_cols_ka=ka, intra_bwd_cols_maxnreg=cap):
         compare(x, gr, dtype=torch.bfloat16, **kw)
         cols = run_gated(triton_gated, x, gr, torch.bfloat16, **kw)
     for n in whole:  # bf16 outputs: the two kernels differ by their column-sum order and one rounding

@@ -56,15 +56,17 @@ CFG = {
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
-    # key-column block of the column-block token-parallel backward (`intra_bwd.kda_intra_bwd_cols_kernel`: 6 KB of
-    # shared memory, no spills, more instructions); 0 takes the whole-row `kda_intra_bwd_kernel` (255 registers,
-    # 57 KB; 36 ms of the k3-small training step). Off until timed on the GPU (`benchmarks/kda_train_variants.json`)
+    # key-column block of the column-block token-parallel backward (`intra_bwd.kda_intra_bwd_cols_kernel`: no spills,
+    # more instructions); 0 takes the whole-row `kda_intra_bwd_kernel` (255 registers, 284 bytes of spills, 57 KB
+    # of shared memory; 36 ms of the k3-small training step). Off until timed (`benchmarks/kda_train_variants.json`)
     "intra_bwd_kb": int(os.environ.get("K3_KDA_INTRA_BWD_KB", "0")),
-    # its value block, software-pipelining stages and register cap (0: ptxas's choice). sm_90a builds
-    # (`scripts/kda_regs.py`, local Triton 3.9): KB 16, VB 16, 4 warps: 206 registers with 1 stage, 168 with 2, no
-    # spills; capped at 168 with 1 stage, 28 bytes of spills (3 programs per SM instead of 2 either way)
-    "intra_bwd_cols_vb": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_VB", "16")),
-    "intra_bwd_cols_stages": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_STAGES", "2")),
+    # its value block, pass A's key block, software-pipelining stages and register cap (0: ptxas's choice). sm_90a
+    # builds (`scripts/kda_regs.py`, `scripts/sass_count.py`, local Triton 3.9), 4 warps: KB 32, VB 32, KA 128:
+    # 255 registers, no spills, ~38.7k instructions per program (the whole-row kernel: ~23.7k); KB = VB = KA = 16:
+    # 206 registers, ~68k
+    "intra_bwd_cols_vb": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_VB", "32")),
+    "intra_bwd_cols_ka": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_KA", "128")),
+    "intra_bwd_cols_stages": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_STAGES", "1")),
     "intra_bwd_cols_maxnreg": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_MAXNREG", "0")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
@@ -461,7 +463,8 @@ class _ChunkKDA(torch.autograd.Function):
             kda_intra_bwd_cols_kernel[(NC, H)](
                 qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du, scr,
                 dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb, slot, row,
-                BK=BK, BV=BVf, KB=KB, VB=min(CFG["intra_bwd_cols_vb"], BVf), DOT_PREC=_prec(qp.dtype),
+                BK=BK, BV=BVf, KB=KB, VB=min(CFG["intra_bwd_cols_vb"], BVf), KA=min(CFG["intra_bwd_cols_ka"], BK),
+                DOT_PREC=_prec(qp.dtype),
                 BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], num_stages=CFG["intra_bwd_cols_stages"],
                 **({"maxnreg": cap} if cap else {}), **flags)
         else:

@@ -4,10 +4,11 @@
 build takes 255 registers, spills 284 bytes and 57 KB of shared memory, so two programs (8 warps) share an SM, and
 it is 36 ms of the 551 ms k3-small training step (latency-bound: ≈ 2 GB of states and tokens would take 0.45 ms at
 the HBM rate, against 3 ms per layer). This kernel gives the same gradients from the same inputs while only
-[16, KB] column blocks and 16 x 16 matrices are live: 6 KB of shared memory, 168-206 registers, no spills. It
-pays for that in instructions: counted from its SASS (loop bodies x trip counts), 1.7-2.9x the whole-row
-kernel's per program (its passes recompute the factor tiles; small tiles pay loop and layout overhead). Which one
-is faster is for the GPU to say (`benchmarks/kda_train_variants.json`); the loser goes.
+column blocks and 16 x 16 matrices are live: no spills, and with small blocks 6 KB of shared memory and 168-206
+registers (3 programs per SM). It pays for that in instructions: counted from its SASS (`scripts/sass_count.py`:
+loop bodies x trip counts), 1.6-2.9x the whole-row kernel's per program (its passes recompute the factor tiles;
+small tiles pay loop and layout overhead). Which one is faster is for the GPU to say
+(`benchmarks/kda_train_variants.json`); the loser goes.
 
 Every column-sum the backward needs goes through a 16 x 16 matrix. With w = T diag(beta) ke, u = T diag(beta) v,
 dRw = T^T dw and dRu = T^T du (T = (I + diag(beta) M)^-1):
@@ -70,12 +71,13 @@ def kda_intra_bwd_cols_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_p
                               dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, ddtb_ptr, dalog_ptr,
                               H, K, V, scale, lower_bound, scr_slot, scr_row,
                               BK: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                              GATE: tl.constexpr, BETA_SIG: tl.constexpr, L2: tl.constexpr,
+                              KA: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr, L2: tl.constexpr,
                               DOT_PREC: tl.constexpr, BF16: tl.constexpr):
-    """Per (chunk, head), `kda_intra_bwd_kernel`'s outputs (see the module docstring). scr_ptr: fp32 scratch with
-    scr_slot values per program and scr_row (>= SCRATCH_ROW) per key column; it may alias the program's dS' slot
-    (pass A parks block kb's values over dS' rows [kb, kb + KB), which it has just read, and nothing after reads
-    them)."""
+    """Per (chunk, head), `kda_intra_bwd_kernel`'s outputs (see the module docstring). Pass A walks the key columns
+    in blocks of KA (its state products are the larger tiles: fewer, longer loops), passes B and C in blocks of KB.
+    scr_ptr: fp32 scratch with scr_slot values per program and scr_row (>= SCRATCH_ROW) per key column c (dqe, dw,
+    dkg rows at c·scr_row + 0 / 16 / 32, dD at + 48); it may alias the program's dS' slot: pass A parks columns
+    [ka, ka + KA) over dS' rows [ka, ka + KA), which it has just read, and nothing after reads them."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(chunks_ptr + 2 * ic)
@@ -86,25 +88,25 @@ def kda_intra_bwd_cols_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_p
     rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, sx, H, K, BK, KB, BETA_SIG, L2)
     sbase = (ic * H + h).to(tl.int64) * K * V
     pbase = (ic * H + h).to(tl.int64) * scr_slot
-    so = rows[:, None] * KB + tl.arange(0, KB)[None, :]
+    base = scr_ptr + pbase
 
     # pass A: M, X and the state products, parked for pass B
     M = tl.zeros([16, 16], tl.float32)
     X = tl.zeros([16, 16], tl.float32)
-    for kb in range(0, BK, KB):
-        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, sx, K, kb, lower_bound, KB, GATE)
-        kn = _cols(k_ptr, t0, nvalid, h, sx, K, kb, KB) * rk[:, None]
+    for ka in range(0, BK, KA):
+        G, _ = _gate_cols(g_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, sx, K, ka, lower_bound, KA, GATE)
+        kn = _cols(k_ptr, t0, nvalid, h, sx, K, ka, KA) * rk[:, None]
         ke = kn * tl.exp(G)
         M += tl.dot(ke, tl.trans(kn * tl.exp(-G)), input_precision=DOT_PREC)
         dqe, dw, dkg, dD = _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, sbase, t0, nvalid, h, H,
-                                        K, V, kb, KB, BV, VB, BF16, DOT_PREC)
+                                        K, V, ka, KA, BV, VB, BF16, DOT_PREC)
         X += tl.dot(dw, tl.trans(ke), input_precision=DOT_PREC)
-        tl.debug_barrier()  # every thread has read this block's dS' rows before any overwrites them
-        base = scr_ptr + pbase + kb * scr_row
-        tl.store(base + so, dqe)
-        tl.store(base + 16 * KB + so, dw)
-        tl.store(base + 32 * KB + so, dkg)
-        tl.store(base + 48 * KB + tl.arange(0, KB), dD)
+        tl.debug_barrier()  # every thread has read these dS' rows before any overwrites them
+        ca = (ka + tl.arange(0, KA)) * scr_row
+        tl.store(base + rows[:, None] + ca[None, :], dqe)
+        tl.store(base + 16 + rows[:, None] + ca[None, :], dw)
+        tl.store(base + 32 + rows[:, None] + ca[None, :], dkg)
+        tl.store(base + 48 + ca, dD)
     M = tl.where(rows[:, None] > rows[None, :], M, 0.0)
     Tm = _unit_lower_inverse(beta[:, None] * M)
     TmT = tl.trans(Tm)
@@ -162,16 +164,16 @@ def kda_intra_bwd_cols_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_p
         ke = kn * eG
         ki = kn * eGi
         kg = kn * eC
-        base = scr_ptr + pbase + kb * scr_row
+        so = rows[:, None] + (kc * scr_row)[None, :]
         dqe = tl.load(base + so) + tl.dot(dAs, ki, input_precision=DOT_PREC)
-        dkg = tl.load(base + 32 * KB + so)
-        dke = beta[:, None] * tl.dot(TmT, tl.load(base + 16 * KB + so), input_precision=DOT_PREC) \
+        dkg = tl.load(base + 32 + so)
+        dke = beta[:, None] * tl.dot(TmT, tl.load(base + 16 + so), input_precision=DOT_PREC) \
             + tl.dot(dM, ki, input_precision=DOT_PREC)
         dki = tl.dot(dMT, ke, input_precision=DOT_PREC) + tl.dot(dAsT, qe, input_precision=DOT_PREC)
         dqn = (dqe * eG + dAd[:, None] * kn) * scale
         dkn = dke * eG + dki * eGi + dkg * eC + dAd[:, None] * qs
         dG = dqe * qe + dke * ke - dki * ki - dkg * kg
-        dgC = tl.sum(dkg * kg, 0) + tl.load(base + 48 * KB + tl.arange(0, KB)) * tl.exp(gC)
+        dgC = tl.sum(dkg * kg, 0) + tl.load(base + 48 + kc * scr_row) * tl.exp(gC)
         dG += tl.where(rows[:, None] == 15, dgC[None, :], 0.0)
         dg = tl.where(mk, tl.cumsum(dG, 0, reverse=True), 0.0)
         if GATE:
@@ -188,7 +190,7 @@ def kda_intra_bwd_cols_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_p
             sk += tl.sum(dkn * kn, 1)
             tl.debug_barrier()  # every thread has loaded this block's parked dqe and dkg
             tl.store(base + so, dqn)
-            tl.store(base + 32 * KB + so, dkn)
+            tl.store(base + 32 + so, dkn)
         else:
             tl.store(dq_ptr + offk, dqn.to(dq_ptr.dtype.element_ty), mask=mk)
             tl.store(dk_ptr + offk, dkn.to(dk_ptr.dtype.element_ty), mask=mk)
@@ -202,10 +204,10 @@ def kda_intra_bwd_cols_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_p
             kc = kb + tl.arange(0, KB)
             mk = rm[:, None] & (kc < K)[None, :]
             offk = (t0 + rows)[:, None] * sx + h * K + kc[None, :]
-            base = scr_ptr + pbase + kb * scr_row
+            so = rows[:, None] + (kc * scr_row)[None, :]
             qn = _cols(q_ptr, t0, nvalid, h, sx, K, kb, KB) * rq[:, None]
             kn = _cols(k_ptr, t0, nvalid, h, sx, K, kb, KB) * rk[:, None]
             dq = (tl.load(base + so) - qn * sq[:, None]) * rq[:, None]
-            dk = (tl.load(base + 32 * KB + so) - kn * sk[:, None]) * rk[:, None]
+            dk = (tl.load(base + 32 + so) - kn * sk[:, None]) * rk[:, None]
             tl.store(dq_ptr + offk, dq.to(dq_ptr.dtype.element_ty), mask=mk)
             tl.store(dk_ptr + offk, dk.to(dk_ptr.dtype.element_ty), mask=mk)
