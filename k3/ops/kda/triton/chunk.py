@@ -67,7 +67,9 @@ CFG = {
     "intra_bwd_cols_vb": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_VB", "32")),
     "intra_bwd_cols_ka": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_KA", "128")),
     "intra_bwd_cols_stages": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_STAGES", "1")),
-    "intra_bwd_cols_maxnreg": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_MAXNREG", "0")),
+    # a register cap for the token-parallel backward, either kernel (0: none). The whole-row kernel at 8 warps
+    # capped at 128 (sm_90a, aligned build): 406 bytes of spills, 16 warps per SM against 8 now
+    "intra_bwd_maxnreg": int(os.environ.get("K3_KDA_INTRA_BWD_MAXNREG", "0")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
@@ -457,22 +459,22 @@ class _ChunkKDA(torch.autograd.Function):
         BK, BVf = _blk(K), _blk(V)
         VB = min(CFG["intra_bwd_vb"], BVf)
         KB = min(CFG["intra_bwd_kb"], BK)
+        cap = {"maxnreg": CFG["intra_bwd_maxnreg"]} if CFG["intra_bwd_maxnreg"] else {}
         if KB:
             scr, slot, row = _intra_bwd_scratch(dsall, NC, H, K, V, BK)
-            cap = CFG["intra_bwd_cols_maxnreg"]
             kda_intra_bwd_cols_kernel[(NC, H)](
                 qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du, scr,
                 dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb, slot, row,
                 BK=BK, BV=BVf, KB=KB, VB=min(CFG["intra_bwd_cols_vb"], BVf), KA=min(CFG["intra_bwd_cols_ka"], BK),
                 DOT_PREC=_prec(qp.dtype),
                 BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], num_stages=CFG["intra_bwd_cols_stages"],
-                **({"maxnreg": cap} if cap else {}), **flags)
+                **cap, **flags)
         else:
             kda_intra_bwd_kernel[(NC, H)](
                 qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
                 dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
                 BK=BK, BV=BVf, VB=VB, DOT_PREC=_prec(qp.dtype),
-                BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags)
+                BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **cap, **flags)
         dA_log = dalog.sum(0).reshape(ashape) if gate else None
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731
