@@ -120,10 +120,13 @@ def test_engine_with_decode_blocks_equals_the_engine_without(blocks, monkeypatch
 
 @cuda
 @pytest.mark.cuda
-def test_cuda_block_at_k3_small_width_and_in_a_graph():
+@pytest.mark.parametrize("coop", [False, True], ids=["plain-launch", "cooperative-launch"])
+def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
     """k3-small's KDA dimensions (D 1,536, 12 heads of 128, conv 4), bf16, every SM's programs: the composed ops'
     output within bf16 rounding, the window equal, the state within fp32 rounding of bf16 inputs; a CUDA graph of
-    the kernel replayed equals an eager run from the same pools, bitwise."""
+    the kernel replayed equals an eager run from the same pools, bitwise; launched plainly and as a cooperative
+    grid."""
+    monkeypatch.setitem(kda_block.LAUNCH, "coop", coop)
     a = _inputs(1536, 12, 128, 4, 6, torch.bfloat16, "cuda", seed=9)
     b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
     with torch.no_grad():

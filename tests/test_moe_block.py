@@ -116,13 +116,24 @@ def test_block_rejects_bad_inputs():
             moe_block_decode(**{**args, name: value})
 
 
+def test_cooperative_launch_keywords():
+    """`LAUNCH["coop"]` asks the driver for a cooperative grid on CUDA only (the interpreter runs programs in turn)."""
+    from k3.ops._triton import cooperative
+    assert cooperative(torch.zeros(1), True) == {} and cooperative(torch.zeros(1), False) == {}
+    if torch.cuda.is_available():
+        assert cooperative(torch.zeros(1, device="cuda"), True) == {"launch_cooperative_grid": True}
+
+
 @cuda
 @pytest.mark.cuda
-def test_cuda_block_at_k3_small_width_and_in_a_graph(monkeypatch):
+@pytest.mark.parametrize("coop", [False, True], ids=["plain-launch", "cooperative-launch"])
+def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
     """k3-small's MoE dimensions, bf16, every SM's programs (the barriers for real): the composed path's output
-    within bf16 rounding, the same experts; a CUDA graph of the kernel replayed equals its eager run, bitwise."""
+    within bf16 rounding, the same experts; a CUDA graph of the kernel replayed equals its eager run, bitwise;
+    launched plainly and as a cooperative grid."""
     from k3.config import K3Config
     from k3.model.moe import LatentMoE
+    monkeypatch.setitem(moe_block.LAUNCH, "coop", coop)
 
     cfg = K3Config.preset("k3-small").text_config
     torch.manual_seed(7)

@@ -68,6 +68,7 @@ def main() -> int:
     default = kda_block.LAUNCH
     tiles = [(default["bn"], default["bc"], default["bv"]), (16, 64, 16), (4, 32, 16), (8, 128, 32)]
     settings = [dict(bn=bn, bc=bc, bv=bv, per_sm=ps) for (bn, bc, bv), ps in itertools.product(tiles, (1, 2, 4))]
+    settings += [dict(per_sm=ps, coop=True) for ps in (2, 4)]  # last: a refused launch cannot spoil the others
     res["rows"].update(launch_sweep(
         kda_block.LAUNCH, settings, lambda: [kda_block_decode(**lay) for lay in layers], a.reps, a.layers, base, floor,
         lambda: {"barrier_timed_out": any(int(lay["counters"][2]) for lay in layers)}))

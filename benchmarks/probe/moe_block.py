@@ -79,6 +79,7 @@ def main() -> int:
         cnts = [t for m in mods for t in m.__dict__.get("_grid_counters", {}).values()]
         return {"rel_rms": err, "barrier_timed_out": any(int(t[2]) for t in cnts)}
     settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
+    settings += [dict(per_sm=ps, coop=True) for ps in (2, 4)]  # last: a refused launch cannot spoil the others
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

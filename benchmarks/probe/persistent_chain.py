@@ -316,6 +316,16 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             res["rows"][f"barrier G{G}"] = dict(error=repr(e)[:600])
             print(f"barrier G{G} failed: {e!r}"[:600], flush=True)
+    # cooperative launches (the driver guarantees co-residency or refuses), last: a refused one cannot spoil the rest
+    for per_sm in a.per_sm:
+        G, bn = sms * per_sm, a.bn[0]
+        name = f"persist G{G} BN{bn} coop"
+        cnt.zero_()
+        report(name, lambda G=G, bn=bn: run_persistent(w, act, tab, cnt, len(sh), G, bn, a.ch, 0,
+                                                       launch_cooperative_grid=True), out, x1)
+        if int(cnt[2]):
+            res["rows"][name]["barrier_timed_out"] = True
+            print(f"{name}: a grid barrier TIMED OUT", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     return 0

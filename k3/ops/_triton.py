@@ -65,6 +65,13 @@ def pdl(x) -> dict:
     return _PDL_ON if _pdl_capable(x.device.index if x.device.index is not None else 0) else {}
 
 
+def cooperative(x, on: bool) -> dict:
+    """Launch keywords of a persistent kernel (programs meeting at grid barriers) whose tensors live where x does:
+    {"launch_cooperative_grid": True} with `on` on CUDA -- the driver then guarantees every program is resident at
+    once, or refuses the launch with an error -- else {} (the CPU interpreter runs programs one by one)."""
+    return {"launch_cooperative_grid": True} if on and x.is_cuda else {}
+
+
 def grid_counters(owner, device):
     """A persistent kernel's barrier counters for one caller on `device`: an int32 [3] tensor of zeros (arrivals,
     finished programs, a timed-out barrier's flag: `k3.ops._triton_jit.grid_barrier`), made once and kept on

@@ -21,12 +21,14 @@ import os
 
 import torch
 
-from ._triton import check_counters, pdl, runs_on
+from ._triton import check_counters, cooperative, pdl, runs_on
 
 ON = os.environ.get("K3_MOE_BLOCK", "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
-# load (CH); warps; programs per SM. Not yet tuned on a GPU.
-LAUNCH = {"bn": 8, "bi": 4, "bl": 4, "ch": 256, "warps": 4, "per_sm": 2}
+# load (CH); warps; programs per SM; a cooperative launch (`coop`: the driver refuses a grid whose programs cannot
+# all be resident at once, where a plain launch would leave the barrier to time out; off until tried under graph
+# capture on the GPU). Not yet tuned on a GPU.
+LAUNCH = {"bn": 8, "bi": 4, "bl": 4, "ch": 256, "warps": 4, "per_sm": 2, "coop": False}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -80,7 +82,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
         float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
         BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
-        BLN=triton.next_power_of_2(L), num_warps=c["warps"], **pdl(x))
+        BLN=triton.next_power_of_2(L), num_warps=c["warps"], **cooperative(x, c["coop"]), **pdl(x))
     return out, idx, wt, scores
 
 
