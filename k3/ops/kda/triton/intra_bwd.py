@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .intra import _beta, _cols, _gate_cols, _mm, _norms_beta, _unit_lower_inverse
+from .intra import _cols, _gate_cols, _mm, _norms_beta, _program_chunk, _unit_lower_inverse
 
 SCRATCH_ROW = 49  # fp32 values parked per key column: dqe, dw, dkg (16 rows each) and dD
 
@@ -78,12 +78,7 @@ def kda_intra_bwd_cols_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_p
     scr_ptr: fp32 scratch with scr_slot values per program and scr_row (>= SCRATCH_ROW) per key column c (dqe, dw,
     dkg rows at c·scr_row + 0 / 16 / 32, dD at + 48); it may alias the program's dS' slot: pass A parks columns
     [ka, ka + KA) over dS' rows [ka, ka + KA), which it has just read, and nothing after reads them."""
-    ic = tl.program_id(0)
-    h = tl.program_id(1)
-    t0 = tl.load(chunks_ptr + 2 * ic)
-    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
-    rows = tl.arange(0, 16)
-    rm = rows < nvalid
+    ic, h, t0, nvalid, rows, rm = _program_chunk(chunks_ptr)
     sx = H * K
     rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, sx, H, K, BK, KB, BETA_SIG, L2)
     sbase = (ic * H + h).to(tl.int64) * K * V
