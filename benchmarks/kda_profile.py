@@ -142,6 +142,8 @@ def main():
                 run["fwd+bwd_kernels_us"] = breakdown(step, 3)
         out["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
+        if a.focus:  # as each run ends: a time limit keeps the lines of the runs before it
+            print(focus_lines({"shape": a.shape, "runs": [run]}, a.focus)[1], flush=True)
         with open(a.out, "w") as fh:
             json.dump(out, fh, indent=1)
     if a.focus:
