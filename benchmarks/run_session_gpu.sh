@@ -24,6 +24,7 @@
 #       benchmarks/probe/kda_block.py (a batch-1 KDA attention as one persistent kernel vs the composed ops; KB=1);
 #       benchmarks/kda_profile.py at the training shape 8 x 4096, H 12: the KDA kernels' launch settings, the
 #       column-block intra backward's among them (benchmarks/kda_train_variants.json; KIB=1);
+#       benchmarks/joined_proj.py (a KDA / MLA / MoE layer's training step, projections joined and separate; JP=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain, under TRAIN_ENV's switches and with regional torch.compile,
 #      in the same run.
@@ -80,6 +81,11 @@ if [ "${KIB:-0}" = 1 ]; then  # the KDA kernels' training launch settings (bench
     --variants "$(cat ${KIB_VARIANTS:-benchmarks/kda_train_variants.json})" --focus kda_ \
     --out "$OUT/kda_train_cfg.json" > "$OUT/kda_train_cfg.log" 2>&1 || echo "kda train cfg exit $?" >> "$OUT/kda_train_cfg.log"
   grep -E "^==|exit|Error" "$OUT/kda_train_cfg.log"
+fi
+if [ "${JP:-0}" = 1 ]; then  # one KDA / MLA / MoE layer's forward + backward with joined and separate projections
+  timeout ${JP_S:-150} python3 benchmarks/joined_proj.py --out "$OUT/joined_proj.json" > "$OUT/joined_proj.log" 2>&1 \
+    || echo "joined proj exit $?" >> "$OUT/joined_proj.log"
+  grep -E "^(kda|mla|moe):|exit|Error" "$OUT/joined_proj.log"
 fi
 if [ "${MOET:-0}" = 1 ]; then  # MoE expert tiles vs the grouped GEMMs, and their launch settings
   timeout ${MOET_S:-150} python3 benchmarks/probe/moe_tiles.py --out "$OUT/moe_tiles.json" > "$OUT/moe_tiles.log" 2>&1 \
