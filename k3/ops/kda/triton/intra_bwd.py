@@ -2,8 +2,8 @@
 
 `intra.kda_intra_bwd_kernel` keeps about fifteen [16, K] fp32 tiles live at once: at K = 128, 4 warps, its sm_90a
 build takes 255 registers, spills 284 bytes and 57 KB of shared memory, so two programs (8 warps) share an SM, and
-it is 36 ms of the 551 ms k3-small training step (latency-bound: ≈ 2 GB of states and tokens would take 0.45 ms at
-the HBM rate, against 3 ms per layer). This kernel gives the same gradients from the same inputs while only
+it is 36 ms of the 551 ms k3-small training step (latency-bound: ≈ 2.5 GB of states and tokens would take ≈ 0.5 ms
+at the HBM rate, against 3 ms per layer). This kernel gives the same gradients from the same inputs while only
 column blocks and 16 x 16 matrices are live: no spills, and with small blocks 6 KB of shared memory and 168-206
 registers (3 programs per SM). It pays for that in instructions: counted from its SASS (`scripts/sass_count.py`:
 loop bodies x trip counts), 1.6-2.9x the whole-row kernel's per program (its passes recompute the factor tiles;
