@@ -398,6 +398,20 @@ def test_layer_fast_with_triton_elementwise():
     _compare_layer(ref, _layer_run(kda.float(), x, cu, True, torch.float32), TOL)
 
 
+def test_layer_fast_joined_projections_with_triton_kernels(monkeypatch):
+    """`K3_JOINED_PROJ`: the Triton short conv, KDA chunk kernels and gated RMSNorm (fp32; interpreter on CPU) read
+    the joined GEMM's column views (row stride: the joined width) in place; packed documents, vs the fp64
+    step-by-step path within 1e-5."""
+    import k3.ops.joined_linear as JL
+    kda = _tiny_kda(torch.float64)
+    x = torch.randn(B, T, kda.q_proj.in_features, generator=_gen(7), dtype=torch.float64)
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
+    ref = _layer_run(kda, x, cu, False, torch.float64)
+    kda.elementwise_backend, kda.backend = "triton", "triton"
+    monkeypatch.setattr(JL, "ENABLED", True)
+    _compare_layer(ref, _layer_run(kda.float(), x, cu, True, torch.float32), TOL)
+
+
 def test_layer_masked_and_cached_paths_unchanged():
     """With an attention mask or a cache the layer runs the step-by-step code whatever `fast` says."""
     kda = _tiny_kda(torch.float32)
