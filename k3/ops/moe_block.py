@@ -11,9 +11,11 @@ joined inference branch: `linear_fp32_tail`, `experts_decode_routed`, `SituMLP.d
 which `tests/test_moe_block.py` compares against. The values differ from that path only by the order of fp32
 sums (and the shared SiTU-GLU's exact tanh where the separate kernel may use the hardware's on a GPU).
 
-`ON` (K3_MOE_BLOCK=1) is read at each call; off by default until `benchmarks/serve.py` has timed it. On a CPU the
-kernel runs under Triton's interpreter with one program (the interpreter runs programs one after another, so a
-grid barrier among several could only time out).
+`ON` (K3_MOE_BLOCK; read at each call) is on by default where CUDA is: on the H200 (2026-12-05) `benchmarks/serve.py`
+took the batch-1 step from 1.09 to 1.04 ms with it, and `probe/moe_block.py` timed 23.2 against 25.7 µs per layer.
+Its launch is cooperative (`LAUNCH["coop"]`), so the driver guarantees the programs' co-residency the barriers need
+or refuses. On a CPU (K3_MOE_BLOCK=1 or the tests) the kernel runs under Triton's interpreter with one program (the
+interpreter runs programs one after another, so a grid barrier among several could only time out).
 """
 from __future__ import annotations
 
@@ -23,14 +25,13 @@ import torch
 
 from ._triton import check_counters, cooperative, pdl, runs_on
 
-ON = os.environ.get("K3_MOE_BLOCK", "0") == "1"
+ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
 # load (CH); warps; programs per SM; a cooperative launch (`coop`: the driver refuses a grid whose programs cannot
-# all be resident at once, where a plain launch would leave the barrier to time out; off until tried under graph
-# capture on the GPU; it works there at the same cost). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph,
-# 12 settings): bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other
-# settings 25.5-54.5
-LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": False}
+# all be resident at once, where a plain launch would leave the barrier to time out; under graph capture on the
+# H200 it costs 0.3-0.5 µs per layer). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph, 12 settings):
+# bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
+LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
