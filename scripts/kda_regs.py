@@ -33,7 +33,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 # slots): the JIT specializes such values (tt.divisibility 16), as it does every 16-byte-aligned pointer, and the
 # compiled code depends on it (vector loads, address arithmetic; the whole-row KDA backward: 5.9k instructions and
 # 62 bytes of spills per thread with these hints, 12.4k and 3.2 KB without)
-ALIGNED_INTS = frozenset({"K", "V", "sx", "sg", "sv", "sq", "sk", "slot_stride", "scr_slot", "scr_row"})
+ALIGNED_INTS = frozenset({"K", "V", "sx", "sg", "sv", "sq", "sk", "slot_stride"})
 
 
 def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
@@ -60,7 +60,7 @@ def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
 def kernels():
     """(name, kernel, pointer/float argument types, constexprs, warps, compile options) at D = 128 with bf16
     inputs."""
-    from k3.ops.kda.triton import decode, intra, intra_bwd, recur
+    from k3.ops.kda.triton import decode, intra, recur
     from k3.ops.kda.triton.chunk import CFG
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     flags = dict(GATE=True, BETA_SIG=True, L2=True)
@@ -71,10 +71,10 @@ def kernels():
                                "dht_ptr", "dh0_ptr", "du_ptr", "ddtb_ptr", "dalog_ptr", "dqe_ptr", "dw_ptr",
                                "dkg_ptr", "daqk_ptr", "dgc_ptr", "da_ptr", "dd_ptr")})
     t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr", "idx_ptr")})
-    t["s_ptr"] = t["scr_ptr"] = f32
+    t["s_ptr"] = f32
     t.update(scale="fp32", lower_bound="fp32")
     out = []
-    mods = (intra, intra_bwd, recur, decode)
+    mods = (intra, recur, decode)
     for name in sorted({n for m in mods for n in dir(m) if n.endswith("_kernel")}):
         fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
@@ -85,14 +85,7 @@ def kernels():
         if "decode" in name:
             consts["BV"] = 64  # kda_decode_triton's default block
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
-                         "kda_intra_bwd_cols_kernel": "intra_bwd_warps",
                          "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
-        if name == "kda_intra_bwd_cols_kernel":  # its launch as CFG would set it when switched on (KB 32)
-            consts.update(KB=32, VB=CFG["intra_bwd_cols_vb"], KA=CFG["intra_bwd_cols_ka"])
-            opts = dict(num_stages=CFG["intra_bwd_cols_stages"])
-            out.append((name, fn, t, consts, warps, opts))
-            out.append((name + "[maxnreg 168]", fn, t, consts, warps, dict(opts, maxnreg=168)))
-            continue
         out.append((name, fn, t, consts, warps, {}))
         if name == "kda_recur_fwd_kernel":  # the segment-summary specialisations (sequence splitting)
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, STORE_H=False, HAS_H0=False), warps, {}))

@@ -17,8 +17,8 @@ import pytest
 triton = pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = {"kda_intra_fwd_kernel", "kda_intra_bwd_kernel", "kda_intra_bwd_cols_kernel", "kda_recur_fwd_kernel",
-           "kda_recur_bwd_kernel", "kda_decode_kernel"}
+KERNELS = {"kda_intra_fwd_kernel", "kda_intra_bwd_kernel", "kda_recur_fwd_kernel", "kda_recur_bwd_kernel",
+           "kda_decode_kernel"}
 
 
 def test_kernels_compile_for_sm90():

@@ -428,80 +428,6 @@ def test_dispatch_and_errors():
         chunk_kda(big, big, big, -torch.rand_like(big), torch.rand(1, 4, 1, device=DEV), backend="triton")
 
 
-# ---------------------------------------------------------------- the column-block backward (CFG intra_bwd_kb)
-COLS = [  # B, T, H, K, V, cu_seqlens, column block, its value block, pass A's column block
-    (1, 37, 2, 32, 16, None, 16, 16, 32),       # V = 16: scratch of its own
-    (1, 20, 2, 128, 128, None, 32, 64, 128),    # K = V = 128: scratch in the dS' slots, four column blocks
-    (1, 20, 2, 128, 128, None, 64, 32, 16),     # pass A in narrower blocks than passes B and C
-    (1, 77, 2, 32, 16, [0, 5, 21, 21, 60, 77], 16, 16, 16),
-    (1, 29, 2, 48, 80, None, 32, 32, 64),       # head dims below their blocks (64, 128): masked columns
-]
-
-
-@pytest.mark.parametrize("B,T,H,K,V,cu,kb,vb,ka", COLS,
-                         ids=["own-scratch", "ds-slot-scratch", "narrow-pass-a", "varlen", "odd-dims"])
-def test_column_block_backward(B, T, H, K, V, cu, kb, vb, ka):
-    """`kda_intra_bwd_cols_kernel` against the fp64 oracle, and against the whole-row kernel (same inputs, same
-    precision: only the order of the column sums differs)."""
-    from k3.ops.kda.triton.chunk import cfg_override
-    x, gr = make(B, T, H, K, V, seed=30 + K + T, N=len(cu) - 1 if cu else None, f_scale=4.0)
-    kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV)) if cu else {}
-    whole = run_gated(triton_gated, x, gr, torch.float32, **kw)
-    with cfg_override(intra_bwd_kb=kb, intra_bwd_cols_vb=vb, intra_bwd_cols_ka=ka):
-        compare(x, gr, strict=None if CUDA else STRICT, **kw)
-        cols = run_gated(triton_gated, x, gr, torch.float32, **kw)
-    for n in whole:
-        assert rmse(whole[n], cols[n]) <= 1e-5, (n, rmse(whole[n], cols[n]))
-
-
-@pytest.mark.parametrize("l2", [False, True], ids=["no-l2norm", "l2norm"])
-def test_column_block_backward_ungated(l2):
-    """The column-block backward of `chunk_kda` (activated g, post-sigmoid beta; with and without the l2norm)."""
-    from k3.ops.kda.triton.chunk import cfg_override
-    x, gr = make(1, 40, 2, 64, 64, seed=31 + l2)
-    g = kda_gate(x["f"], x["A_log"], x["dt_bias"])
-    beta = torch.sigmoid(x["beta"])
-    # the kernels' factor tiles need unit-norm keys (e^-G up to e^80): normalised here when the kernel does not
-    q, k = (x["q"], x["k"]) if l2 else (torch.nn.functional.normalize(x[n], dim=-1) for n in ("q", "k"))
-    res = {}
-    for name, dt in (("triton", torch.float32), ("reference", torch.float64)):
-        leaf = [t.detach().to(DEV, dt).clone().requires_grad_() for t in (q, k, x["v"], g, beta, x["h0"])]
-        with cfg_override(intra_bwd_kb=32):
-            o, ht = chunk_kda(*leaf[:5], initial_state=leaf[5], output_final_state=True, backend=name,
-                              use_qk_l2norm_in_kernel=l2)
-            ((o.double() * gr["do"].to(DEV).double()).sum()
-             + (ht.double() * gr["dht"].to(DEV).double()).sum()).backward()
-        res[name] = [o, ht] + [t.grad for t in leaf]
-    for n, r, t in zip(["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"], res["reference"], res["triton"]):
-        assert rmse(r, t) <= min(TOL[n], STRICT if not CUDA else 1.0), (n, rmse(r, t))
-
-
-@pytest.mark.parametrize("settings", [dict(intra_bwd_warps=8, intra_bwd_maxnreg=128),
-                                      dict(intra_bwd_kb=32, intra_bwd_maxnreg=168)], ids=["whole-rows", "columns"])
-def test_backward_register_cap(settings):
-    """A register cap on either token-parallel backward (`CFG["intra_bwd_maxnreg"]`, a compile option: more
-    programs per SM for some spills) changes no result beyond rounding."""
-    from k3.ops.kda.triton.chunk import cfg_override
-    x, gr = make(1, 20, 2, 128, 128, seed=33, f_scale=4.0)
-    with cfg_override(**settings):
-        compare(x, gr, strict=None if CUDA else STRICT)
-
-
-def test_column_block_scratch_reuses_the_ds_slots():
-    """The column-block backward parks its values in dS' itself when a slot's rows hold them (49 fp32 per key
-    column), else in a buffer of its own; with a bf16 dS' at K = V = 128 the slot is a 32 KB fp32 view."""
-    from k3.ops.kda.triton.chunk import _intra_bwd_scratch
-    from k3.ops.kda.triton.intra_bwd import SCRATCH_ROW
-    ds = torch.empty(3, 2, 128, 128, dtype=torch.bfloat16)
-    scr, slot, row = _intra_bwd_scratch(ds, 3, 2, 128, 128, 128)
-    assert scr.data_ptr() == ds.data_ptr() and scr.dtype == torch.float32 and (slot, row) == (128 * 64, 64)
-    ds = torch.empty(3, 2, 128, 64, dtype=torch.bfloat16)  # 32 fp32 per row: too narrow
-    scr, slot, row = _intra_bwd_scratch(ds, 3, 2, 128, 64, 128)
-    assert scr.data_ptr() != ds.data_ptr() and scr.numel() == 3 * 2 * 128 * SCRATCH_ROW and row == SCRATCH_ROW
-    ds = torch.empty(3, 2, 96, 128, dtype=torch.float32)  # K below its block: blocks would pass the slot's end
-    assert _intra_bwd_scratch(ds, 3, 2, 96, 128, 128)[0].data_ptr() != ds.data_ptr()
-
-
 # ---------------------------------------------------------------- GPU only: bf16, K3 sizes, fla
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -515,25 +441,6 @@ def test_gpu_bf16_k128(f_shift, f_scale):
     for n in ("q", "k", "v", "f", "beta"):  # the oracle sees the same bf16-rounded inputs
         x[n] = x[n].bfloat16().float()
     compare(x, gr, dtype=torch.bfloat16)
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize("kb,vb,ka,cap", [(16, 16, 16, 0), (16, 16, 16, 168), (32, 32, 128, 0)])
-def test_gpu_bf16_column_block_backward(kb, vb, ka, cap):
-    """The column-block backward in bf16 at K = V = 128 (dS' slots as scratch), varlen, with a register cap."""
-    from k3.ops.kda.triton.chunk import cfg_override
-    cu = [0, 15, 100, 300, 1200, 2000]
-    x, gr = make(1, cu[-1], 4, 128, 128, seed=25, N=len(cu) - 1, f_scale=4.0)
-    for n in ("q", "k", "v", "f", "beta"):
-        x[n] = x[n].bfloat16().float()
-    kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV))
-    whole = run_gated(triton_gated, x, gr, torch.bfloat16, **kw)
-    with cfg_override(intra_bwd_kb=kb, intra_bwd_cols_vb=vb, intra_bwd_cols_ka=ka, intra_bwd_maxnreg=cap):
-        compare(x, gr, dtype=torch.bfloat16, **kw)
-        cols = run_gated(triton_gated, x, gr, torch.bfloat16, **kw)
-    for n in whole:  # bf16 outputs: the two kernels differ by their column-sum order and one rounding
-        assert rmse(whole[n], cols[n]) <= 1e-2, (n, rmse(whole[n], cols[n]))
 
 
 @cuda

@@ -21,7 +21,6 @@ from ..._host import to_device
 from ..states_at import chunk_slots
 from .combine import combine_segments, combine_segments_torch
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
-from .intra_bwd import SCRATCH_ROW, kda_intra_bwd_cols_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
 # Launch parameters (env-overridable for tuning sweeps on the GPU); defaults are the fastest measured
@@ -53,23 +52,12 @@ CFG = {
     "mid_programs_max": int(os.environ.get("K3_KDA_MID_PROGRAMS_MAX", "16384")),
     "mid_intra_kb": 128,
     "mid_intra_warps": 2,
+    # warps of the token-parallel backward. At the training shape (8 x 4,096, H 12; `kda_profile.py` with
+    # `benchmarks/kda_train_variants.json`, H200, 2026-12-05) 4 warps 2.87 ms per call; 8 warps 4.20, 8 capped at
+    # 128 registers 3.62, 4 capped at 168 3.91; a column-block variant with no spills 4.13-10.77 (removed)
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
-    # key-column block of the column-block token-parallel backward (`intra_bwd.kda_intra_bwd_cols_kernel`: no spills,
-    # more instructions); 0 takes the whole-row `kda_intra_bwd_kernel` (255 registers, 284 bytes of spills, 57 KB
-    # of shared memory; 36 ms of the k3-small training step). Off until timed (`benchmarks/kda_train_variants.json`)
-    "intra_bwd_kb": int(os.environ.get("K3_KDA_INTRA_BWD_KB", "0")),
-    # its value block, pass A's key block, software-pipelining stages and register cap (0: ptxas's choice). sm_90a
-    # builds (`scripts/kda_regs.py`, `scripts/sass_count.py`, local Triton 3.9), 4 warps: KB 32, VB 32, KA 128:
-    # 255 registers, no spills, ~38.7k instructions per program (the whole-row kernel: ~23.7k); KB = VB = KA = 16:
-    # 206 registers, ~68k
-    "intra_bwd_cols_vb": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_VB", "32")),
-    "intra_bwd_cols_ka": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_KA", "128")),
-    "intra_bwd_cols_stages": int(os.environ.get("K3_KDA_INTRA_BWD_COLS_STAGES", "1")),
-    # a register cap for the token-parallel backward, either kernel (0: none). The whole-row kernel at 8 warps
-    # capped at 128 (sm_90a, aligned build): 406 bytes of spills, 16 warps per SM against 8 now
-    "intra_bwd_maxnreg": int(os.environ.get("K3_KDA_INTRA_BWD_MAXNREG", "0")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
@@ -222,16 +210,6 @@ def _blk(d):
 
 def _bf16(x):
     return CFG["bf16_dots"] and x.dtype != torch.float32 and x.device.type != "cpu"
-
-
-def _intra_bwd_scratch(dsall, NC, H, K, V, BK):
-    """fp32 scratch of the column-block backward as (tensor, values per program, values per key column): each
-    program's own dS' slot (read once, then free) when its rows are wide enough, else a new buffer."""
-    es = dsall.element_size()
-    if K == BK and (V * es) % 4 == 0 and V * es // 4 >= SCRATCH_ROW and dsall.is_contiguous():
-        return dsall.view(-1).view(torch.float32), K * V * es // 4, V * es // 4
-    return torch.empty(NC * H * BK * SCRATCH_ROW, device=dsall.device, dtype=torch.float32), BK * SCRATCH_ROW, \
-        SCRATCH_ROW
 
 
 def _prec(dtype):
@@ -458,23 +436,11 @@ class _ChunkKDA(torch.autograd.Function):
         dalog = torch.empty(NC, H, **f32) if gate else None
         BK, BVf = _blk(K), _blk(V)
         VB = min(CFG["intra_bwd_vb"], BVf)
-        KB = min(CFG["intra_bwd_kb"], BK)
-        cap = {"maxnreg": CFG["intra_bwd_maxnreg"]} if CFG["intra_bwd_maxnreg"] else {}
-        if KB:
-            scr, slot, row = _intra_bwd_scratch(dsall, NC, H, K, V, BK)
-            kda_intra_bwd_cols_kernel[(NC, H)](
-                qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du, scr,
-                dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb, slot, row,
-                BK=BK, BV=BVf, KB=KB, VB=min(CFG["intra_bwd_cols_vb"], BVf), KA=min(CFG["intra_bwd_cols_ka"], BK),
-                DOT_PREC=_prec(qp.dtype),
-                BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], num_stages=CFG["intra_bwd_cols_stages"],
-                **cap, **flags)
-        else:
-            kda_intra_bwd_kernel[(NC, H)](
-                qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
-                dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
-                BK=BK, BV=BVf, VB=VB, DOT_PREC=_prec(qp.dtype),
-                BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **cap, **flags)
+        kda_intra_bwd_kernel[(NC, H)](
+            qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
+            dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
+            BK=BK, BV=BVf, VB=VB, DOT_PREC=_prec(qp.dtype),
+            BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags)
         dA_log = dalog.sum(0).reshape(ashape) if gate else None
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731

@@ -117,18 +117,6 @@ def _factors(qs, kn, g, beta, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _program_chunk(chunks_ptr):
-    """This program's (chunk index, head, first token, valid rows) from the (start, length) chunk table, with the
-    16 row indices and their validity mask."""
-    ic = tl.program_id(0)
-    h = tl.program_id(1)
-    t0 = tl.load(chunks_ptr + 2 * ic)
-    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
-    rows = tl.arange(0, 16)
-    return ic, h, t0, nvalid, rows, rows < nvalid
-
-
-@triton.jit
 def _cols(x_ptr, t0, nvalid, h, sx, K, kb, KB: tl.constexpr):
     """Rows [t0, t0 + nvalid) x columns [kb, kb + KB) of one head of x [T, H, K] (row stride sx; each row's
     [H, K] contiguous), as fp32 (0 outside)."""
@@ -186,7 +174,12 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_p
     kg <- Tb^T kg (re-read from the just-written kg), and do not store Tb: the recurrence then needs no
     v_new (o = qe S + Aqk X, S' = e^{G_C} S + kg^T X with X = v - ke S), one matmul less on its chain.
     """
-    ic, h, t0, nvalid, rows, rm = _program_chunk(chunks_ptr)
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(chunks_ptr + 2 * ic)
+    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
+    rows = tl.arange(0, 16)
+    rm = rows < nvalid
     rq, rk, beta = _norms_beta(q_ptr, k_ptr, b_ptr, t0, nvalid, h, sx, sb, K, BK, KB, BETA_SIG, L2)
     odt = ke_ptr.dtype.element_ty
     M = tl.zeros([16, 16], tl.float32)
