@@ -65,28 +65,29 @@ class MLAttention(nn.Module):
         # `mla(layer, x, cu_seqlens)` runs this layer on this rank's share of the sequences (training only)
         self.context_parallel = None
 
-    def project_q(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → q [B, T, H, nope + rope]."""
-        q = (linear(x, self.q_proj.weight) if hasattr(self, "q_proj")
-             else linear(self.q_a_layernorm(linear(x, self.q_a_proj.weight)), self.q_b_proj.weight))
+    def project_q(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] → q [B, T, H, nope + rope]. `first`: x's q_proj (or q_a_proj) output, when already formed."""
+        lora = not hasattr(self, "q_proj")
+        if first is None:
+            first = linear(x, self.q_a_proj.weight if lora else self.q_proj.weight)
+        q = linear(self.q_a_layernorm(first), self.q_b_proj.weight) if lora else first
         return q.view(*x.shape[:2], self.num_heads, self.nope + self.rope)
 
-    def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, D] → (c [B, T, kv_lora_rank] normalised latent, k_pe [B, T, rope])."""
-        c, k_pe = linear(x, self.kv_a_proj_with_mqa.weight).split([self.kv_lora_rank, self.rope], dim=-1)
+    def project_latent(self, x: torch.Tensor, ckv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → (c [B, T, kv_lora_rank] normalised latent, k_pe [B, T, rope]). `ckv`: x's
+        kv_a_proj_with_mqa output, when already formed."""
+        ckv = linear(x, self.kv_a_proj_with_mqa.weight) if ckv is None else ckv
+        c, k_pe = ckv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
     def _project_joined(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                           torch.Tensor | None]:
         """`project_q`, `project_latent` and the output gate's logits (None without a gate), with the projections
         of x (q or q_a, the latent, the gate) as one GEMM (`k3.ops.joined_linear`)."""
-        lora = not hasattr(self, "q_proj")
-        pieces = [self.q_a_proj.weight if lora else self.q_proj.weight, self.kv_a_proj_with_mqa.weight]
-        outs = joined_linear_ops.joined_linear(x, pieces + ([self.g_proj.weight] if self.g_proj is not None else []))
-        q = linear(self.q_a_layernorm(outs[0]), self.q_b_proj.weight) if lora else outs[0]
-        c, k_pe = outs[1].split([self.kv_lora_rank, self.rope], dim=-1)
-        return (q.view(*x.shape[:2], self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
-                outs[2] if self.g_proj is not None else None)
+        first = self.q_proj.weight if hasattr(self, "q_proj") else self.q_a_proj.weight
+        gate = [self.g_proj.weight] if self.g_proj is not None else []
+        outs = joined_linear_ops.joined_linear(x, [first, self.kv_a_proj_with_mqa.weight] + gate)
+        return (self.project_q(x, outs[0]), *self.project_latent(x, outs[1]), outs[2] if gate else None)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.vdim, self.kv_lora_rank)
