@@ -5,8 +5,10 @@
   graph+pf{A}   the same, plus an L2 prefetch of GEMV i+A's weights on a side stream of the graph, launched when
                 GEMV i−1 has finished (graph edges, no polling): weights stream from HBM while the chain runs
                 (`k3.ops.l2_prefetch.l2_prefetch`, what the engine's K3_L2_PREFETCH graphs hold);
-  persist       ONE kernel of G programs (one per SM): each GEMV's row tiles are shared out, a grid-wide barrier
-                (an atomic counter) separates consecutive GEMVs;
+  persist       ONE kernel of G programs (1, 2 or 4 per SM, a cooperative launch): each GEMV's row tiles are
+                shared out, a grid-wide barrier (an atomic counter) separates consecutive GEMVs; a tile is summed
+                in one of the forms of `VARIANTS` (chunk by chunk; the production GEMV's pipelined MMA form; the
+                whole tile in one load), the table's offsets declared 16-byte aligned or not;
   persist+pf{A} the same, each program prefetching into L2 the tiles it will own A GEMVs later before it waits
                 at the barrier (Hopper's `cp.async.bulk.prefetch.L2`: one instruction per contiguous tile).
 
@@ -41,41 +43,84 @@ HBM = 4.3e12  # bytes/s: the H200's bandwidth as `benchmarks/serve.py` counts it
 
 
 @triton.jit
-def _tile(w_ptr, x_ptr, y_ptr, rows, N, K, BN: tl.constexpr, CH: tl.constexpr):
+def _tile(w_ptr, x_ptr, y_ptr, rows, N, K, BN: tl.constexpr, CH: tl.constexpr, TILE: tl.constexpr,
+          KP: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr):
     """y[rows] = W[rows, :K] · x[:K] for one tile of BN rows, fp32 sums, bf16 out (x read past L1: other programs
-    wrote it)."""
+    wrote it). TILE 0: CH-column chunks one after another (each load waits for the sum before it); 1: the
+    production GEMV's form, x padded to a 16-row MMA tile and W's chunks pipelined over S stages (cp.async into
+    shared memory, several chunks in flight; IEEE: its product in fp32, for the CPU interpreter, whose bf16 dot is
+    wrong); 2: the whole [BN, K ≤ KP] tile in one load (all of it in flight)."""
     rm = rows < N
-    acc = tl.zeros([BN], tl.float32)
-    for c0 in range(0, K, CH):
-        cols = c0 + tl.arange(0, CH)
+    if TILE == 0:
+        acc = tl.zeros([BN], tl.float32)
+        for c0 in range(0, K, CH):
+            cols = c0 + tl.arange(0, CH)
+            cm = cols < K
+            x = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rm[:, None] & cm[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], 1)
+    elif TILE == 1:
+        m = tl.arange(0, 16)
+        acc2 = tl.zeros([16, BN], tl.float32)
+        for c0 in tl.range(0, K, CH, num_stages=S):
+            cols = c0 + tl.arange(0, CH)
+            cm = cols < K
+            x = tl.load(x_ptr + m[:, None] * 0 + cols[None, :], mask=(m[:, None] == 0) & cm[None, :], other=0.0,
+                        cache_modifier=".cg")
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rm[:, None] & cm[None, :],
+                        other=0.0)
+            if IEEE:
+                acc2 += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc2 = tl.dot(x, tl.trans(w), acc2)
+        acc = tl.sum(tl.where(m[:, None] == 0, acc2, 0.0), 0)
+    else:
+        cols = tl.arange(0, KP)
         cm = cols < K
         x = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rm[:, None] & cm[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], 1)
+        acc = tl.sum(w * x[None, :], 1)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rm)
 
 
 @triton.jit
 def persistent_chain_kernel(w_ptr, act_ptr, tab_ptr, cnt_ptr, L, G, BN: tl.constexpr, CH: tl.constexpr,
-                            AHEAD: tl.constexpr, SPINS: tl.constexpr = 1 << 20):
+                            AHEAD: tl.constexpr, SPINS: tl.constexpr = 1 << 20, TILE: tl.constexpr = 0,
+                            KP: tl.constexpr = 2048, S: tl.constexpr = 3, TS: tl.constexpr = 1,
+                            IEEE: tl.constexpr = False, ALIGNED: tl.constexpr = True):
     """Program p of G: for GEMV i = 0..L-1 (table row i: weight offset, N, K, input offset, output offset, all in
     elements), tiles p, p+G, … of BN rows; a grid barrier between GEMVs. AHEAD > 0: before each barrier, prefetch
     into L2 the program's tiles of GEMV i+AHEAD (and at the start those of GEMVs 0..AHEAD-1). The last program to
     finish resets the two counters (cnt[0]: barrier arrivals, cnt[1]: finished programs) for the next launch; cnt[2]
-    is set if a barrier timed out (`grid_barrier`)."""
+    is set if a barrier timed out (`grid_barrier`). TILE, KP, S: `_tile`'s form; TS > 1: the loop over a
+    program's tiles pipelined over TS stages (the next tile's loads issued while this one is summed)."""
     p = tl.program_id(0)
     if AHEAD > 0:
         for j in range(0, AHEAD):
             _prefetch_tiles(w_ptr, tab_ptr, j, p, G, L, BN)
     for i in range(0, L):
+        # offsets and K are multiples of 8 elements (16 bytes; `build`): saying so lets the loads be 16-byte vectors
+        # and the pipeliner use asynchronous copies (without it TILE 1 runs unpipelined)
         wo = tl.load(tab_ptr + 5 * i)
         N = tl.load(tab_ptr + 5 * i + 1)
         K = tl.load(tab_ptr + 5 * i + 2)
         xo = tl.load(tab_ptr + 5 * i + 3)
         yo = tl.load(tab_ptr + 5 * i + 4)
-        for t in range(p, tl.cdiv(N, BN), G):
-            _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH)
+        if ALIGNED:  # (False: what sessions 26-27 measured)
+            wo = tl.multiple_of(wo, 8)
+            K = tl.multiple_of(K, 8)
+            xo = tl.multiple_of(xo, 8)
+            yo = tl.multiple_of(yo, 8)
+        if TS > 1:
+            for t in tl.range(p, tl.cdiv(N, BN), G, num_stages=TS):
+                _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH, TILE, KP, S,
+                      IEEE)
+        else:
+            for t in range(p, tl.cdiv(N, BN), G):
+                _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH, TILE, KP, S,
+                  IEEE)
         if AHEAD > 0:
             _prefetch_tiles(w_ptr, tab_ptr, i + AHEAD, p, G, L, BN)
         if i + 1 < L:
@@ -148,6 +193,27 @@ def run_persistent(w, act, tab, cnt, L, G, BN, CH, ahead, warps=4, **kw):
     persistent_chain_kernel[(G,)](w, act, tab, cnt, L, G, BN=BN, CH=CH, AHEAD=ahead, num_warps=warps, **kw)
 
 
+# the persistent kernel's forms (`_tile`): name → launch settings (per_sm: programs per SM)
+VARIANTS = {
+    "serial BN16 unaligned": dict(TILE=0, BN=16, CH=256, warps=4, ALIGNED=False),
+    "serial BN16": dict(TILE=0, BN=16, CH=256, warps=4),
+    "dot BN16 CH512 s3": dict(TILE=1, BN=16, CH=512, S=3, warps=4),
+    "dot BN32 CH256 s3": dict(TILE=1, BN=32, CH=256, S=3, warps=4),
+    "dot BN64 CH128 s4": dict(TILE=1, BN=64, CH=128, S=4, warps=4),
+    "dot BN16 CH256 s4 w8": dict(TILE=1, BN=16, CH=256, S=4, warps=8),
+    "whole BN8 w8": dict(TILE=2, BN=8, CH=256, warps=8),
+    "whole BN8 w8 ts2": dict(TILE=2, BN=8, CH=256, warps=8, TS=2),
+    "whole BN16 w16": dict(TILE=2, BN=16, CH=256, warps=16),
+    "whole BN16 w16 ts2": dict(TILE=2, BN=16, CH=256, warps=16, TS=2),
+}
+
+
+def run_variant(w, act, tab, cnt, L, G, v: dict, ahead: int, **kw):
+    v = dict(v)
+    BN, CH, warps = v.pop("BN"), v.pop("CH"), v.pop("warps")
+    run_persistent(w, act, tab, cnt, L, G, BN, CH, ahead, warps, **{"KP": 2048, **v, **kw})
+
+
 def run_graph_chain(ws, x0, ahead: int, side: torch.cuda.Stream | None):
     """Production GEMVs, one per weight, on x0's rows (x0 [M, K]: M ≤ 64) → their outputs; with ahead > 0 the
     side stream prefetches weight i+ahead once GEMV i−1 is done (recorded events become graph edges)."""
@@ -187,13 +253,17 @@ def check_cpu() -> int:
     w, act, tab, sh, offs, width = build(2, "cpu", seed=1, layer=small)
     ref = reference(w, act, sh, offs, width)
     cnt = torch.zeros(3, dtype=torch.int32)
-    run_persistent(w, act, tab, cnt, len(sh), 1, 16, 32, 0)
-    ys = persistent_outputs(act, sh, width)
     ws = [w[o:o + n * k].view(n, k) for (n, k), o in zip(sh, offs)]
-    err, step = rel_rms(ys[-1], ref), step_error(ws, ys, act[:sh[0][1]])
-    print(f"persistent chain, one program, {len(sh)} GEMVs: worst GEMV rel. RMS error {step:.1e} (bf16 rounding "
-          f"≈ 3e-3), the chain's end against PyTorch's {err:.1e}; counters {cnt.tolist()} (reset, no barrier timed "
-          f"out: [0, 0, 0])")
+    step = err = 0.0
+    for name, v in VARIANTS.items():  # each form at the small shapes: CH 32, whole tiles of KP 128
+        act[width:].zero_()
+        run_variant(w, act, tab, cnt, len(sh), 1, dict(v, CH=32), 0, KP=128, IEEE=True)
+        ys = persistent_outputs(act, sh, width)
+        e, st = rel_rms(ys[-1], ref), step_error(ws, ys, act[:sh[0][1]])
+        print(f"persistent chain ({name}), one program, {len(sh)} GEMVs: worst GEMV rel. RMS error {st:.1e} (bf16 "
+              f"rounding ≈ 3e-3), the chain's end against PyTorch's {e:.1e}; counters {cnt.tolist()} (reset, no "
+              f"barrier timed out: [0, 0, 0])")
+        step, err = max(step, st), max(err, e)
     more = torch.randn(2, sh[0][1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x0 = torch.cat([act[:sh[0][1]].view(1, -1), more])
     # two programs in the interpreter run one after the other: the first waits at each barrier for the second,
@@ -223,9 +293,12 @@ def compile_sm90() -> int:
         print(f"sm_90a compile check skipped: no {PTXAS}")
         return 0
     types = dict(w_ptr="*bf16", act_ptr="*bf16", tab_ptr="*i64", cnt_ptr="*i32")
-    for ahead in (0, 2):
-        r = report(persistent_chain_kernel, types, dict(BN=16, CH=256, AHEAD=ahead))
-        print(f"sm_90a persistent kernel, AHEAD {ahead}: {r}")
+    for name, v in VARIANTS.items():
+        v = dict(v)
+        warps = v.pop("warps")
+        consts = dict(S=3, TS=1, IEEE=False, ALIGNED=True, SPINS=1 << 20, AHEAD=2, KP=2048)
+        r = report(persistent_chain_kernel, types, {**consts, **v}, num_warps=warps)
+        print(f"sm_90a persistent kernel, {name}, AHEAD 2: {r}")
     from k3.ops.l2_prefetch_triton import l2_prefetch_kernel
     r = report(l2_prefetch_kernel, dict(addr="i64", nbytes="i64"), dict(SPAN=65536), num_warps=1)
     print(f"sm_90a prefetch kernel (k3.ops.l2_prefetch): {r}")
@@ -236,11 +309,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--bn", type=int, nargs="+", default=[16, 32], help="rows per tile of the persistent kernel")
-    ap.add_argument("--ch", type=int, default=256, help="columns per chunk of the persistent kernel")
-    ap.add_argument("--ahead", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="persistent programs per SM")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64],
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help=f"persistent forms to time (default all: {list(VARIANTS)})")
+    ap.add_argument("--ahead", type=int, nargs="*", default=[2])
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 4], help="persistent programs per SM")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1],
                     help="rows of x for the graph modes (1: a batch-1 decode; 64: a prefix hit's tail; the persistent "
                          "kernel takes one)")
     ap.add_argument("--out", default="persistent_chain.json")
@@ -292,17 +365,21 @@ def main() -> int:
             report(f"graph M{rows}" + (f"+pf{ahead}" if ahead else ""), fn, lambda: last["ys"], x0)
     cnt = torch.zeros(3, dtype=torch.int32, device=dev)
     out = lambda: persistent_outputs(act, sh, width)  # noqa: E731
-    for per_sm in a.per_sm:
-        for bn in a.bn:
+    for name, v in VARIANTS.items():
+        if a.variants and name not in a.variants:
+            continue
+        for per_sm in a.per_sm:
             for ahead in [0] + a.ahead:
                 G = sms * per_sm
-                name = f"persist G{G} BN{bn}" + (f"+pf{ahead}" if ahead else "")
+                row = f"persist {name} G{G}" + (f"+pf{ahead}" if ahead else "")
                 cnt.zero_()  # in case a run before failed half-way (each launch leaves them at 0 itself)
-                report(name, lambda G=G, bn=bn, ahead=ahead: run_persistent(w, act, tab, cnt, len(sh), G, bn, a.ch,
-                                                                            ahead), out, x1)
+                # cooperative: the driver refuses a grid that cannot be resident at once (shared memory, registers)
+                # instead of its barriers timing out
+                report(row, lambda G=G, v=v, ahead=ahead: run_variant(w, act, tab, cnt, len(sh), G, v, ahead,
+                                                                      launch_cooperative_grid=True), out, x1)
                 if int(cnt[2]):  # a barrier timed out: the row's time and values mean nothing
-                    res["rows"][name]["barrier_timed_out"] = True
-                    print(f"{name}: a grid barrier TIMED OUT", flush=True)
+                    res["rows"][row]["barrier_timed_out"] = True
+                    print(f"{row}: a grid barrier TIMED OUT", flush=True)
     # the barrier alone: as many GEMVs of one 16 x 16 tile each (one program works, all wait)
     bw, bact, btab, bsh, _, _ = build(a.layers, dev, layer=((16, 16),) * len(LAYER))
     for per_sm in a.per_sm:
@@ -316,16 +393,6 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             res["rows"][f"barrier G{G}"] = dict(error=repr(e)[:600])
             print(f"barrier G{G} failed: {e!r}"[:600], flush=True)
-    # cooperative launches (the driver guarantees co-residency or refuses), last: a refused one cannot spoil the rest
-    for per_sm in a.per_sm:
-        G, bn = sms * per_sm, a.bn[0]
-        name = f"persist G{G} BN{bn} coop"
-        cnt.zero_()
-        report(name, lambda G=G, bn=bn: run_persistent(w, act, tab, cnt, len(sh), G, bn, a.ch, 0,
-                                                       launch_cooperative_grid=True), out, x1)
-        if int(cnt[2]):
-            res["rows"][name]["barrier_timed_out"] = True
-            print(f"{name}: a grid barrier TIMED OUT", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     return 0
