@@ -53,8 +53,12 @@ def _both(moe, x, residual, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6),
                                        pytest.param(torch.bfloat16, 1e-2, marks=[cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("residual", [True, False])
-def test_block_equals_the_composed_path(dtype, tol, residual, monkeypatch):
+@pytest.mark.parametrize("tiles", [{}, dict(mma=True, bn=16, bi=16, bl=16, ch=64)], ids=["sums", "mma"])
+def test_block_equals_the_composed_path(dtype, tol, residual, tiles, monkeypatch):
+    """Both tile forms: fp32 sums on the CUDA cores, and tiles of 16 rows on the tensor cores (their chunks
+    pipelined; fp32 weights multiply in IEEE fp32)."""
     dev = _device_or_skip()
+    monkeypatch.setattr(moe_block, "LAUNCH", {**moe_block.LAUNCH, **tiles})
     for seed in (0, 1, 2):
         moe = _moe(seed, dtype, dev)
         g = torch.Generator().manual_seed(100 + seed)

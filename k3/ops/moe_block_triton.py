@@ -23,22 +23,54 @@ from .situ.triton import situ_glu_value
 
 @triton.jit
 def _dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU: tl.constexpr = False,
-              beta=0.0, linear_beta=0.0):
+              beta=0.0, linear_beta=0.0, MMA: tl.constexpr = False, S: tl.constexpr = 3, IEEE: tl.constexpr = False,
+              NORM: tl.constexpr = False, nw_ptr=None, rstd=1.0):
     """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0). GLU: x[c] is
-    SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection)."""
+    SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection); NORM: x[c] · rstd · nw[c]
+    rounded to W's dtype (an RMSNorm whose statistics the caller formed).
+    MMA (≥ 16 rows): on the tensor cores, as the GEMV kernel does: x padded to a 16-row tile (row 0 real), W's
+    CH-column chunks pipelined over S stages (asynchronous copies, several chunks in flight); IEEE: the product in
+    fp32 (fp32 weights; the CPU interpreter, whose bf16 dot is wrong). Otherwise every chunk's loads are issued at
+    once (the loop unrolls) and summed on the CUDA cores."""
     rm = rows < N
     r = rows[:, None].to(tl.int64) * ld
-    acc = tl.zeros(rows.shape, tl.float32)
-    for c0 in tl.static_range(0, K, CH):
-        cols = c0 + tl.arange(0, CH)
-        cm = cols < K
-        x = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if GLU:
-            u = tl.load(x_ptr + K + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            x = situ_glu_value(x, u, beta, linear_beta).to(w_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], 1)
+    wdt = w_ptr.dtype.element_ty
+    if MMA:
+        m = tl.arange(0, 16)
+        acc2 = tl.zeros([16, rows.shape[0]], tl.float32)
+        for c0 in tl.range(0, K, CH, num_stages=S):
+            cols = c0 + tl.arange(0, CH)
+            cm = cols < K
+            x = _x_chunk(x_ptr, cols, cm, K, GLU, beta, linear_beta, NORM, nw_ptr, rstd, wdt)
+            xt = tl.where(m[:, None] == 0, x[None, :], 0.0)
+            w = tl.load(w_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+            if IEEE:
+                acc2 += tl.dot(xt, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc2 = tl.dot(xt.to(wdt), tl.trans(w), acc2)
+        acc = tl.sum(tl.where(m[:, None] == 0, acc2, 0.0), 0)
+    else:
+        acc = tl.zeros(rows.shape, tl.float32)
+        for c0 in tl.static_range(0, K, CH):
+            cols = c0 + tl.arange(0, CH)
+            cm = cols < K
+            x = _x_chunk(x_ptr, cols, cm, K, GLU, beta, linear_beta, NORM, nw_ptr, rstd, wdt)
+            w = tl.load(w_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], 1)
     return acc
+
+
+@triton.jit
+def _x_chunk(x_ptr, cols, cm, K: tl.constexpr, GLU: tl.constexpr, beta, linear_beta, NORM: tl.constexpr, nw_ptr,
+             rstd, wdt: tl.constexpr):
+    """x[cols] in fp32 as `_dot_rows` multiplies it (read past L1: another program wrote it before a barrier)."""
+    x = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if GLU:
+        u = tl.load(x_ptr + K + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = situ_glu_value(x, u, beta, linear_beta).to(wdt).to(tl.float32)
+    if NORM:
+        x = (x * rstd * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(wdt).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -48,7 +80,8 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                      D: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
-                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False):
+                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False,
+                     MMA: tl.constexpr = False, S: tl.constexpr = 3, IEEE: tl.constexpr = False):
     pdl_sync(PDL)
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
@@ -56,7 +89,7 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
     # 1. latent ‖ shared gate ‖ up ‖ router logits
     for t in range(p, (RIN + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
-        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH)
+        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, MMA=MMA and BN >= 16, S=S, IEEE=IEEE)
         tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
         tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
         tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
@@ -89,13 +122,13 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                 if k == 0:
                     tl.store(sc_ptr + ee, sc, mask=em)
             e64 = e.to(tl.int64)
-            g = _dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH)
-            u = _dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH)
+            g = _dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH, MMA=MMA and BI >= 16, S=S, IEEE=IEEE)
+            u = _dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH, MMA=MMA and BI >= 16, S=S, IEEE=IEEE)
             h = situ_glu_value(g, u, beta, linear_beta)
             tl.store(h_ptr + k * I + ri, h.to(dt), mask=ri < I)
         else:
             rs = (t - NEXP) * BN + tl.arange(0, BN)
-            sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta)
+            sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta, MMA and BN >= 16, S, IEEE)
             if HAS_RES:
                 sacc += tl.load(res_ptr + rs, mask=rs < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(sh_ptr + rs, sacc.to(dt), mask=rs < D)
@@ -107,7 +140,8 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         for kk in tl.static_range(K):
             e = tl.load(idx_ptr + kk, cache_modifier=".cg")
             wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
-            acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH)
+            acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH, MMA=MMA and BL >= 16, S=S,
+                                  IEEE=IEEE)
         tl.store(y_ptr + rows, acc.to(dt), mask=rows < L)
     grid_barrier(cnt_ptr, 3 * G)
     # 4. latent RMSNorm, up projection + the shared output
@@ -115,18 +149,13 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         cl = tl.arange(0, BLN)
         yv = tl.load(y_ptr + cl, mask=cl < L, other=0.0, cache_modifier=".cg").to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(yv * yv, 0) / L + eps)
+    else:
+        rstd = tl.full([], 1.0, tl.float32)
     for t in range(p, (D + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
         rm = rows < D
-        r = rows[:, None].to(tl.int64) * L
         acc = tl.load(sh_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        for c0 in tl.static_range(0, L, CH):
-            cols = c0 + tl.arange(0, CH)
-            cm = cols < L
-            xv = tl.load(y_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if HAS_NORM:
-                xv = (xv * rstd * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
-            w = tl.load(wup_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * xv[None, :], 1)
+        acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, MMA=MMA and BN >= 16, S=S, IEEE=IEEE, NORM=HAS_NORM,
+                         nw_ptr=nw_ptr, rstd=rstd)
         tl.store(out_ptr + rows, acc.to(dt), mask=rm)
     grid_done(cnt_ptr, G)
