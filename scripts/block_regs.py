@@ -34,9 +34,11 @@ def main() -> None:
                          "yin_ptr", "f_ptr", "qkv_ptr", "o_ptr")}
     t.update(FLOATS, wc_ptr="*fp32", spool_ptr="*fp32", slot_ptr="*i64", alog_ptr="*fp32", dtb_ptr="*fp32",
              cnt_ptr="*i32", c_slot="i64", s_slot="i64")
-    for bn, bc, bv in ((8, 64, 16), (16, 64, 16), (4, 32, 16), (8, 128, 32)):
-        c = dict(D=1536, H=12, K=128, W1=3, WP=4, HAS_RES=True, HAS_DTB=True, BN=bn, BC=bc, BV=bv, CH=256, PDL=True)
-        print(f"kda_block bn {bn} bc {bc} bv {bv}: {report(kda_block_kernel, t, c)}", flush=True)
+    for bn, bc, bv, mma in ((8, 64, 16, False), (16, 64, 16, False), (4, 32, 16, False), (8, 128, 32, False),
+                            (16, 64, 16, True)):
+        c = dict(D=1536, H=12, K=128, W1=3, WP=4, HAS_RES=True, HAS_DTB=True, BN=bn, BC=bc, BV=bv, CH=256, PDL=True,
+                 MMA=mma, STAGES=3, IEEE=False)
+        print(f"kda_block bn {bn} bc {bc} bv {bv} mma {mma}: {report(kda_block_kernel, t, c)}", flush=True)
 
 
 if __name__ == "__main__":

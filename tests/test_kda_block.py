@@ -52,8 +52,11 @@ def _composed(a):
 
 @pytest.mark.parametrize("shape", [(64, 2, 16, 4), (96, 3, 32, 4), (64, 2, 16, 3)])  # D, H, K, W
 @pytest.mark.parametrize("bias", [True, False])
-def test_block_equals_the_composed_ops(shape, bias):
+@pytest.mark.parametrize("tiles", [{}, dict(mma=True, bn=16, ch=32)], ids=["sums", "mma"])
+def test_block_equals_the_composed_ops(shape, bias, tiles, monkeypatch):
+    """Both tile forms of the projections: fp32 sums, and 16-row tiles on the tensor cores (IEEE fp32 here)."""
     dev = _device_or_skip()
+    monkeypatch.setattr(kda_block, "LAUNCH", {**kda_block.LAUNCH, **tiles})
     D, H, K, W = shape
     a = _inputs(D, H, K, W, 4, torch.float32, dev, seed=sum(shape), bias=bias)
     b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
@@ -120,13 +123,14 @@ def test_engine_with_decode_blocks_equals_the_engine_without(blocks, monkeypatch
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("coop", [False, True], ids=["plain-launch", "cooperative-launch"])
-def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
+@pytest.mark.parametrize("coop,tiles", [(False, {}), (True, {}), (True, dict(mma=True, bn=16))],
+                         ids=["plain-launch", "cooperative-launch", "cooperative-mma"])
+def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, tiles, monkeypatch):
     """k3-small's KDA dimensions (D 1,536, 12 heads of 128, conv 4), bf16, every SM's programs: the composed ops'
     output within bf16 rounding, the window equal, the state within fp32 rounding of bf16 inputs; a CUDA graph of
     the kernel replayed equals an eager run from the same pools, bitwise; launched plainly and as a cooperative
     grid."""
-    monkeypatch.setitem(kda_block.LAUNCH, "coop", coop)
+    monkeypatch.setattr(kda_block, "LAUNCH", {**kda_block.LAUNCH, "coop": coop, **tiles})
     a = _inputs(1536, 12, 128, 4, 6, torch.bfloat16, "cuda", seed=9)
     b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
     with torch.no_grad():

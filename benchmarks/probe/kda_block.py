@@ -68,6 +68,8 @@ def main() -> int:
     default = kda_block.LAUNCH
     tiles = [(default["bn"], default["bc"], default["bv"]), (16, 64, 16), (4, 32, 16), (8, 128, 32)]
     settings = [dict(bn=bn, bc=bc, bv=bv, per_sm=ps) for (bn, bc, bv), ps in itertools.product(tiles, (1, 2, 4))]
+    # the projections' tensor-core form, cooperative (the driver refuses a grid that cannot all be resident)
+    settings += [dict(bn=16, mma=True, ch=ch, per_sm=ps, coop=True) for ch, ps in itertools.product((128, 256), (2, 4))]
     settings += [dict(per_sm=ps, coop=True) for ps in (2, 4)]  # last: a refused launch cannot spoil the others
     res["rows"].update(launch_sweep(
         kda_block.LAUNCH, settings, lambda: [kda_block_decode(**lay) for lay in layers], a.reps, a.layers, base, floor,

@@ -15,13 +15,14 @@ import os
 
 import torch
 
-from ._triton import check_counters, cooperative, pdl, runs_on
+from ._triton import check_counters, cooperative, interpreted, pdl, runs_on
 
 ON = os.environ.get("K3_KDA_BLOCK", "0") == "1"
 # rows per tile of the projections (BN), conv channels per tile (BC), state columns per recurrent tile (BV),
 # columns per unrolled load (CH), warps, programs per SM, a cooperative launch (`coop`, as `moe_block.LAUNCH`).
 # Not yet tuned on a GPU.
-LAUNCH = {"bn": 8, "bc": 64, "bv": 16, "ch": 256, "warps": 4, "per_sm": 2, "coop": False}
+# `mma`, `stages`: the joined projection's and f_b's tiles on the tensor cores (`moe_block_triton._dot_rows`).
+LAUNCH = {"bn": 8, "bc": 64, "bv": 16, "ch": 256, "warps": 4, "per_sm": 2, "coop": False, "mma": False, "stages": 3}
 
 
 def fits(x: torch.Tensor, head_dim: int, *weights: torch.Tensor) -> bool:
@@ -63,8 +64,9 @@ def kda_block_decode(x: torch.Tensor, w_in: torch.Tensor, w_fb: torch.Tensor, w_
         state_pool.stride(0), slot, A_log, A_log if dt_bias is None else dt_bias, o_norm[0], w_o, yin, f, qkv, o,
         counters, K ** -0.5, float(lower_bound), float(o_norm[1]), G, D=D, H=H, K=K, W1=W - 1,
         WP=max(2, triton.next_power_of_2(W - 1)), HAS_RES=residual is not None, HAS_DTB=dt_bias is not None,
-        BN=c["bn"], BC=c["bc"], BV=min(c["bv"], K), CH=c["ch"], num_warps=c["warps"], **cooperative(x, c["coop"]),
-        **pdl(x))
+        BN=c["bn"], BC=c["bc"], BV=min(c["bv"], K), CH=c["ch"], MMA=c["mma"], STAGES=c["stages"],
+        IEEE=interpreted(kda_block_kernel) or w_in.dtype == torch.float32, num_warps=c["warps"],
+        **cooperative(x, c["coop"]), **pdl(x))
     return out
 
 

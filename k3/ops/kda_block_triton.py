@@ -24,7 +24,8 @@ def kda_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, wfb_ptr, wc_ptr, cpool_pt
                      scale, lower_bound, eps, G,
                      D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, W1: tl.constexpr, WP: tl.constexpr,
                      HAS_RES: tl.constexpr, HAS_DTB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                     BV: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
+                     BV: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False, MMA: tl.constexpr = False,
+                     STAGES: tl.constexpr = 3, IEEE: tl.constexpr = False):
     pdl_sync(PDL)
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
@@ -37,7 +38,8 @@ def kda_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, wfb_ptr, wc_ptr, cpool_pt
     # 1. the joined input projection
     for t in range(p, (RIN + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
-        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH)
+        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, MMA=MMA and BN >= 16, S=STAGES,
+                              IEEE=IEEE)
         tl.store(yin_ptr + rows, acc.to(dt), mask=rows < RIN)
     grid_barrier(cnt_ptr, G)
     # 2. f_b | the short conv step of q ‖ k ‖ v
@@ -45,7 +47,8 @@ def kda_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, wfb_ptr, wc_ptr, cpool_pt
     for t in range(p, NFB + (3 * HK + BC - 1) // BC, G):
         if t < NFB:
             rf = t * BN + tl.arange(0, BN)
-            facc = _dot_rows(wfb_ptr, rf, HK, K, yin_ptr + FA, K, K)
+            facc = _dot_rows(wfb_ptr, rf, HK, K, yin_ptr + FA, K, K, MMA=MMA and BN >= 16, S=STAGES,
+                             IEEE=IEEE)
             tl.store(f_ptr + rf, facc.to(dt), mask=rf < HK)
         else:
             c = (t - NFB) * BC + tl.arange(0, BC)
