@@ -26,7 +26,7 @@ def main() -> None:
     t.update(FLOATS, bias_ptr="*fp32", z_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32", sc_ptr="*fp32", cnt_ptr="*i32")
     for bn, bi, bl, mma, ch in ((8, 4, 4, False, 256), (16, 8, 8, False, 256), (4, 4, 4, False, 256),
                                 (8, 8, 4, False, 256), (16, 16, 16, True, 256), (16, 16, 16, True, 128),
-                                (32, 16, 16, True, 128), (16, 16, 16, True, 64)):
+                                (32, 16, 16, True, 128), (16, 16, 16, True, 64), (16, 16, 4, True, 128)):
         c = dict(D=1536, L=768, I=512, IS=1024, E=32, K=4, BE=32, HAS_BIAS=True, RENORM=True, HAS_NORM=True,
                  HAS_RES=True, BN=bn, BI=bi, BL=bl, CH=ch, BLN=1024, PDL=True, MMA=mma, S=3, IEEE=False)
         print(f"moe_block bn {bn} bi {bi} bl {bl} mma {mma} ch {ch}: {report(moe_block_kernel, t, c)}", flush=True)

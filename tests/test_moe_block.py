@@ -53,10 +53,11 @@ def _both(moe, x, residual, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6),
                                        pytest.param(torch.bfloat16, 1e-2, marks=[cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("tiles", [{}, dict(mma=True, bn=16, bi=16, bl=16, ch=64)], ids=["sums", "mma"])
+@pytest.mark.parametrize("tiles", [{}, dict(mma=True, bn=16, bi=16, bl=16, ch=64), dict(mma=True, bn=16, bi=16, bl=4)],
+                         ids=["sums", "mma", "mma-but-the-down-tiles"])
 def test_block_equals_the_composed_path(dtype, tol, residual, tiles, monkeypatch):
     """Both tile forms: fp32 sums on the CUDA cores, and tiles of 16 rows on the tensor cores (their chunks
-    pipelined; fp32 weights multiply in IEEE fp32)."""
+    pipelined; fp32 weights multiply in IEEE fp32); with `mma` on, tiles under 16 rows (bl 4) are summed."""
     dev = _device_or_skip()
     monkeypatch.setattr(moe_block, "LAUNCH", {**moe_block.LAUNCH, **tiles})
     for seed in (0, 1, 2):

@@ -113,14 +113,8 @@ def persistent_chain_kernel(w_ptr, act_ptr, tab_ptr, cnt_ptr, L, G, BN: tl.const
             K = tl.multiple_of(K, 8)
             xo = tl.multiple_of(xo, 8)
             yo = tl.multiple_of(yo, 8)
-        if TS > 1:
-            for t in tl.range(p, tl.cdiv(N, BN), G, num_stages=TS):
-                _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH, TILE, KP, S,
-                      IEEE)
-        else:
-            for t in range(p, tl.cdiv(N, BN), G):
-                _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH, TILE, KP, S,
-                  IEEE)
+        for t in tl.range(p, tl.cdiv(N, BN), G, num_stages=TS):
+            _tile(w_ptr + wo, act_ptr + xo, act_ptr + yo, t * BN + tl.arange(0, BN), N, K, BN, CH, TILE, KP, S, IEEE)
         if AHEAD > 0:
             _prefetch_tiles(w_ptr, tab_ptr, i + AHEAD, p, G, L, BN)
         if i + 1 < L:

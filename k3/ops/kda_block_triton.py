@@ -38,7 +38,7 @@ def kda_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, wfb_ptr, wc_ptr, cpool_pt
     # 1. the joined input projection
     for t in range(p, (RIN + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
-        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, MMA=MMA and BN >= 16, S=STAGES, IEEE=IEEE)
+        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, MMA=MMA, S=STAGES, IEEE=IEEE)
         tl.store(yin_ptr + rows, acc.to(dt), mask=rows < RIN)
     grid_barrier(cnt_ptr, G)
     # 2. f_b | the short conv step of q ‖ k ‖ v
@@ -46,8 +46,7 @@ def kda_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, wfb_ptr, wc_ptr, cpool_pt
     for t in range(p, NFB + (3 * HK + BC - 1) // BC, G):
         if t < NFB:
             rf = t * BN + tl.arange(0, BN)
-            facc = _dot_rows(wfb_ptr, rf, HK, K, yin_ptr + FA, K, K, MMA=MMA and BN >= 16, S=STAGES,
-                             IEEE=IEEE)
+            facc = _dot_rows(wfb_ptr, rf, HK, K, yin_ptr + FA, K, K, MMA=MMA, S=STAGES, IEEE=IEEE)
             tl.store(f_ptr + rf, facc.to(dt), mask=rf < HK)
         else:
             c = (t - NFB) * BC + tl.arange(0, BC)
