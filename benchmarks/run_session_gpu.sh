@@ -25,6 +25,7 @@
 #       benchmarks/kda_profile.py at the training shape 8 x 4096, H 12: the KDA kernels' launch settings, the
 #       column-block intra backward's among them (benchmarks/kda_train_variants.json; KIB=1);
 #       benchmarks/joined_proj.py (a KDA / MLA / MoE layer's training step, projections joined and separate; JP=1);
+#       benchmarks/fp8_linear.py (FP8 projections vs bf16: each shape, the quantisation kernel, whole layers; FP8L=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain, under TRAIN_ENV's switches and with regional torch.compile,
 #      in the same run.
@@ -86,6 +87,11 @@ if [ "${JP:-0}" = 1 ]; then  # one KDA / MLA / MoE layer's forward + backward wi
   timeout ${JP_S:-150} python3 benchmarks/joined_proj.py --out "$OUT/joined_proj.json" > "$OUT/joined_proj.log" 2>&1 \
     || echo "joined proj exit $?" >> "$OUT/joined_proj.log"
   grep -E "^(kda|mla|moe):|exit|Error" "$OUT/joined_proj.log"
+fi
+if [ "${FP8L:-0}" = 1 ]; then  # FP8 projections vs bf16 (k3.ops.fp8): each shape, the quantisation, whole layers
+  timeout ${FP8L_S:-200} python3 benchmarks/fp8_linear.py ${FP8L_ARGS:-} --out "$OUT/fp8_linear.json" > "$OUT/fp8_linear.log" \
+    2>&1 || echo "fp8 linear exit $?" >> "$OUT/fp8_linear.log"
+  grep -v Warn "$OUT/fp8_linear.log" | tail -22
 fi
 if [ "${MOET:-0}" = 1 ]; then  # MoE expert tiles vs the grouped GEMMs, and their launch settings
   timeout ${MOET_S:-150} python3 benchmarks/probe/moe_tiles.py --out "$OUT/moe_tiles.json" > "$OUT/moe_tiles.log" 2>&1 \

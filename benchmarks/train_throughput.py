@@ -19,12 +19,14 @@ Usage:
   python benchmarks/train_throughput.py --profile --out r.json                   # GPU: k3-small, 8 x 4096
   python benchmarks/train_throughput.py --batch 16 --grad-ckpt                   # activation checkpointing
   python benchmarks/train_throughput.py --smoke                                  # CPU: k3-tiny, a few steps
+  python benchmarks/train_throughput.py --fp8                                    # projections in FP8 (k3.ops.fp8)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -99,6 +101,9 @@ def bench(cfg, args, device) -> dict:
             m.backend = args.kda_backend
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
+    if args.fp8:
+        from k3.ops.fp8 import convert_to_float8_training
+        print(f"fp8: {convert_to_float8_training(model)} projections converted", flush=True)
     if args.compile:  # regional compile: each decoder layer's body (one compiled graph per layer kind)
         torch._dynamo.config.cache_size_limit = 64
         for m in model.modules():
@@ -197,7 +202,7 @@ def bench(cfg, args, device) -> dict:
     tps = tokens / (med / 1e3)
     peak_flops = PEAK_BF16.get(args.gpu_name, None)
     res = {"label": args.label, "batch": args.batch, "seq_len": args.seq_len, "grad_ckpt": args.grad_ckpt,
-           "compile": args.compile,
+           "compile": args.compile, "fp8": args.fp8,
            "step_ms": med, "step_ms_all": times, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
            "mfu": (f["total"] * tps / peak_flops) if peak_flops else None,
            "mfu_with_mtp_head": ((f["total"] + f["mtp_head"]) * tps / peak_flops) if peak_flops else None,
@@ -232,6 +237,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--phase-steps", type=int, default=2, help="extra synced steps for the per-phase breakdown")
     ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--fp8", action="store_true", default=os.environ.get("K3_FP8", "0") == "1",
+                    help="projections as row-wise FP8 GEMMs (k3.ops.fp8; default from K3_FP8=1)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional compile)")
     ap.add_argument("--clip", choices=("fold", "torch"), default="fold",
                     help="gradient clipping: folded into the optimizer step (as k3 train) or clip_grad_norm_ first")

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import fp8 as fp8_ops
 from .linear_ce import autocast_cast
 
 MULTIPLE = 64  # the joined weight's rows are padded to a multiple of this (cuBLAS takes its aligned kernels)
@@ -31,15 +32,15 @@ class _JoinedLinear(torch.autograd.Function):
     (views of one GEMM output)."""
 
     @staticmethod
-    def forward(ctx, x, pieces, *weights):
+    def forward(ctx, x, pieces, fp8, *weights):
         D = x.shape[-1]
         x2 = x.reshape(-1, D)
         rows = sum(w.shape[0] for w in weights)
         pad = -rows % MULTIPLE
         w = torch.cat(list(weights) + ([weights[0].new_zeros(pad, D)] if pad else []))
-        y = torch.mm(x2, w.t())
+        y = fp8_ops.fp8_mm(x2, w, x2.dtype) if fp8 else torch.mm(x2, w.t())
         ctx.save_for_backward(x2, w)
-        ctx.pieces, ctx.xshape = pieces, x.shape
+        ctx.pieces, ctx.xshape, ctx.fp8 = pieces, x.shape, fp8
         ctx.wrows = [wi.shape[0] for wi in weights]
         ctx.set_materialize_grads(False)  # an unused piece's gradient arrives as None: no GEMM for it
         outs, o = [], 0
@@ -51,8 +52,15 @@ class _JoinedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         x2, w = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dx, dws, o = None, [None] * len(ctx.wrows), 0
+        if ctx.fp8 and need_x:  # FP8: one GEMM against the joined weight, dy's pieces side by side (one row scale)
+            M = x2.shape[0]
+            dy_all = torch.cat([x2.new_zeros(M, sum(ctx.wrows[i] for i in p)) if dy is None else
+                                dy.reshape(M, -1).to(x2.dtype) for p, dy in zip(ctx.pieces, dys)]
+                               + [x2.new_zeros(M, w.shape[0] - sum(ctx.wrows))], dim=1)
+            dx = fp8_ops.fp8_mm(dy_all, w.t(), x2.dtype)
+            need_x = False
         for piece, dy in zip(ctx.pieces, dys):
             n = sum(ctx.wrows[i] for i in piece)
             if dy is not None:
@@ -69,7 +77,7 @@ class _JoinedLinear(torch.autograd.Function):
             o += n
         if need_x and dx is None:  # no piece was used
             dx = torch.zeros_like(x2)
-        return (None if dx is None else dx.view(ctx.xshape), None, *dws)
+        return (None if dx is None else dx.view(ctx.xshape), None, None, *dws)
 
 
 def joined_linear(x: torch.Tensor, pieces: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -89,6 +97,7 @@ def joined_linear(x: torch.Tensor, pieces: Sequence[torch.Tensor | Sequence[torc
     for w in flat:
         if w.dim() != 2 or w.shape[1] != D:
             raise ValueError(f"joined_linear: weights must be [n, {D}] for x [..., {D}], got {tuple(w.shape)}")
+    fp8 = fp8_ops.marked(*flat)  # weights of `convert_to_float8_training`'s modules, while training
     x = autocast_cast(x)
     flat = [autocast_cast(w) for w in flat]
     if any(w.dtype != x.dtype or w.device != x.device for w in flat):
@@ -99,4 +108,6 @@ def joined_linear(x: torch.Tensor, pieces: Sequence[torch.Tensor | Sequence[torc
         index.append(tuple(range(i, i + len(g))))
         i += len(g)
     with torch.autocast(x.device.type, enabled=False):  # operands already cast
-        return _JoinedLinear.apply(x, tuple(index), *flat)
+        if fp8 and fp8_ops.fp8_reason(x, flat[0].new_empty(()).expand(MULTIPLE, D)) is not None:
+            fp8 = False  # the joined weight's rows are padded to MULTIPLE: only x and D decide
+        return _JoinedLinear.apply(x, tuple(index), fp8, *flat)

@@ -35,6 +35,7 @@ _HELP = {  # every TrainConfig field; `k3 train --help` appends the default (and
     "balance_gamma": "step size of the 'sign' balancing rule",
     "mtp_weight": "weight of the multi-token-prediction loss (0: off)",
     "gradient_checkpointing": "recompute each decoder layer in the backward (long sequences, large batches)",
+    "fp8": "projections as row-wise e4m3 GEMMs, forward and dx (dW in bf16): an sm_89+ GPU, or the CPU",
     "expert_parallel": "under torchrun: shard the routed experts over all ranks with MoonEP (a synonym of --ep WORLD)",
     "dp_shard": "under torchrun: FSDP2 data-parallel degree; empty: world / (ep·cp·pp)",
     "ep": "under torchrun: MoonEP expert-parallel degree (must divide the number of experts)",

@@ -52,6 +52,7 @@ class TrainConfig:
     balance_gamma: float = 1e-3  # sign rule step size
     mtp_weight: float = 0.1
     gradient_checkpointing: bool = False
+    fp8: bool = False  # projections as row-wise FP8 GEMMs (k3.ops.fp8.convert_to_float8_training)
     expert_parallel: bool = False  # under torchrun: a synonym of ep = WORLD (MoonEP over all ranks)
     # layout under torchrun (k3.parallel.mesh): world = pp·dp_shard·cp·ep
     dp_shard: int | None = None  # FSDP2 data-parallel degree (None: world / (ep·cp·pp))

@@ -107,6 +107,9 @@ class Trainer:
         self.num_params = self.model.num_parameters()
         if cfg.gradient_checkpointing:  # before any pipeline split: the stages copy the setting
             self.model.gradient_checkpointing_enable()
+        if cfg.fp8:  # before sharding: the converted modules keep their parameters and names
+            from ..ops.fp8 import convert_to_float8_training
+            convert_to_float8_training(self.model)
         self.dims = cfg.layout(self.world)  # a bad layout fails here, naming its values
         if self.rank == 0:
             clean_staging(self.run_dir)

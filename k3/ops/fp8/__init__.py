@@ -1,0 +1,164 @@
+"""FP8 projections for training: row-wise scaled e4m3 GEMMs on Hopper's FP8 tensor cores.
+
+`quantize_rows` is the dispatch point of the quantisation (backends "reference": plain PyTorch, the oracle and
+the CPU path; "triton": one kernel, bit-identical; "auto": triton on CUDA). `fp8_linear` is x Wᵀ with
+
+- forward:  y  = e4m3(x) e4m3(W)ᵀ, one power-of-two scale per row of x and per row of W;
+- backward: dx = e4m3(dy) e4m3(Wᵀ)ᵀ, scales per row of dy and per column of W;
+            dW = dyᵀ x in x's dtype (bf16): the weight gradient, a sum over every token, keeps full precision,
+            as the row-wise recipes of torchao ("rowwise_with_gw_hp") and of DeepSeek-V3's outliers argue.
+
+The GEMMs are `torch._scaled_mm` (cuBLAS on sm_89+, oneDNN on CPU); products accumulate in fp32. The
+quantisation of a weight happens in the call (once per forward and once per backward), so there is no cache to
+go stale when an optimizer writes the weights in place.
+
+`convert_to_float8_training(model)` turns a model's eligible `nn.Linear` modules into `Float8Linear` (same
+parameters, same state-dict names) and marks their weights so `k3.ops.joined_linear` takes the FP8 path for
+them too. FP8 applies only while autograd records (training); inference and `no_grad` evaluation stay exact.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .._compile import eager_op
+from .._triton import device_reason, importable
+from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
+
+__all__ = ["quantize_rows", "quantize_rows_reference", "dequantize_rows", "pow2_scale", "fp8_linear",
+           "fp8_mm", "fp8_reason", "Float8Linear", "convert_to_float8_training", "marked", "E4M3_MAX", "FP8",
+           "BACKENDS"]
+
+BACKENDS = ("auto", "reference", "triton")
+ALIGN = 16  # _scaled_mm needs both GEMM dimensions of each operand (K and N) to be multiples of 16
+_MARK = "_k3_fp8"  # attribute set on a weight whose projections run in FP8 (`convert_to_float8_training`)
+
+
+def triton_available() -> bool:
+    return importable(__name__ + ".triton")
+
+
+@eager_op
+def quantize_rows(x: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] (fp32 / bf16 / fp16, any strides) → (q [R, C] e4m3 contiguous, s [R] fp32), x ≈ q · s[:, None]
+    with s the smallest power of two that keeps every |x| / s within 448 (`reference.pow2_scale`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"quantize_rows: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"quantize_rows: expected a 2-D fp32/bf16/fp16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and triton_available() else "reference"
+    if backend == "reference":
+        return quantize_rows_reference(x)
+    why = device_reason(x, __name__)
+    if why is not None:
+        raise ValueError(f"quantize_rows: backend 'triton' cannot run this call: {why}")
+    from .triton import quantize_rows_triton
+    return quantize_rows_triton(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why x Wᵀ cannot run as `fp8_linear` (None: it can). CUDA wants an sm_89+ GPU and bf16 activations (the
+    row-wise `_scaled_mm` writes bf16 only); the CPU takes fp32 or bf16."""
+    K, N = weight.shape[1], weight.shape[0]
+    if weight.dim() != 2 or x.shape[-1] != K:
+        return f"expected x [..., {K}] and weight [N, {K}], got {tuple(x.shape)} and {tuple(weight.shape)}"
+    if K % ALIGN or N % ALIGN:
+        return f"both weight dimensions must be multiples of {ALIGN}, got {tuple(weight.shape)}"
+    if x.device != weight.device:
+        return f"x and weight must share a device, got {x.device} and {weight.device}"
+    if x.is_cuda:
+        if x.dtype != torch.bfloat16:
+            return f"on CUDA x must be bf16 (cast by autocast), got {x.dtype}"
+        if not _fp8_capable(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+            return "the GPU has no FP8 tensor cores (sm_89 or newer needed)"
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return f"needs CUDA bf16 or CPU fp32/bf16 activations, got {x.dtype} on {x.device}"
+    if not weight.is_floating_point() or weight.dtype == torch.float64:
+        return f"weight must be fp32/bf16/fp16, got {weight.dtype}"
+    return None
+
+
+def fp8_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a bᵀ for a [M, K] and b [N, K] (any float dtypes and strides), both quantised per row: one `_scaled_mm`."""
+    aq, sa = quantize_rows(a)
+    bq, sb = quantize_rows(b)
+    return torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = fp8_mm(x2, weight, x.dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.xshape = x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, weight.shape[0]).to(x2.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_mm(dy2, weight.t(), x2.dtype).view(ctx.xshape)
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().mm(x2).to(weight.dtype)
+        return dx, dw
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ (no bias) through row-wise FP8 GEMMs forward and for dx, bf16 / x's dtype for dW (module docstring).
+    Under autocast, x is cast to the autocast dtype as `F.linear` would; the weight (e.g. an fp32 master) is
+    quantised directly. ValueError when the shapes or devices do not fit (`fp8_reason`)."""
+    from ..linear_ce import autocast_cast
+    x = autocast_cast(x)
+    why = fp8_reason(x, weight)
+    if why is not None:
+        raise ValueError(f"fp8_linear: {why}")
+    with torch.autocast(x.device.type, enabled=False):
+        return _Fp8Linear.apply(x, weight)
+
+
+def marked(*weights: torch.Tensor) -> bool:
+    """True when every weight was marked for FP8 training and autograd records (training)."""
+    return torch.is_grad_enabled() and all(getattr(w, _MARK, False) for w in weights)
+
+
+class Float8Linear(nn.Linear):
+    """An `nn.Linear` (no bias) whose training forward is `fp8_linear`; under `no_grad`, or for an input FP8
+    cannot take, it is the plain linear. Made by `convert_to_float8_training`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            from ..linear_ce import autocast_cast
+            if fp8_reason(autocast_cast(x), self.weight) is None:
+                return fp8_linear(x, self.weight)
+        return super().forward(x)
+
+
+def convert_to_float8_training(model: nn.Module, module_filter=None) -> int:
+    """Turn every bias-free `nn.Linear` of `model` whose weight dimensions are multiples of 16 (and, if given,
+    for which `module_filter(name, module)` is true) into a `Float8Linear` in place: the same parameter objects
+    and state-dict names. Returns how many converted. Also marks the weights of bias-free linears whose input
+    width is a multiple of 16 (narrow ones included, e.g. KDA's β [12, D]) so `k3.ops.joined_linear`, which pads
+    the joined rows, takes the FP8 path when all of a call's weights are marked. The LM head stays as it is:
+    the fused linear + cross-entropy reads it as a weight, in bf16 (as DeepSeek-V3 keeps its head)."""
+    n = 0
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear or mod.bias is not None or name.endswith("lm_head") or mod.in_features % ALIGN:
+            continue
+        if module_filter is not None and not module_filter(name, mod):
+            continue
+        setattr(mod.weight, _MARK, True)
+        if mod.out_features % ALIGN == 0:
+            mod.__class__ = Float8Linear
+            n += 1
+    return n
