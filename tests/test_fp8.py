@@ -94,11 +94,13 @@ def _exact_rows(R, C, gen, dtype):
     return (x * 2.0 ** k).to(dtype)
 
 
+@pytest.mark.parametrize("split", [None, 1, 3], ids=["auto", "whole-rows", "3-ranges"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
 @pytest.mark.parametrize("shape", [(7, 48), (130, 200)])
-def test_triton_kernel_equals_reference_interpreter(shape, transposed):
+def test_triton_kernel_equals_reference_interpreter(shape, transposed, split):
     """The kernel's scales bit for bit and its e4m3 output (exactly representable inputs), row-major and a
-    transposed view (a weight's columns), with row and column tails."""
+    transposed view (a weight's columns), with row and column tails, whole rows and rows split over column
+    ranges (atomic maxima, then the cast)."""
     from k3.ops.fp8 import triton as fp8_triton
     if not fp8_triton.interpreted():
         pytest.skip("the interpreter check (CUDA runs the test below)")
@@ -108,24 +110,37 @@ def test_triton_kernel_equals_reference_interpreter(shape, transposed):
     if transposed:  # the same values read through column strides
         x = x.t().contiguous().t()
         assert x.stride() == (1, R)
-    q, s = fp8.quantize_rows(x, backend="triton")
+    q, s = fp8_triton.quantize_rows_triton(x, split=split)
     qr, sr = fp8.quantize_rows_reference(x)
     assert torch.equal(s, sr)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     # random (rounded) rows: the scales still match bit for bit
     xr = torch.randn(R, C, generator=gen) * torch.exp(torch.randn(R, 1, generator=gen) * 6)
-    assert torch.equal(fp8.quantize_rows(xr, backend="triton")[1], fp8.quantize_rows_reference(xr)[1])
+    assert torch.equal(fp8_triton.quantize_rows_triton(xr, split=split)[1], fp8.quantize_rows_reference(xr)[1])
+
+
+def test_triton_kernel_empty_inputs():
+    from k3.ops.fp8 import triton as fp8_triton
+    if not fp8_triton.interpreted():
+        pytest.skip("the interpreter check")
+    for shape in ((0, 32), (3, 0)):
+        q, s = fp8.quantize_rows(torch.zeros(shape), backend="triton")
+        qr, sr = fp8.quantize_rows_reference(torch.zeros(shape))
+        assert q.shape == qr.shape and torch.equal(s, sr)
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
-def test_triton_kernel_equals_reference_cuda(dtype, transposed):
+@pytest.mark.parametrize("split", [None, 1], ids=["auto", "whole-rows"])
+def test_triton_kernel_equals_reference_cuda(dtype, transposed, split):
+    """On the GPU, with the hardware's e4m3 conversion: bit for bit, random rows (rounding everywhere)."""
+    from k3.ops.fp8 import triton as fp8_triton
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(1000, 1536, generator=gen) * torch.exp(torch.randn(1000, 1, generator=gen) * 4)).to(dtype)
     x = x.cuda()
     x = x.t() if transposed else x
-    q, s = fp8.quantize_rows(x, backend="triton")
+    q, s = fp8_triton.quantize_rows_triton(x, split=split)
     qr, sr = fp8.quantize_rows_reference(x)
     assert torch.equal(s, sr)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
@@ -156,6 +171,27 @@ def test_fp8_linear_equals_its_dequantised_products():
     assert 5e-3 < rel_rmse(ref, y) < 0.06
     rdx = dy.double() @ w.detach().double()
     assert 5e-3 < rel_rmse(rdx, dx) < 0.06
+
+
+@pytest.mark.parametrize("M", [160, 150], ids=["M%16=0", "M%16!=0"])
+def test_fp8_weight_grad_option(monkeypatch, M):
+    """With WGRAD on, dW = dyᵀ x is the FP8 product over both operands' columns (each column of dy and x
+    quantised over the M tokens), unless M is not a multiple of 16 (then the plain GEMM); in the linear and in
+    the joined projections."""
+    monkeypatch.setattr(fp8, "WGRAD", True)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(M, 64, generator=gen, requires_grad=True)
+    w = (torch.randn(32, 64, generator=gen) * 0.1).requires_grad_()
+    dy = torch.randn(M, 32, generator=gen)
+    dw, = torch.autograd.grad(fp8.fp8_linear(x, w), [w], dy)
+    want = _oracle_mm(dy.t(), x.detach().t()) if M % 16 == 0 else dy.double().t() @ x.detach().double()
+    assert rel_rmse(want, dw) < 1e-6
+    exact = dy.double().t() @ x.detach().double()
+    assert (0.005 < rel_rmse(exact, dw) < 0.06) if M % 16 == 0 else rel_rmse(exact, dw) < 1e-6
+    setattr(w, "_k3_fp8", True)
+    (out,) = joined_linear(x, [w])
+    dwj, = torch.autograd.grad(out, [w], dy)
+    assert rel_rmse(want, dwj) < 1e-6
 
 
 @cuda

@@ -69,7 +69,7 @@ class _JoinedLinear(torch.autograd.Function):
                 if need_x:
                     dx = torch.mm(dy2, wp) if dx is None else dx.addmm_(dy2, wp)
                 if any(need_w[i] for i in piece):
-                    dwp = dy2.t().mm(x2)
+                    dwp = fp8_ops.weight_grad(dy2, x2, x2.dtype) if ctx.fp8 else dy2.t().mm(x2)
                     r = 0
                     for i in piece:
                         dws[i] = dwp[r:r + ctx.wrows[i]]

@@ -6,7 +6,9 @@ the CPU path; "triton": one kernel, bit-identical; "auto": triton on CUDA). `fp8
 - forward:  y  = e4m3(x) e4m3(W)ᵀ, one power-of-two scale per row of x and per row of W;
 - backward: dx = e4m3(dy) e4m3(Wᵀ)ᵀ, scales per row of dy and per column of W;
             dW = dyᵀ x in x's dtype (bf16): the weight gradient, a sum over every token, keeps full precision,
-            as the row-wise recipes of torchao ("rowwise_with_gw_hp") and of DeepSeek-V3's outliers argue.
+            as torchao's row-wise recipe ("rowwise_with_gw_hp") does. With `WGRAD` on (K3_FP8_WGRAD=1) dW is an
+            FP8 GEMM too, over dy's and x's columns (one scale per column over all M tokens, so one outlier token
+            coarsens its column; M must be a multiple of 16, else bf16).
 
 The GEMMs are `torch._scaled_mm` (cuBLAS on sm_89+, oneDNN on CPU); products accumulate in fp32. The
 quantisation of a weight happens in the call (once per forward and once per backward), so there is no cache to
@@ -19,6 +21,7 @@ them too. FP8 applies only while autograd records (training); inference and `no_
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -28,11 +31,12 @@ from .._triton import device_reason, importable
 from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
 
 __all__ = ["quantize_rows", "quantize_rows_reference", "dequantize_rows", "pow2_scale", "fp8_linear",
-           "fp8_mm", "fp8_reason", "Float8Linear", "convert_to_float8_training", "marked", "E4M3_MAX", "FP8",
+           "fp8_mm", "weight_grad", "fp8_reason", "Float8Linear", "convert_to_float8_training", "marked", "E4M3_MAX", "FP8",
            "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "triton")
 ALIGN = 16  # _scaled_mm needs both GEMM dimensions of each operand (K and N) to be multiples of 16
+WGRAD = os.environ.get("K3_FP8_WGRAD", "0") == "1"  # dW as an FP8 GEMM too (read at each call)
 _MARK = "_k3_fp8"  # attribute set on a weight whose projections run in FP8 (`convert_to_float8_training`)
 
 
@@ -93,6 +97,14 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Te
     return torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype)
 
 
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dW = dyᵀ x for dy [M, N] and x [M, K], in `dtype`: a bf16 (x's dtype) GEMM, or with `WGRAD` an FP8 one over
+    both operands' columns (transposed views, quantised in place)."""
+    if WGRAD and dy.shape[0] % ALIGN == 0 and dy.shape[0] > 0:
+        return fp8_mm(dy.t(), x.t(), x.dtype).to(dtype)
+    return dy.t().mm(x).to(dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
@@ -110,7 +122,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = fp8_mm(dy2, weight.t(), x2.dtype).view(ctx.xshape)
         if ctx.needs_input_grad[1]:
-            dw = dy2.t().mm(x2).to(weight.dtype)
+            dw = weight_grad(dy2, x2, weight.dtype)
         return dx, dw
 
 

@@ -1,8 +1,14 @@
-"""Row-wise FP8 quantisation as one Triton kernel: `reference.quantize_rows_reference`'s result, bit for bit.
+"""Row-wise FP8 quantisation as Triton kernels: `reference.quantize_rows_reference`'s result, bit for bit.
 
-A program takes BR rows and walks their columns twice: the row maxima of |x| first, then x times the
-power-of-two 1/s rounded to e4m3 (the second pass reads what the first left in L2). Any input strides: a
-transposed view (a weight's columns, for the backward's dx GEMM) is read in place and written as rows.
+Any input strides: a transposed view (a weight's columns for the backward's dx GEMM, dy's and x's columns for an
+FP8 dW) is read in place and written as rows. Two schedules:
+
+- whole rows: a program takes BR rows and walks their columns twice, the row maxima of |x| first, then x times
+  the power-of-two 1/s rounded to e4m3 (the second pass reads what the first left in L2). For inputs with many
+  rows (activations [M, K], weights' rows).
+- split rows: when there are too few row blocks to fill the GPU (a weight's 1,536 columns, dy's columns over
+  32K tokens), each row block's columns are cut into ranges, one program per (rows, range): one kernel takes the
+  partial maxima into an fp32 [R] buffer by atomic max (exact: max is order-free), a second scales and casts.
 """
 from __future__ import annotations
 
@@ -13,54 +19,89 @@ import triton.language as tl
 from .._triton import interpreted as _interpreted, pdl
 from .._triton_jit import pdl_sync
 
+FILL = 528  # programs wanted (4 per SM of an H100 / H200) before rows are split over column ranges
+
 
 def interpreted() -> bool:
     return _interpreted(quant_rows_kernel)
 
 
 @triton.jit
-def quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, sxr, sxc, sqr, BR: tl.constexpr, BC: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """Rows [pid·BR, pid·BR + BR) of x [R, C] (strides sxr, sxc) → q (row stride sqr, unit column stride) and s.
-    The scale's exponent comes from amax's bits (`reference.pow2_scale`): exact, no log2 or division."""
+def _tile(x_ptr, r64, rmask, c0, C, sxr, sxc, BC: tl.constexpr):
+    cols = c0 + tl.arange(0, BC)
+    m = rmask[:, None] & (cols < C)[None, :]
+    v = tl.load(x_ptr + r64[:, None] * sxr + cols.to(tl.int64)[None, :] * sxc, mask=m, other=0.0)
+    return v.to(tl.float32), cols, m
+
+
+@triton.jit
+def _scale(amax):
+    """(s, 1/s): the smallest power of two with amax / s <= 448, from amax's bits (`reference.pow2_scale`)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    se = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    se = tl.minimum(tl.maximum(se, 1), 253)
+    return (se << 23).to(tl.float32, bitcast=True), ((254 - se) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quant_rows_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, R, C, sxr, sxc, sqr, CPP,
+                      BR: tl.constexpr, BC: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr = False):
+    """x [R, C] (strides sxr, sxc) → q (row stride sqr, unit column stride) and s, for rows
+    [pid0·BR, pid0·BR + BR) and columns [pid1·CPP, pid1·CPP + CPP). PHASE 0: whole rows (CPP = C) in one
+    program; 1: atomic max of the range's |x| into amax; 2: scale and cast the range with amax (the first
+    range's program stores s)."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     r64 = rows.to(tl.int64)
-    amax = tl.zeros([BR], dtype=tl.float32)
-    for c0 in range(0, C, BC):
-        cols = c0 + tl.arange(0, BC)
-        m = rmask[:, None] & (cols < C)[None, :]
-        v = tl.load(x_ptr + r64[:, None] * sxr + cols.to(tl.int64)[None, :] * sxc, mask=m, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    bits = amax.to(tl.int32, bitcast=True)
-    e = (bits >> 23) & 0xFF
-    se = e - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    se = tl.minimum(tl.maximum(se, 1), 253)
-    s = (se << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - se) << 23).to(tl.float32, bitcast=True)
-    for c0 in range(0, C, BC):
-        cols = c0 + tl.arange(0, BC)
-        m = rmask[:, None] & (cols < C)[None, :]
-        v = tl.load(x_ptr + r64[:, None] * sxr + cols.to(tl.int64)[None, :] * sxc, mask=m, other=0.0)
-        q = (v.to(tl.float32) * inv[:, None]).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + r64[:, None] * sqr + cols[None, :], q, mask=m)
-    tl.store(s_ptr + rows, s, mask=rmask)
+    lo = tl.program_id(1) * CPP
+    hi = tl.minimum(lo + CPP, C)
+    if PHASE != 2:
+        amax = tl.zeros([BR], dtype=tl.float32)
+        for c0 in range(lo, hi, BC):
+            v, cols, m = _tile(x_ptr, r64, rmask, c0, hi, sxr, sxc, BC)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        if PHASE == 1:
+            tl.atomic_max(amax_ptr + rows, amax, mask=rmask)
+    if PHASE != 1:
+        if PHASE == 2:
+            amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
+        s, inv = _scale(amax)
+        for c0 in range(lo, hi, BC):
+            v, cols, m = _tile(x_ptr, r64, rmask, c0, hi, sxr, sxc, BC)
+            tl.store(q_ptr + r64[:, None] * sqr + cols[None, :], (v * inv[:, None]).to(q_ptr.dtype.element_ty),
+                     mask=m)
+        if tl.program_id(1) == 0:
+            tl.store(s_ptr + rows, s, mask=rmask)
 
 
-def quantize_rows_triton(x: torch.Tensor, block_rows: int | None = None, block_cols: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows_reference(x)` for x [R, C] fp32/bf16/fp16 on CUDA (or the interpreter), any strides."""
+def quantize_rows_triton(x: torch.Tensor, block_rows: int | None = None, block_cols: int | None = None,
+                         split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference(x)` for x [R, C] fp32/bf16/fp16 on CUDA (or the interpreter), any strides.
+    split: column ranges per row block (None: enough to fill the GPU when the row blocks do not; 1: whole rows)."""
     R, C = x.shape
     q = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(R, dtype=torch.float32, device=x.device)
-    if R == 0:
+    if R == 0 or C == 0:
+        s.fill_(2.0 ** -126)  # the reference's scale of an all-zero (here empty) row
         return q, s
     # a row-major input: few rows, wide column steps (coalesced along the row); a transposed one: 64 rows so a
     # tile's contiguous dimension (its rows) is 64 elements long
     row_major = x.stride(1) == 1 or C == 1
     br = block_rows or (4 if row_major else 64)
     bc = block_cols or (min(1024, triton.next_power_of_2(max(C, 16))) if row_major else 64)
-    quant_rows_kernel[(triton.cdiv(R, br),)](x, q, s, R, C, x.stride(0), x.stride(1), q.stride(0), BR=br, BC=bc,
-                                             num_warps=4, **pdl(x))
+    blocks = triton.cdiv(R, br)
+    steps = triton.cdiv(C, bc)
+    n = split or max(1, min(steps, FILL // blocks))
+    cpp = triton.cdiv(steps, n) * bc  # columns per program, a multiple of bc
+    n = triton.cdiv(C, cpp)
+    args = (x, q, s, None, R, C, x.stride(0), x.stride(1), q.stride(0), cpp)
+    kw = dict(BR=br, BC=bc, num_warps=4, **pdl(x))
+    if n == 1:
+        quant_rows_kernel[(blocks, 1)](*args, PHASE=0, **kw)
+        return q, s
+    amax = torch.zeros(R, dtype=torch.float32, device=x.device)
+    args = args[:3] + (amax,) + args[4:]
+    quant_rows_kernel[(blocks, n)](*args, PHASE=1, **kw)
+    quant_rows_kernel[(blocks, n)](*args, PHASE=2, **kw)
     return q, s
