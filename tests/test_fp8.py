@@ -119,6 +119,63 @@ def test_triton_kernel_equals_reference_interpreter(shape, transposed, split):
     assert torch.equal(fp8_triton.quantize_rows_triton(xr, split=split)[1], fp8.quantize_rows_reference(xr)[1])
 
 
+def _joined_case(gen, R, widths, exact):
+    """Pieces [R, n_i] at increasing offsets with a gap after the second (an unused piece) and padding after
+    the last; returns pieces, offsets, width and their joined copy."""
+    pieces, offsets, o = [], [], 0
+    for i, n in enumerate(widths):
+        p = (_exact_rows(R, n, gen, torch.float32) * (2.0 ** i) if exact
+             else torch.randn(R, n, generator=gen) * torch.exp(torch.randn(R, 1, generator=gen) * 3))
+        pieces.append(p)
+        offsets.append(o)
+        o += n + (16 if i == 1 else 0)
+    width = o + 24
+    joined = torch.zeros(R, width)
+    for p, off in zip(pieces, offsets):
+        joined[:, off:off + p.shape[1]] = p
+    return pieces, offsets, width, joined
+
+
+@pytest.mark.parametrize("widths", [(40,), (40, 12, 96), (40, 12, 96, 8), (8, 8, 8, 8, 8)],
+                         ids=["1-piece", "3-pieces", "4-pieces", "5-pieces-fallback"])
+def test_quantize_joined_equals_quantising_the_joined_copy(widths):
+    """dy's pieces side by side, read in place: q and s equal quantising the joined matrix (zeros where no
+    piece is), in the reference and in the Triton kernel (interpreter: exactly representable values for q,
+    random ones for s)."""
+    gen = torch.Generator().manual_seed(9)
+    pieces, offsets, width, joined = _joined_case(gen, 37, widths, exact=False)
+    qr, sr = fp8.quantize_rows_reference(joined)
+    q, s = fp8.quantize_joined(pieces, offsets, width, backend="reference")
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    from k3.ops.fp8 import triton as fp8_triton
+    if not fp8_triton.interpreted():
+        return
+    assert torch.equal(fp8.quantize_joined(pieces, offsets, width, backend="triton")[1], sr)
+    # exact values: each row's maximum sits in one piece, the scaled values need no rounding
+    pieces, offsets, width, joined = _joined_case(gen, 37, widths, exact=True)
+    big = torch.stack([p.abs().amax(1) for p in pieces]).amax(0)
+    keep = torch.stack([p.abs().amax(1) for p in pieces])
+    for i, p in enumerate(pieces):  # rows whose largest value is not in piece i: piece i scaled below it exactly
+        p *= torch.where(keep[i] == big, 1.0, 2.0 ** -30)[:, None]
+    joined = torch.zeros(37, width)
+    for p, off in zip(pieces, offsets):
+        joined[:, off:off + p.shape[1]] = p
+    qr, sr = fp8.quantize_rows_reference(joined)
+    q, s = fp8.quantize_joined(pieces, offsets, width, backend="triton")
+    assert torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+def test_quantize_joined_bad_inputs():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8.quantize_joined([x], [4], 10)
+    with pytest.raises(ValueError, match="one offset each"):
+        fp8.quantize_joined([x], [], 10)
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8.quantize_joined([x, torch.randn(5, 8)], [0, 8], 16)
+
+
 def test_triton_kernel_empty_inputs():
     from k3.ops.fp8 import triton as fp8_triton
     if not fp8_triton.interpreted():
@@ -144,6 +201,17 @@ def test_triton_kernel_equals_reference_cuda(dtype, transposed, split):
     qr, sr = fp8.quantize_rows_reference(x)
     assert torch.equal(s, sr)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+@cuda
+def test_quantize_joined_cuda_bitwise():
+    gen = torch.Generator().manual_seed(10)
+    pieces, offsets, width, joined = _joined_case(gen, 3000, (4608, 128, 12, 1536), exact=False)
+    pieces = [p.cuda().bfloat16() for p in pieces]
+    joined = joined.cuda().bfloat16()
+    q, s = fp8.quantize_joined(pieces, offsets, width, backend="triton")
+    qr, sr = fp8.quantize_rows_reference(joined)
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
 def _oracle_mm(a, b):

@@ -55,11 +55,14 @@ class _JoinedLinear(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dx, dws, o = None, [None] * len(ctx.wrows), 0
         if ctx.fp8 and need_x:  # FP8: one GEMM against the joined weight, dy's pieces side by side (one row scale)
-            M = x2.shape[0]
-            dy_all = torch.cat([x2.new_zeros(M, sum(ctx.wrows[i] for i in p)) if dy is None else
-                                dy.reshape(M, -1).to(x2.dtype) for p, dy in zip(ctx.pieces, dys)]
-                               + [x2.new_zeros(M, w.shape[0] - sum(ctx.wrows))], dim=1)
-            dx = fp8_ops.fp8_mm(dy_all, w.t(), x2.dtype)
+            M, pieces, offsets, off = x2.shape[0], [], [], 0
+            for p, dy in zip(ctx.pieces, dys):
+                if dy is not None:
+                    pieces.append(dy.reshape(M, -1).to(x2.dtype))
+                    offsets.append(off)
+                off += sum(ctx.wrows[i] for i in p)
+            dx = fp8_ops.scaled_mm(*fp8_ops.quantize_joined(pieces, offsets, w.shape[0]),
+                                   *fp8_ops.quantize_rows(w.t()), x2.dtype) if pieces else torch.zeros_like(x2)
             need_x = False
         for piece, dy in zip(ctx.pieces, dys):
             n = sum(ctx.wrows[i] for i in piece)

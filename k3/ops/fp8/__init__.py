@@ -30,7 +30,7 @@ from .._compile import eager_op
 from .._triton import device_reason, importable
 from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
 
-__all__ = ["quantize_rows", "quantize_rows_reference", "dequantize_rows", "pow2_scale", "fp8_linear",
+__all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows", "pow2_scale", "fp8_linear",
            "fp8_mm", "weight_grad", "fp8_reason", "Float8Linear", "convert_to_float8_training", "marked", "E4M3_MAX", "FP8",
            "BACKENDS"]
 
@@ -90,11 +90,44 @@ def fp8_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def quantize_joined(pieces: list[torch.Tensor], offsets: list[int], width: int, backend: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of the [R, width] matrix holding piece i ([R, n_i], fp32/bf16/fp16) at columns
+    offsets[i] and zeros elsewhere, without making that matrix: one row scale over all pieces. The Triton path
+    reads each piece in place (up to `MAX_PIECES`; more, or a piece with a column stride, go through the joined
+    copy)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"quantize_joined: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if not pieces or len(offsets) != len(pieces):
+        raise ValueError(f"quantize_joined: expected pieces and one offset each, got {len(pieces)} and {len(offsets)}")
+    R = pieces[0].shape[0]
+    for p, o in zip(pieces, offsets):
+        if p.dim() != 2 or p.shape[0] != R or o < 0 or o + p.shape[1] > width:
+            raise ValueError(f"quantize_joined: piece {tuple(p.shape)} at column {o} does not fit [{R}, {width}]")
+    if backend == "auto":
+        backend = "triton" if pieces[0].is_cuda and triton_available() else "reference"
+    if backend == "triton":
+        from .triton import MAX_PIECES, quantize_pieces_triton
+        if len(pieces) <= MAX_PIECES and all(p.stride(1) == 1 for p in pieces):
+            why = device_reason(pieces[0], __name__)
+            if why is not None:
+                raise ValueError(f"quantize_joined: backend 'triton' cannot run this call: {why}")
+            return quantize_pieces_triton(pieces, offsets, width)
+    joined = pieces[0].new_zeros(R, width)
+    for p, o in zip(pieces, offsets):
+        joined[:, o:o + p.shape[1]] = p
+    return quantize_rows(joined, backend)
+
+
+def scaled_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
+              ) -> torch.Tensor:
+    """(aq · sa) (bq · sb)ᵀ for row-quantised aq [M, K], bq [N, K]: one `_scaled_mm` (fp32 accumulation)."""
+    return torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype)
+
+
 def fp8_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """a bᵀ for a [M, K] and b [N, K] (any float dtypes and strides), both quantised per row: one `_scaled_mm`."""
-    aq, sa = quantize_rows(a)
-    bq, sb = quantize_rows(b)
-    return torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype)
+    return scaled_mm(*quantize_rows(a), *quantize_rows(b), out_dtype)
 
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

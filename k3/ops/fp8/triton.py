@@ -105,3 +105,75 @@ def quantize_rows_triton(x: torch.Tensor, block_rows: int | None = None, block_c
     quant_rows_kernel[(blocks, n)](*args, PHASE=1, **kw)
     quant_rows_kernel[(blocks, n)](*args, PHASE=2, **kw)
     return q, s
+
+
+@triton.jit
+def _piece_amax(p_ptr, sp, n, r64, rmask, amax, BC: tl.constexpr):
+    for c0 in range(0, n, BC):
+        v, cols, m = _tile(p_ptr, r64, rmask, c0, n, sp, 1, BC)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    return amax
+
+
+@triton.jit
+def _piece_cast(p_ptr, sp, n, off, q_ptr, sqr, r64, rmask, inv, BC: tl.constexpr):
+    for c0 in range(0, n, BC):
+        v, cols, m = _tile(p_ptr, r64, rmask, c0, n, sp, 1, BC)
+        tl.store(q_ptr + r64[:, None] * sqr + off + cols[None, :], (v * inv[:, None]).to(q_ptr.dtype.element_ty),
+                 mask=m)
+
+
+@triton.jit
+def quant_pieces_kernel(q_ptr, s_ptr, R, sqr, p0, s0, n0, o0, p1, s1, n1, o1, p2, s2, n2, o2, p3, s3, n3, o3,
+                        NP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows [pid·BR, pid·BR + BR) of up to four row-major pieces side by side (piece i: pointer p_i, row stride s_i,
+    n_i columns, written at column o_i of q): one scale per row over all of them, each piece read twice (the
+    second time from L2), no joined copy in memory."""
+    pdl_sync(PDL)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    r64 = rows.to(tl.int64)
+    amax = _piece_amax(p0, s0, n0, r64, rmask, tl.zeros([BR], dtype=tl.float32), BC)
+    if NP > 1:
+        amax = _piece_amax(p1, s1, n1, r64, rmask, amax, BC)
+    if NP > 2:
+        amax = _piece_amax(p2, s2, n2, r64, rmask, amax, BC)
+    if NP > 3:
+        amax = _piece_amax(p3, s3, n3, r64, rmask, amax, BC)
+    s, inv = _scale(amax)
+    _piece_cast(p0, s0, n0, o0, q_ptr, sqr, r64, rmask, inv, BC)
+    if NP > 1:
+        _piece_cast(p1, s1, n1, o1, q_ptr, sqr, r64, rmask, inv, BC)
+    if NP > 2:
+        _piece_cast(p2, s2, n2, o2, q_ptr, sqr, r64, rmask, inv, BC)
+    if NP > 3:
+        _piece_cast(p3, s3, n3, o3, q_ptr, sqr, r64, rmask, inv, BC)
+    tl.store(s_ptr + rows, s, mask=rmask)
+
+
+MAX_PIECES = 4
+
+
+def quantize_pieces_triton(pieces: list[torch.Tensor], offsets: list[int], width: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R, width] e4m3 with piece i (a row-major [R, n_i] tensor) at columns offsets[i], one row scale over all
+    pieces, other columns zero; s [R]. At most MAX_PIECES pieces; equals quantising their joined copy."""
+    R = pieces[0].shape[0]
+    q = torch.empty(R, width, dtype=torch.float8_e4m3fn, device=pieces[0].device)
+    s = torch.empty(R, dtype=torch.float32, device=q.device)
+    edge = 0  # columns no piece writes (an unused piece, the padding): zeros
+    for o, n in sorted((o, p.shape[1]) for p, o in zip(pieces, offsets)) + [(width, 0)]:
+        if o > edge:
+            q.view(torch.uint8)[:, edge:o].zero_()
+        edge = max(edge, o + n)
+    if R == 0:
+        return q, s
+    args = []
+    for i in range(MAX_PIECES):
+        p, o = (pieces[i], offsets[i]) if i < len(pieces) else (pieces[0], 0)
+        args += [p, p.stride(0), p.shape[1], o]
+    widest = max(p.shape[1] for p in pieces)
+    bc = min(1024, triton.next_power_of_2(max(widest, 16)))
+    quant_pieces_kernel[(triton.cdiv(R, 4),)](q, s, R, q.stride(0), *args, NP=len(pieces), BR=4, BC=bc,
+                                              num_warps=4, **pdl(q))
+    return q, s
