@@ -292,6 +292,15 @@ def test_fp8_linear_bf16_autocast_and_errors():
     assert w.grad.dtype == torch.float32
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8.fp8_linear(x, torch.randn(12, 32))
+    with pytest.raises(ValueError, match="positive multiples"):
+        fp8.fp8_linear(torch.randn(4, 0), torch.randn(16, 0))
+    # no tokens: empty output, zero weight gradient
+    x0 = torch.randn(2, 0, 32, requires_grad=True)
+    y0 = fp8.fp8_linear(x0, w)
+    assert y0.shape == (2, 0, 16)
+    w.grad = None
+    y0.sum().backward()
+    assert x0.grad.shape == x0.shape and torch.equal(w.grad, torch.zeros_like(w))
     with pytest.raises(ValueError, match="expected x"):
         fp8.fp8_linear(x, torch.randn(16, 48))
     with pytest.raises(ValueError, match="fp32/bf16"):

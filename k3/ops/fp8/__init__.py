@@ -74,8 +74,8 @@ def fp8_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     K, N = weight.shape[1], weight.shape[0]
     if weight.dim() != 2 or x.shape[-1] != K:
         return f"expected x [..., {K}] and weight [N, {K}], got {tuple(x.shape)} and {tuple(weight.shape)}"
-    if K % ALIGN or N % ALIGN:
-        return f"both weight dimensions must be multiples of {ALIGN}, got {tuple(weight.shape)}"
+    if K % ALIGN or N % ALIGN or K == 0 or N == 0:
+        return f"both weight dimensions must be positive multiples of {ALIGN}, got {tuple(weight.shape)}"
     if x.device != weight.device:
         return f"x and weight must share a device, got {x.device} and {weight.device}"
     if x.is_cuda:
@@ -122,6 +122,8 @@ def quantize_joined(pieces: list[torch.Tensor], offsets: list[int], width: int, 
 def scaled_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
               ) -> torch.Tensor:
     """(aq · sa) (bq · sb)ᵀ for row-quantised aq [M, K], bq [N, K]: one `_scaled_mm` (fp32 accumulation)."""
+    if aq.shape[0] == 0 or bq.shape[0] == 0 or aq.shape[1] == 0:  # cuBLAS takes no empty operand
+        return torch.zeros(aq.shape[0], bq.shape[0], dtype=out_dtype, device=aq.device)
     return torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype)
 
 
