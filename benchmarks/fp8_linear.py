@@ -74,7 +74,9 @@ def bench_shape(N, K, M, dev, reps):
     row["fp8_ms"] = median_ms(run(fp8.fp8_linear), 3, reps, cuda=cuda)
     fp8.WGRAD = True  # dW in FP8 too (K3_FP8_WGRAD)
     row["fp8_wgrad_ms"] = median_ms(run(fp8.fp8_linear), 3, reps, cuda=cuda)
-    fp8.WGRAD = False
+    fp8.WGRAD, fp8.DGRAD = False, False  # the forward alone in FP8 (K3_FP8_DGRAD=0)
+    row["fp8_fwd_only_ms"] = median_ms(run(fp8.fp8_linear), 3, reps, cuda=cuda)
+    fp8.DGRAD = True
     row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
     flop = 6 * M * N * K
     row["bf16_tflops"] = flop / row["bf16_ms"] / 1e9
@@ -103,17 +105,18 @@ def main():
     M = a.B * a.T
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "preset": a.preset,
            "tokens": M, "shapes": {}, "layers": {}}
-    tot_b = tot_f = tot_w = 0.0
+    tot_b = tot_f = tot_w = tot_o = 0.0
     for name, (N, K) in shapes(cfg).items():
         r = bench_shape(N, K, M, dev, a.reps)
         res["shapes"][name] = r
         tot_b, tot_f, tot_w = tot_b + r["bf16_ms"], tot_f + r["fp8_ms"], tot_w + r["fp8_wgrad_ms"]
+        tot_o += r["fp8_fwd_only_ms"]
         print(f"{name[:40]:40s} N {N:5d} K {K:5d}: bf16 {r['bf16_ms']:7.3f} ms ({r['bf16_tflops']:5.0f} TFLOP/s), fp8 "
-              f"{r['fp8_ms']:7.3f} ms ({r['fp8_tflops']:5.0f}), {r['speedup']:.2f}x, dW in fp8 too {r['fp8_wgrad_ms']:7.3f}; quantise x {r['quant_x_us']:.1f} "
+              f"{r['fp8_ms']:7.3f} ms ({r['fp8_tflops']:5.0f}), {r['speedup']:.2f}x, dW in fp8 too {r['fp8_wgrad_ms']:7.3f}, forward only {r['fp8_fwd_only_ms']:7.3f}; quantise x {r['quant_x_us']:.1f} "
               f"us ({r['quant_x_gbs']:.0f} GB/s), W rows {r['quant_w_rows_us']:.1f}, W cols {r['quant_w_cols_us']:.1f} us",
               flush=True)
     print(f"== shapes: bf16 {tot_b:.3f} ms, fp8 {tot_f:.3f} ms ({tot_b / tot_f:.2f}x), dW in fp8 too {tot_w:.3f} ms "
-          f"({tot_b / tot_w:.2f}x)")
+          f"({tot_b / tot_w:.2f}x), forward only {tot_o:.3f} ms ({tot_b / tot_o:.2f}x)")
     if not a.no_layers:
         D = cfg.text_config.hidden_size
         x = (torch.randn(M, D, device=dev) * 0.5).to(torch.bfloat16)
@@ -122,14 +125,16 @@ def main():
             conv = copy.deepcopy(layer)
             n = fp8.convert_to_float8_training(conv)
             row = {"converted": n}
-            for mode, m, wg in (("bf16", layer, False), ("fp8", conv, False), ("fp8_wgrad", conv, True)):
-                fp8.WGRAD = wg
+            for mode, m, wg, dg in (("bf16", layer, False, True), ("fp8", conv, False, True),
+                                    ("fp8_wgrad", conv, True, True), ("fp8_fwd_only", conv, False, False)):
+                fp8.WGRAD, fp8.DGRAD = wg, dg
                 row[mode + "_ms"] = median_ms(lambda: step(m, name, x, cu), 2, a.reps, cuda=dev.type == "cuda")
-            fp8.WGRAD = False
+            fp8.WGRAD, fp8.DGRAD = False, True
             row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
             res["layers"][name] = row
             print(f"== {name}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms ({row['speedup']:.2f}x), "
-                  f"dW in fp8 too {row['fp8_wgrad_ms']:.3f} ms; {n} modules converted", flush=True)
+                  f"dW in fp8 too {row['fp8_wgrad_ms']:.3f} ms, forward only {row['fp8_fwd_only_ms']:.3f} ms; {n} modules "
+                  f"converted", flush=True)
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
 

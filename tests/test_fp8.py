@@ -262,6 +262,23 @@ def test_fp8_weight_grad_option(monkeypatch, M):
     assert rel_rmse(want, dwj) < 1e-6
 
 
+def test_fp8_dgrad_off_gives_the_bf16_input_gradient(monkeypatch):
+    """K3_FP8_DGRAD=0: dx is the plain product dy W (the forward stays FP8), in the linear and the joined path."""
+    monkeypatch.setattr(fp8, "DGRAD", False)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 64, generator=gen, requires_grad=True)
+    w = (torch.randn(32, 64, generator=gen) * 0.1).requires_grad_()
+    dy = torch.randn(40, 32, generator=gen)
+    y = fp8.fp8_linear(x, w)
+    assert rel_rmse(_oracle_mm(x.detach(), w.detach()), y) < 1e-6
+    dx, = torch.autograd.grad(y, [x], dy)
+    assert rel_rmse(dy.double() @ w.detach().double(), dx) < 1e-6
+    setattr(w, "_k3_fp8", True)
+    (out,) = joined_linear(x, [w])
+    dxj, = torch.autograd.grad(out, [x], dy)
+    assert rel_rmse(dy.double() @ w.detach().double(), dxj) < 1e-6
+
+
 @cuda
 def test_fp8_linear_cuda_equals_its_dequantised_products():
     """cuBLAS's row-wise FP8 GEMMs under bf16 autocast (fp32 master weight): forward and dx against the fp64

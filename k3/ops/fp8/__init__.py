@@ -4,7 +4,7 @@
 the CPU path; "triton": one kernel, bit-identical; "auto": triton on CUDA). `fp8_linear` is x Wᵀ with
 
 - forward:  y  = e4m3(x) e4m3(W)ᵀ, one power-of-two scale per row of x and per row of W;
-- backward: dx = e4m3(dy) e4m3(Wᵀ)ᵀ, scales per row of dy and per column of W;
+- backward: dx = e4m3(dy) e4m3(Wᵀ)ᵀ, scales per row of dy and per column of W (`DGRAD`, K3_FP8_DGRAD=0: bf16);
             dW = dyᵀ x in x's dtype (bf16): the weight gradient, a sum over every token, keeps full precision,
             as torchao's row-wise recipe ("rowwise_with_gw_hp") does. With `WGRAD` on (K3_FP8_WGRAD=1) dW is an
             FP8 GEMM too, over dy's and x's columns (one scale per column over all M tokens, so one outlier token
@@ -36,7 +36,11 @@ __all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_refer
 
 BACKENDS = ("auto", "reference", "triton")
 ALIGN = 16  # _scaled_mm needs both GEMM dimensions of each operand (K and N) to be multiples of 16
-WGRAD = os.environ.get("K3_FP8_WGRAD", "0") == "1"  # dW as an FP8 GEMM too (read at each call)
+# which backward GEMMs run in FP8 (read at each call): dx (K3_FP8_DGRAD=0: bf16) and dW (K3_FP8_WGRAD=1: FP8).
+# dx pays for quantising dy (≈ 3 bytes per element of dy) with a third of a GEMM whose depth is the layer's input
+# width: at k3-small's 1,536 that saving is about 1.5x the quantisation's cost, a margin the GPU has to confirm.
+DGRAD = os.environ.get("K3_FP8_DGRAD", "1") == "1"
+WGRAD = os.environ.get("K3_FP8_WGRAD", "0") == "1"
 _MARK = "_k3_fp8"  # attribute set on a weight whose projections run in FP8 (`convert_to_float8_training`)
 
 
@@ -155,7 +159,7 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, weight.shape[0]).to(x2.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_mm(dy2, weight.t(), x2.dtype).view(ctx.xshape)
+            dx = (fp8_mm(dy2, weight.t(), x2.dtype) if DGRAD else dy2.mm(weight.to(x2.dtype))).view(ctx.xshape)
         if ctx.needs_input_grad[1]:
             dw = weight_grad(dy2, x2, weight.dtype)
         return dx, dw
