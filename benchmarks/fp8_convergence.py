@@ -25,7 +25,8 @@ def run(mode: str, a) -> list[dict]:
     log = out / "log.jsonl"
     done = log.exists() and any(r["kind"] == "train" and r["step"] == a.steps for r in read_log(log))
     if not done:
-        cmd = [sys.executable, "-m", "k3.cli", "train", "--preset", a.preset, "--steps", str(a.steps), "--out", str(out),
+        cmd = [sys.executable, "-m", "k3.cli", "train", "--preset", a.preset, "--steps", str(a.steps),
+               "--out", str(out),
                "--no-progress", "--no-tensorboard", "--sample-every", "0", *(["--fp8"] if mode == "fp8" else []),
                *a.extra]
         subprocess.run(cmd, check=True, cwd=ROOT)

@@ -4,7 +4,8 @@ quantisation kernel alone, and whole KDA / MLA / MoE layers (forward + backward,
 Shapes: M = B·T tokens (8 x 4,096 by default) times each distinct projection of the preset's layers (the joined
 input projections padded as `k3.ops.joined_linear` pads them). Per shape, forward + backward of x Wᵀ with an fp32
 master weight under bf16 autocast (what training runs): `F.linear` (bf16 GEMMs, the weight cast per call) against
-`fp8_linear` (row-wise e4m3 GEMMs forward and for dx, quantisation included; dW in bf16, and in FP8 too). Then the quantisation of
+`fp8_linear` (row-wise e4m3 GEMMs forward and for dx, quantisation included; dW in bf16; then also dW in FP8, and the
+forward alone in FP8). Then the quantisation of
 x's rows, of the weight's rows and of its columns alone, in GB/s of bytes moved. Then each layer of the preset
 with its projections in bf16 (joined) and converted to FP8. CUDA events, median of `--reps` after warm-up.
 
@@ -112,7 +113,8 @@ def main():
         tot_b, tot_f, tot_w = tot_b + r["bf16_ms"], tot_f + r["fp8_ms"], tot_w + r["fp8_wgrad_ms"]
         tot_o += r["fp8_fwd_only_ms"]
         print(f"{name[:40]:40s} N {N:5d} K {K:5d}: bf16 {r['bf16_ms']:7.3f} ms ({r['bf16_tflops']:5.0f} TFLOP/s), fp8 "
-              f"{r['fp8_ms']:7.3f} ms ({r['fp8_tflops']:5.0f}), {r['speedup']:.2f}x, dW in fp8 too {r['fp8_wgrad_ms']:7.3f}, forward only {r['fp8_fwd_only_ms']:7.3f}; quantise x {r['quant_x_us']:.1f} "
+              f"{r['fp8_ms']:7.3f} ms ({r['fp8_tflops']:5.0f}), {r['speedup']:.2f}x, dW in fp8 too "
+              f"{r['fp8_wgrad_ms']:7.3f}, forward only {r['fp8_fwd_only_ms']:7.3f}; quantise x {r['quant_x_us']:.1f} "
               f"us ({r['quant_x_gbs']:.0f} GB/s), W rows {r['quant_w_rows_us']:.1f}, W cols {r['quant_w_cols_us']:.1f} us",
               flush=True)
     print(f"== shapes: bf16 {tot_b:.3f} ms, fp8 {tot_f:.3f} ms ({tot_b / tot_f:.2f}x), dW in fp8 too {tot_w:.3f} ms "
@@ -133,7 +135,8 @@ def main():
             row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
             res["layers"][name] = row
             print(f"== {name}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms ({row['speedup']:.2f}x), "
-                  f"dW in fp8 too {row['fp8_wgrad_ms']:.3f} ms, forward only {row['fp8_fwd_only_ms']:.3f} ms; {n} modules "
+                  f"dW in fp8 too {row['fp8_wgrad_ms']:.3f} ms, forward only {row['fp8_fwd_only_ms']:.3f} ms; "
+                  f"{n} modules "
                   f"converted", flush=True)
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)

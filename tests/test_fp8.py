@@ -89,7 +89,8 @@ def _exact_rows(R, C, gen, dtype):
     x = t[torch.randint(0, len(t), (R, C), generator=gen)]
     big = torch.tensor([240.0, 256.0, 288.0, 320.0, 384.0, 416.0, 448.0], dtype=torch.float64)
     col = torch.randint(0, C, (R,), generator=gen)
-    x[torch.arange(R), col] = big[torch.randint(0, len(big), (R,), generator=gen)] * torch.sign(torch.randn(R, generator=gen))
+    sign = torch.sign(torch.randn(R, generator=gen))
+    x[torch.arange(R), col] = big[torch.randint(0, len(big), (R,), generator=gen)] * sign
     k = torch.randint(-20, 20, (R, 1), generator=gen).double()
     return (x * 2.0 ** k).to(dtype)
 
@@ -320,6 +321,8 @@ def test_fp8_linear_bf16_autocast_and_errors():
     assert x0.grad.shape == x0.shape and torch.equal(w.grad, torch.zeros_like(w))
     with pytest.raises(ValueError, match="expected x"):
         fp8.fp8_linear(x, torch.randn(16, 48))
+    with pytest.raises(ValueError, match="expected x"):
+        fp8.fp8_linear(x, torch.randn(32))
     with pytest.raises(ValueError, match="fp32/bf16"):
         fp8.fp8_linear(x.double(), torch.randn(16, 32))
     with pytest.raises(ValueError, match="unknown backend"):

@@ -28,11 +28,12 @@ from torch import nn
 
 from .._compile import eager_op
 from .._triton import device_reason, importable
+from ..linear_ce import autocast_cast
 from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
 
-__all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows", "pow2_scale", "fp8_linear",
-           "fp8_mm", "weight_grad", "fp8_reason", "Float8Linear", "convert_to_float8_training", "marked", "E4M3_MAX", "FP8",
-           "BACKENDS"]
+__all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows",
+           "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "fp8_reason", "Float8Linear",
+           "convert_to_float8_training", "marked", "E4M3_MAX", "FP8", "BACKENDS", "DGRAD", "WGRAD"]
 
 BACKENDS = ("auto", "reference", "triton")
 ALIGN = 16  # _scaled_mm needs both GEMM dimensions of each operand (K and N) to be multiples of 16
@@ -75,9 +76,9 @@ def _fp8_capable(index: int) -> bool:
 def fp8_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why x Wᵀ cannot run as `fp8_linear` (None: it can). CUDA wants an sm_89+ GPU and bf16 activations (the
     row-wise `_scaled_mm` writes bf16 only); the CPU takes fp32 or bf16."""
-    K, N = weight.shape[1], weight.shape[0]
-    if weight.dim() != 2 or x.shape[-1] != K:
-        return f"expected x [..., {K}] and weight [N, {K}], got {tuple(x.shape)} and {tuple(weight.shape)}"
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return f"expected x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+    N, K = weight.shape
     if K % ALIGN or N % ALIGN or K == 0 or N == 0:
         return f"both weight dimensions must be positive multiples of {ALIGN}, got {tuple(weight.shape)}"
     if x.device != weight.device:
@@ -169,7 +170,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x Wᵀ (no bias) through row-wise FP8 GEMMs forward and for dx, bf16 / x's dtype for dW (module docstring).
     Under autocast, x is cast to the autocast dtype as `F.linear` would; the weight (e.g. an fp32 master) is
     quantised directly. ValueError when the shapes or devices do not fit (`fp8_reason`)."""
-    from ..linear_ce import autocast_cast
     x = autocast_cast(x)
     why = fp8_reason(x, weight)
     if why is not None:
@@ -189,7 +189,6 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            from ..linear_ce import autocast_cast
             if fp8_reason(autocast_cast(x), self.weight) is None:
                 return fp8_linear(x, self.weight)
         return super().forward(x)
@@ -201,7 +200,9 @@ def convert_to_float8_training(model: nn.Module, module_filter=None) -> int:
     and state-dict names. Returns how many converted. Also marks the weights of bias-free linears whose input
     width is a multiple of 16 (narrow ones included, e.g. KDA's β [12, D]) so `k3.ops.joined_linear`, which pads
     the joined rows, takes the FP8 path when all of a call's weights are marked. The LM head stays as it is:
-    the fused linear + cross-entropy reads it as a weight, in bf16 (as DeepSeek-V3 keeps its head)."""
+    the fused linear + cross-entropy reads it as a weight, in bf16 (as DeepSeek-V3 keeps its head). Convert before
+    sharding: FSDP2's sharded parameters are new objects without the mark (the converted modules stay FP8; the
+    joined projections then run in bf16)."""
     n = 0
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear or mod.bias is not None or name.endswith("lm_head") or mod.in_features % ALIGN:
