@@ -115,7 +115,8 @@ def main():
         print(f"{name[:40]:40s} N {N:5d} K {K:5d}: bf16 {r['bf16_ms']:7.3f} ms ({r['bf16_tflops']:5.0f} TFLOP/s), fp8 "
               f"{r['fp8_ms']:7.3f} ms ({r['fp8_tflops']:5.0f}), {r['speedup']:.2f}x, dW in fp8 too "
               f"{r['fp8_wgrad_ms']:7.3f}, forward only {r['fp8_fwd_only_ms']:7.3f}; quantise x {r['quant_x_us']:.1f} "
-              f"us ({r['quant_x_gbs']:.0f} GB/s), W rows {r['quant_w_rows_us']:.1f}, W cols {r['quant_w_cols_us']:.1f} us",
+              f"us ({r['quant_x_gbs']:.0f} GB/s), W rows {r['quant_w_rows_us']:.1f}, "
+              f"W cols {r['quant_w_cols_us']:.1f} us",
               flush=True)
     print(f"== shapes: bf16 {tot_b:.3f} ms, fp8 {tot_f:.3f} ms ({tot_b / tot_f:.2f}x), dW in fp8 too {tot_w:.3f} ms "
           f"({tot_b / tot_w:.2f}x), forward only {tot_o:.3f} ms ({tot_b / tot_o:.2f}x)")
