@@ -14,7 +14,6 @@ with its projections in bf16 (joined) and converted to FP8. CUDA events, median 
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from joined_proj import documents, layers, step  # noqa: E402
+from joined_proj import documents, layer_args, layers, step  # noqa: E402
 from k3 import K3Config  # noqa: E402
 from k3.ops import fp8  # noqa: E402
 from k3.ops.joined_linear import MULTIPLE  # noqa: E402
@@ -92,14 +91,8 @@ def bench_shape(N, K, M, dev, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="k3-small")
-    ap.add_argument("--B", type=int, default=8)
-    ap.add_argument("--T", type=int, default=4096)
-    ap.add_argument("--mean-doc", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=10)
+    ap = layer_args(__doc__, "fp8_linear.json")
     ap.add_argument("--no-layers", action="store_true", help="projection shapes only")
-    ap.add_argument("--out", default="fp8_linear.json")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = K3Config.preset(a.preset)

@@ -72,15 +72,20 @@ def op_counts(fn) -> dict:
     return {k: c.get(k, 0) for k in OPS}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def layer_args(doc: str, out: str) -> argparse.ArgumentParser:
+    """The options of the scripts that time a preset's layers at B x T packed tokens (this one, fp8_linear.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--preset", default="k3-small")
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--mean-doc", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default="joined_proj.json")
-    a = ap.parse_args()
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def main():
+    a = layer_args(__doc__, "joined_proj.json").parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = K3Config.preset(a.preset)
     D = cfg.text_config.hidden_size
