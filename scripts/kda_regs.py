@@ -38,7 +38,9 @@ ALIGNED_INTS = frozenset({"K", "V", "sx", "sg", "sv", "sq", "sk", "slot_stride"}
 
 def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
     """registers, spill bytes and shared memory of `fn` compiled for sm_90a; pointers and the int arguments named in
-    `aligned` are taken as multiples of 16, as the JIT specializes them."""
+    `aligned` are taken as multiples of 16, as the JIT specializes them. The JIT also turns an int argument equal to
+    1 at launch into the constant 1 (a unit stride): give such arguments in `consts` (e.g. the row stride of a
+    transposed view), or the build assumes the wrong contiguous dimension (uncoalesced loads, no layout change)."""
     sig = _sig(fn, types, consts)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n in aligned)}
