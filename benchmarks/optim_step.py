@@ -36,7 +36,7 @@ from timing import median_ms  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model import K3ForConditionalGeneration  # noqa: E402
 from k3.train.balance import BalanceController, qb_margins  # noqa: E402
-from k3.train.optim import OptimConfig, build_optimizer, grad_clip_scale  # noqa: E402
+from k3.train.optim import OptimConfig, build_optimizer, grad_clip_scale, newton_schulz_flops  # noqa: E402
 from k3.train.qkclip import QKClip  # noqa: E402
 
 
@@ -128,8 +128,9 @@ def main() -> None:
         p.grad = torch.randn_like(p) * 1e-3
     n_params = sum(p.numel() for p in params)
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
-    print(f"{preset}: {n_params / 1e9:.3f} B parameters ({len(params)} tensors) on {gpu}; "
-          f"median of {args.reps} after {args.warmup} warm-up")
+    ns_flop = newton_schulz_flops(model)
+    print(f"{preset}: {n_params / 1e9:.3f} B parameters ({len(params)} tensors) on {gpu}; Newton–Schulz "
+          f"{ns_flop / 1e12:.2f} TFLOP per step; median of {args.reps} after {args.warmup} warm-up")
     rows = []
 
     def report(phase, impl, r, base=None):
@@ -212,7 +213,8 @@ def main() -> None:
 
     if args.out:
         Path(args.out).write_text(json.dumps({"preset": preset, "device": gpu, "params": n_params,
-                                              "tokens": tokens, "rows": rows}, indent=2) + "\n")
+                                              "newton_schulz_flop": ns_flop, "tokens": tokens, "rows": rows},
+                                             indent=2) + "\n")
         print(f"wrote {args.out}")
 
 

@@ -11,7 +11,8 @@ from conftest import make_tiny, rel_rmse
 from k3.config import K3Config
 from k3.model.mla import MLAttention, causal_mask
 from k3.train.optim import (NS_QUINTIC, CosineWarmup, MuonAdamW, OptimConfig, build_optimizer, build_scheduler,
-                            classify_parameters, grad_clip_scale, newton_schulz)
+                            classify_parameters, grad_clip_scale, muon_blocks, newton_schulz,
+                            newton_schulz_flops)
 from k3.train.qkclip import QKClip, clip_heads
 
 CUBIC = (1.5, -0.5, 0.0)  # classic Newton–Schulz: converges to the exact polar factor U Vᵀ
@@ -43,6 +44,23 @@ def one_param_opt(p, head_rows=0, kind="muon", **cfg):
 
 
 # ---- Newton–Schulz and per-head blocks ------------------------------------------------------------------
+
+def test_newton_schulz_flops_equal_what_the_iterations_multiply():
+    """`newton_schulz_flops` against torch's FLOP counter over `newton_schulz` on every Muon block of k3-tiny
+    (per-head blocks, wide and tall matrices, stacked experts)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = make_tiny()
+    params = dict(model.named_parameters())
+    counted = 0
+    for name, (kind, head_rows) in classify_parameters(model).items():
+        if kind != "muon":
+            continue
+        g = torch.randn(muon_blocks(params[name].shape, head_rows))
+        with FlopCounterMode(display=False) as fc:
+            newton_schulz(g, OptimConfig().ns_steps)
+        counted += fc.get_total_flops()
+    assert counted > 0 and newton_schulz_flops(model) == counted
+
 
 def test_newton_schulz_matches_reference_and_polar():
     g = torch.Generator().manual_seed(0)

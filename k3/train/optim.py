@@ -685,6 +685,20 @@ def classify_parameters(model: nn.Module, per_head: bool = True) -> dict[str, tu
     return out
 
 
+def newton_schulz_flops(model: nn.Module, cfg: OptimConfig | None = None) -> int:
+    """FLOPs of one optimizer step's Newton–Schulz iterations (`newton_schulz` on every Muon block): per block
+    [A, B] with a = min(A, B), b = max(A, B), each iteration multiplies XXᵀ (2a²b), S·S (2a³) and P·X (2a²b)."""
+    cfg = cfg or OptimConfig()
+    params = dict(model.named_parameters())
+    total = 0
+    for name, (kind, head_rows) in classify_parameters(model, cfg.per_head).items():
+        if kind == "muon":
+            n, A, B = muon_blocks(params[name].shape, head_rows)
+            a, b = min(A, B), max(A, B)
+            total += n * cfg.ns_steps * (4 * a * a * b + 2 * a ** 3)
+    return total
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig | None = None) -> MuonAdamW:
     """Per-Head Muon for matrices, AdamW for the rest (see `classify_parameters`), one optimizer object."""
     cfg = cfg or OptimConfig()
