@@ -80,14 +80,19 @@ def kernels():
     for name in sorted({n for m in mods for n in dir(m) if n.endswith("_kernel")}):
         fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
-                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True, HAS_CU=False, HAS_DTB=True, SUMMARY=False, SPLIT=False, NV=1, VB=CFG["intra_bwd_vb"], KB=32, BT=16, PRE=False, STORE_O=False,
+                                         HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True,
+                                         HAS_CU=False, HAS_DTB=True, SUMMARY=False, SPLIT=False, NV=1,
+                                         VB=CFG["intra_bwd_vb"], KB=32, BT=16, PRE=False, STORE_O=False,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
         if "decode" in name:
             consts["BV"] = 64  # kda_decode_triton's default block
+        if name == "kda_intra_bwd_states_kernel":  # the split backward's first kernel at its CFG settings
+            consts.update(KB=CFG["intra_bwd_states_kb"], VB=CFG["intra_bwd_states_vb"])
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
-                         "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
+                         "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps",
+                         "kda_intra_bwd_states_kernel": "intra_bwd_states_warps"}.get(name, ""), 4)
         out.append((name, fn, t, consts, warps, {}))
         if name == "kda_recur_fwd_kernel":  # the segment-summary specialisations (sequence splitting)
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, STORE_H=False, HAS_H0=False), warps, {}))

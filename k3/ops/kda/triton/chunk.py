@@ -447,7 +447,7 @@ class _ChunkKDA(torch.autograd.Function):
         dalog = torch.empty(NC, H, **f32) if gate else None
         BK, BVf = _blk(K), _blk(V)
         VB = min(CFG["intra_bwd_vb"], BVf)
-        split = {}
+        split = dict(part_ptr=du, SPLIT=False)  # (a pointer it never reads: no None argument for the JIT)
         if CFG["intra_bwd_split"]:  # the state products in their own kernel first (`kda_intra_bwd_states_kernel`)
             part = torch.empty(NC, H, 3 * C * BK + C * C + BK, **f32)
             KB = min(CFG["intra_bwd_states_kb"], BK)

@@ -301,7 +301,7 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
                          H, K, V, scale, lower_bound,
                          BK: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, GATE: tl.constexpr,
                          BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr,
-                         part_ptr=None, SPLIT: tl.constexpr = False):
+                         part_ptr, SPLIT: tl.constexpr):
     """Per (chunk, head): the recurrence's non-sequential gradients from the chunk's incoming state S
     (hall) and the gradient dS' of its outgoing state (dsall) -- dqe = do S^T, dw = -du S^T, dkg = vn dS'^T,
     dAqk = do vn^T, d e^{G_C} = rowsum(S * dS') in value blocks of VB -- then back through the chunk to q, k,
