@@ -5,9 +5,11 @@ Shapes: M = B·T tokens (8 x 4,096 by default) times each distinct projection of
 input projections padded as `k3.ops.joined_linear` pads them). Per shape, forward + backward of x Wᵀ with an fp32
 master weight under bf16 autocast (what training runs): `F.linear` (bf16 GEMMs, the weight cast per call) against
 `fp8_linear` (row-wise e4m3 GEMMs forward and for dx, quantisation included; dW in bf16; then also dW in FP8, and the
-forward alone in FP8). Then the quantisation of
+forward alone in FP8; dx in FP8 at every input width, whatever `K3_FP8_DGRAD_MIN_K` says, so that these rows can set
+it). Then the quantisation of
 x's rows, of the weight's rows and of its columns alone, in GB/s of bytes moved. Then each layer of the preset
-with its projections in bf16 (joined) and converted to FP8. CUDA events, median of `--reps` after warm-up.
+with its projections in bf16 (joined) and converted to FP8 (the production rules). CUDA events, median of `--reps`
+after warm-up.
 
     python benchmarks/fp8_linear.py                                   # GPU: k3-small, 8 x 4,096 tokens
     python benchmarks/fp8_linear.py --preset k3-tiny --B 1 --T 512    # CPU (oneDNN's _scaled_mm; not a speed claim)
@@ -71,12 +73,13 @@ def bench_shape(N, K, M, dev, reps):
 
     row = {"N": N, "K": K, "M": M}
     row["bf16_ms"] = median_ms(run(F.linear), 3, reps, cuda=cuda)
+    min_k, fp8.DGRAD_MIN_K = fp8.DGRAD_MIN_K, 0  # dx in FP8 at every width here: the rows that set the threshold
     row["fp8_ms"] = median_ms(run(fp8.fp8_linear), 3, reps, cuda=cuda)
     fp8.WGRAD = True  # dW in FP8 too (K3_FP8_WGRAD)
     row["fp8_wgrad_ms"] = median_ms(run(fp8.fp8_linear), 3, reps, cuda=cuda)
     fp8.WGRAD, fp8.DGRAD = False, False  # the forward alone in FP8 (K3_FP8_DGRAD=0)
     row["fp8_fwd_only_ms"] = median_ms(run(fp8.fp8_linear), 3, reps, cuda=cuda)
-    fp8.DGRAD = True
+    fp8.DGRAD, fp8.DGRAD_MIN_K = True, min_k
     row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
     flop = 6 * M * N * K
     row["bf16_tflops"] = flop / row["bf16_ms"] / 1e9

@@ -16,6 +16,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def fp8_dx_at_every_width(monkeypatch):
+    """The tests' layers are narrow: take dx in FP8 at every input width (production: `DGRAD_MIN_K`), except
+    where a test sets the threshold itself."""
+    monkeypatch.setattr(fp8, "DGRAD_MIN_K", 0)
+
+
 def _e4m3_table() -> torch.Tensor:
     """Every finite e4m3 value, sorted, from the format's definition (bias 7, 3 mantissa bits, no infinities,
     S.1111.111 is NaN): independent of torch's conversion."""
@@ -263,9 +270,14 @@ def test_fp8_weight_grad_option(monkeypatch, M):
     assert rel_rmse(want, dwj) < 1e-6
 
 
-def test_fp8_dgrad_off_gives_the_bf16_input_gradient(monkeypatch):
-    """K3_FP8_DGRAD=0: dx is the plain product dy W (the forward stays FP8), in the linear and the joined path."""
-    monkeypatch.setattr(fp8, "DGRAD", False)
+@pytest.mark.parametrize("switch", ["DGRAD=0", "narrower-than-DGRAD_MIN_K"])
+def test_fp8_dgrad_off_gives_the_bf16_input_gradient(monkeypatch, switch):
+    """K3_FP8_DGRAD=0, or a layer narrower at the input than K3_FP8_DGRAD_MIN_K: dx is the plain product dy W (the
+    forward stays FP8), in the linear and the joined path."""
+    if switch == "DGRAD=0":
+        monkeypatch.setattr(fp8, "DGRAD", False)
+    else:
+        monkeypatch.setattr(fp8, "DGRAD_MIN_K", 65)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(40, 64, generator=gen, requires_grad=True)
     w = (torch.randn(32, 64, generator=gen) * 0.1).requires_grad_()

@@ -54,8 +54,8 @@ class _JoinedLinear(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dx, dws, o = None, [None] * len(ctx.wrows), 0
-        if ctx.fp8 and need_x and fp8_ops.DGRAD:  # FP8: one GEMM against the joined weight, dy's pieces side by
-            # side (one row scale)
+        fp8_dx = ctx.fp8 and fp8_ops.DGRAD and x2.shape[1] >= fp8_ops.DGRAD_MIN_K
+        if fp8_dx and need_x:  # FP8: one GEMM against the joined weight, dy's pieces side by side (one row scale)
             M, pieces, offsets, off = x2.shape[0], [], [], 0
             for p, dy in zip(ctx.pieces, dys):
                 if dy is not None:

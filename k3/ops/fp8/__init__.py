@@ -4,7 +4,8 @@
 the CPU path; "triton": one kernel, bit-identical; "auto": triton on CUDA). `fp8_linear` is x Wᵀ with
 
 - forward:  y  = e4m3(x) e4m3(W)ᵀ, one power-of-two scale per row of x and per row of W;
-- backward: dx = e4m3(dy) e4m3(Wᵀ)ᵀ, scales per row of dy and per column of W (`DGRAD`, K3_FP8_DGRAD=0: bf16);
+- backward: dx = e4m3(dy) e4m3(Wᵀ)ᵀ, scales per row of dy and per column of W (`DGRAD`, K3_FP8_DGRAD=0: bf16;
+            layers narrower than `DGRAD_MIN_K` at the input take bf16);
             dW = dyᵀ x in x's dtype (bf16): the weight gradient, a sum over every token, keeps full precision,
             as torchao's row-wise recipe ("rowwise_with_gw_hp") does. With `WGRAD` on (K3_FP8_WGRAD=1) dW is an
             FP8 GEMM too, over dy's and x's columns (one scale per column over all M tokens, so one outlier token
@@ -33,7 +34,7 @@ from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows
 
 __all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows",
            "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "fp8_reason", "Float8Linear",
-           "convert_to_float8_training", "marked", "E4M3_MAX", "FP8", "BACKENDS", "DGRAD", "WGRAD"]
+           "convert_to_float8_training", "marked", "E4M3_MAX", "FP8", "BACKENDS", "DGRAD", "DGRAD_MIN_K", "WGRAD"]
 
 BACKENDS = ("auto", "reference", "triton")
 ALIGN = 16  # _scaled_mm needs both GEMM dimensions of each operand (K and N) to be multiples of 16
@@ -42,6 +43,10 @@ ALIGN = 16  # _scaled_mm needs both GEMM dimensions of each operand (K and N) to
 # width: at k3-small's 1,536 that saving is about 1.5x the quantisation's cost, a margin the GPU has to confirm.
 DGRAD = os.environ.get("K3_FP8_DGRAD", "1") == "1"
 WGRAD = os.environ.get("K3_FP8_WGRAD", "0") == "1"
+# dx in FP8 only for layers at least this wide at the input (K): the saving per element of dy grows with K, the
+# cost of quantising dy does not; below ≈ 1,000 (k3-small's f_b 128, kv_b 256, q_b 512, the latent up 768) the
+# FP8 GEMM cannot repay it, so those take the bf16 GEMM (K3_FP8_DGRAD_MIN_K; 0: every layer)
+DGRAD_MIN_K = int(os.environ.get("K3_FP8_DGRAD_MIN_K", "1024"))
 _MARK = "_k3_fp8"  # attribute set on a weight whose projections run in FP8 (`convert_to_float8_training`)
 
 
@@ -160,7 +165,8 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, weight.shape[0]).to(x2.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = (fp8_mm(dy2, weight.t(), x2.dtype) if DGRAD else dy2.mm(weight.to(x2.dtype))).view(ctx.xshape)
+            fp8_dx = DGRAD and weight.shape[1] >= DGRAD_MIN_K
+            dx = (fp8_mm(dy2, weight.t(), x2.dtype) if fp8_dx else dy2.mm(weight.to(x2.dtype))).view(ctx.xshape)
         if ctx.needs_input_grad[1]:
             dw = weight_grad(dy2, x2, weight.dtype)
         return dx, dw
