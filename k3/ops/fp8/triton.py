@@ -44,6 +44,23 @@ def _scale(amax):
 
 
 @triton.jit
+def _range_amax(x_ptr, r64, rmask, lo, hi, sxr, sxc, amax, BC: tl.constexpr):
+    """amax, raised to the rows' max |x| over columns [lo, hi) of x (strides sxr, sxc)."""
+    for c0 in range(lo, hi, BC):
+        v, cols, m = _tile(x_ptr, r64, rmask, c0, hi, sxr, sxc, BC)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    return amax
+
+
+@triton.jit
+def _range_cast(x_ptr, r64, rmask, lo, hi, sxr, sxc, q_ptr, sqr, inv, BC: tl.constexpr):
+    """q[r, c] = e4m3(x[r, c] · inv[r]) for columns [lo, hi) (q: row stride sqr, unit column stride)."""
+    for c0 in range(lo, hi, BC):
+        v, cols, m = _tile(x_ptr, r64, rmask, c0, hi, sxr, sxc, BC)
+        tl.store(q_ptr + r64[:, None] * sqr + cols[None, :], (v * inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def quant_rows_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, R, C, sxr, sxc, sqr, CPP,
                       BR: tl.constexpr, BC: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr = False):
     """x [R, C] (strides sxr, sxc) → q (row stride sqr, unit column stride) and s, for rows
@@ -57,20 +74,14 @@ def quant_rows_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, R, C, sxr, sxc, sqr, CPP,
     lo = tl.program_id(1) * CPP
     hi = tl.minimum(lo + CPP, C)
     if PHASE != 2:
-        amax = tl.zeros([BR], dtype=tl.float32)
-        for c0 in range(lo, hi, BC):
-            v, cols, m = _tile(x_ptr, r64, rmask, c0, hi, sxr, sxc, BC)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        amax = _range_amax(x_ptr, r64, rmask, lo, hi, sxr, sxc, tl.zeros([BR], dtype=tl.float32), BC)
         if PHASE == 1:
             tl.atomic_max(amax_ptr + rows, amax, mask=rmask)
     if PHASE != 1:
         if PHASE == 2:
             amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
         s, inv = _scale(amax)
-        for c0 in range(lo, hi, BC):
-            v, cols, m = _tile(x_ptr, r64, rmask, c0, hi, sxr, sxc, BC)
-            tl.store(q_ptr + r64[:, None] * sqr + cols[None, :], (v * inv[:, None]).to(q_ptr.dtype.element_ty),
-                     mask=m)
+        _range_cast(x_ptr, r64, rmask, lo, hi, sxr, sxc, q_ptr, sqr, inv, BC)
         if tl.program_id(1) == 0:
             tl.store(s_ptr + rows, s, mask=rmask)
 
@@ -108,22 +119,6 @@ def quantize_rows_triton(x: torch.Tensor, block_rows: int | None = None, block_c
 
 
 @triton.jit
-def _piece_amax(p_ptr, sp, n, r64, rmask, amax, BC: tl.constexpr):
-    for c0 in range(0, n, BC):
-        v, cols, m = _tile(p_ptr, r64, rmask, c0, n, sp, 1, BC)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    return amax
-
-
-@triton.jit
-def _piece_cast(p_ptr, sp, n, off, q_ptr, sqr, r64, rmask, inv, BC: tl.constexpr):
-    for c0 in range(0, n, BC):
-        v, cols, m = _tile(p_ptr, r64, rmask, c0, n, sp, 1, BC)
-        tl.store(q_ptr + r64[:, None] * sqr + off + cols[None, :], (v * inv[:, None]).to(q_ptr.dtype.element_ty),
-                 mask=m)
-
-
-@triton.jit
 def quant_pieces_kernel(q_ptr, s_ptr, R, sqr, p0, s0, n0, o0, p1, s1, n1, o1, p2, s2, n2, o2, p3, s3, n3, o3,
                         NP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
     """Rows [pid·BR, pid·BR + BR) of up to four row-major pieces side by side (piece i: pointer p_i, row stride s_i,
@@ -133,21 +128,21 @@ def quant_pieces_kernel(q_ptr, s_ptr, R, sqr, p0, s0, n0, o0, p1, s1, n1, o1, p2
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     r64 = rows.to(tl.int64)
-    amax = _piece_amax(p0, s0, n0, r64, rmask, tl.zeros([BR], dtype=tl.float32), BC)
+    amax = _range_amax(p0, r64, rmask, 0, n0, s0, 1, tl.zeros([BR], dtype=tl.float32), BC)
     if NP > 1:
-        amax = _piece_amax(p1, s1, n1, r64, rmask, amax, BC)
+        amax = _range_amax(p1, r64, rmask, 0, n1, s1, 1, amax, BC)
     if NP > 2:
-        amax = _piece_amax(p2, s2, n2, r64, rmask, amax, BC)
+        amax = _range_amax(p2, r64, rmask, 0, n2, s2, 1, amax, BC)
     if NP > 3:
-        amax = _piece_amax(p3, s3, n3, r64, rmask, amax, BC)
+        amax = _range_amax(p3, r64, rmask, 0, n3, s3, 1, amax, BC)
     s, inv = _scale(amax)
-    _piece_cast(p0, s0, n0, o0, q_ptr, sqr, r64, rmask, inv, BC)
+    _range_cast(p0, r64, rmask, 0, n0, s0, 1, q_ptr + o0, sqr, inv, BC)
     if NP > 1:
-        _piece_cast(p1, s1, n1, o1, q_ptr, sqr, r64, rmask, inv, BC)
+        _range_cast(p1, r64, rmask, 0, n1, s1, 1, q_ptr + o1, sqr, inv, BC)
     if NP > 2:
-        _piece_cast(p2, s2, n2, o2, q_ptr, sqr, r64, rmask, inv, BC)
+        _range_cast(p2, r64, rmask, 0, n2, s2, 1, q_ptr + o2, sqr, inv, BC)
     if NP > 3:
-        _piece_cast(p3, s3, n3, o3, q_ptr, sqr, r64, rmask, inv, BC)
+        _range_cast(p3, r64, rmask, 0, n3, s3, 1, q_ptr + o3, sqr, inv, BC)
     tl.store(s_ptr + rows, s, mask=rmask)
 
 
