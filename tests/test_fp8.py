@@ -268,6 +268,14 @@ def test_fp8_weight_grad_option(monkeypatch, M):
     (out,) = joined_linear(x, [w])
     dwj, = torch.autograd.grad(out, [w], dy)
     assert rel_rmse(want, dwj) < 1e-6
+    # two pieces: x's columns quantised once, shared by both weight gradients
+    w2 = (torch.randn(16, 64, generator=gen) * 0.1).requires_grad_()
+    setattr(w2, "_k3_fp8", True)
+    dy2 = torch.randn(M, 16, generator=gen)
+    out1, out2 = joined_linear(x, [w, w2])
+    dw1, dw2 = torch.autograd.grad((out1 * dy).sum() + (out2 * dy2).sum(), [w, w2])
+    want2 = _oracle_mm(dy2.t(), x.detach().t()) if M % 16 == 0 else dy2.double().t() @ x.detach().double()
+    assert rel_rmse(want, dw1) < 1e-6 and rel_rmse(want2, dw2) < 1e-6
 
 
 @pytest.mark.parametrize("switch", ["DGRAD=0", "narrower-than-DGRAD_MIN_K"])

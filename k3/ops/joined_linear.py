@@ -65,6 +65,8 @@ class _JoinedLinear(torch.autograd.Function):
             dx = fp8_ops.scaled_mm(*fp8_ops.quantize_joined(pieces, offsets, w.shape[0]),
                                    *fp8_ops.quantize_rows(w.t()), x2.dtype) if pieces else torch.zeros_like(x2)
             need_x = False
+        # FP8 dW: x's columns quantised once for every piece
+        x_cols = fp8_ops.quantize_rows(x2.t()) if ctx.fp8 and fp8_ops.wgrad_fp8(x2.shape[0]) and any(need_w) else None
         for piece, dy in zip(ctx.pieces, dys):
             n = sum(ctx.wrows[i] for i in piece)
             if dy is not None:
@@ -73,7 +75,7 @@ class _JoinedLinear(torch.autograd.Function):
                 if need_x:
                     dx = torch.mm(dy2, wp) if dx is None else dx.addmm_(dy2, wp)
                 if any(need_w[i] for i in piece):
-                    dwp = fp8_ops.weight_grad(dy2, x2, x2.dtype) if ctx.fp8 else dy2.t().mm(x2)
+                    dwp = fp8_ops.weight_grad(dy2, x2, x2.dtype, x_cols) if ctx.fp8 else dy2.t().mm(x2)
                     r = 0
                     for i in piece:
                         dws[i] = dwp[r:r + ctx.wrows[i]]

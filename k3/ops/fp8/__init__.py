@@ -33,7 +33,7 @@ from ..linear_ce import autocast_cast
 from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
 
 __all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows",
-           "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "fp8_reason", "Float8Linear",
+           "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "wgrad_fp8", "fp8_reason", "Float8Linear",
            "convert_to_float8_training", "marked", "E4M3_MAX", "FP8", "BACKENDS", "DGRAD", "DGRAD_MIN_K", "WGRAD"]
 
 BACKENDS = ("auto", "reference", "triton")
@@ -142,11 +142,17 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Te
     return scaled_mm(*quantize_rows(a), *quantize_rows(b), out_dtype)
 
 
-def weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dW = dyᵀ x for dy [M, N] and x [M, K], in `dtype`: a bf16 (x's dtype) GEMM, or with `WGRAD` an FP8 one over
-    both operands' columns (transposed views, quantised in place)."""
-    if WGRAD and dy.shape[0] % ALIGN == 0 and dy.shape[0] > 0:
-        return fp8_mm(dy.t(), x.t(), x.dtype).to(dtype)
+def wgrad_fp8(M: int) -> bool:
+    """Whether dW = dyᵀ x over M tokens runs as an FP8 GEMM (`WGRAD`, and M a positive multiple of 16)."""
+    return WGRAD and M > 0 and M % ALIGN == 0
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, x_cols=None) -> torch.Tensor:
+    """dW = dyᵀ x for dy [M, N] and x [M, K], in `dtype`: a bf16 (x's dtype) GEMM, or with `wgrad_fp8(M)` an FP8 one
+    over both operands' columns (transposed views, quantised in place). x_cols: `quantize_rows(x.t())`, when the
+    caller shares it between several dy (the joined projections' pieces)."""
+    if wgrad_fp8(dy.shape[0]):
+        return scaled_mm(*quantize_rows(dy.t()), *(x_cols or quantize_rows(x.t())), x.dtype).to(dtype)
     return dy.t().mm(x).to(dtype)
 
 
@@ -180,6 +186,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     why = fp8_reason(x, weight)
     if why is not None:
         raise ValueError(f"fp8_linear: {why}")
+    return _apply(x, weight)
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear` once x is cast and checked."""
     with torch.autocast(x.device.type, enabled=False):
         return _Fp8Linear.apply(x, weight)
 
@@ -195,8 +206,9 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            if fp8_reason(autocast_cast(x), self.weight) is None:
-                return fp8_linear(x, self.weight)
+            xc = autocast_cast(x)
+            if fp8_reason(xc, self.weight) is None:
+                return _apply(xc, self.weight)
         return super().forward(x)
 
 
