@@ -114,6 +114,5 @@ def joined_linear(x: torch.Tensor, pieces: Sequence[torch.Tensor | Sequence[torc
         index.append(tuple(range(i, i + len(g))))
         i += len(g)
     with torch.autocast(x.device.type, enabled=False):  # operands already cast
-        if fp8 and fp8_ops.fp8_reason(x, flat[0].new_empty(()).expand(MULTIPLE, D)) is not None:
-            fp8 = False  # the joined weight's rows are padded to MULTIPLE: only x and D decide
+        fp8 = fp8 and fp8_ops.input_reason(x) is None  # the joined rows are padded to MULTIPLE: x alone decides
         return _JoinedLinear.apply(x, tuple(index), fp8, *flat)

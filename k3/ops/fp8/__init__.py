@@ -33,7 +33,7 @@ from ..linear_ce import autocast_cast
 from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
 
 __all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows",
-           "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "wgrad_fp8", "fp8_reason", "Float8Linear",
+           "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "wgrad_fp8", "fp8_reason", "input_reason", "Float8Linear",
            "convert_to_float8_training", "marked", "E4M3_MAX", "FP8", "BACKENDS", "DGRAD", "DGRAD_MIN_K", "WGRAD"]
 
 BACKENDS = ("auto", "reference", "triton")
@@ -79,15 +79,24 @@ def _fp8_capable(index: int) -> bool:
 
 
 def fp8_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why x Wᵀ cannot run as `fp8_linear` (None: it can). CUDA wants an sm_89+ GPU and bf16 activations (the
-    row-wise `_scaled_mm` writes bf16 only); the CPU takes fp32 or bf16."""
+    """Why x Wᵀ cannot run as `fp8_linear` (None: it can): the weight's shape and dtype, then `input_reason`."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return f"expected x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
-    N, K = weight.shape
-    if K % ALIGN or N % ALIGN or K == 0 or N == 0:
+    if weight.shape[0] % ALIGN or weight.shape[0] == 0:
         return f"both weight dimensions must be positive multiples of {ALIGN}, got {tuple(weight.shape)}"
     if x.device != weight.device:
         return f"x and weight must share a device, got {x.device} and {weight.device}"
+    if not weight.is_floating_point() or weight.dtype == torch.float64:
+        return f"weight must be fp32/bf16/fp16, got {weight.dtype}"
+    return input_reason(x)
+
+
+def input_reason(x: torch.Tensor) -> str | None:
+    """Why activations x [..., K] cannot enter an FP8 GEMM (None: they can): K a positive multiple of 16; CUDA
+    wants an sm_89+ GPU and bf16 (the row-wise `_scaled_mm` writes bf16 only); the CPU takes fp32 or bf16."""
+    K = x.shape[-1] if x.dim() else 0
+    if K % ALIGN or K == 0:
+        return f"both weight dimensions must be positive multiples of {ALIGN}, got an input width of {K}"
     if x.is_cuda:
         if x.dtype != torch.bfloat16:
             return f"on CUDA x must be bf16 (cast by autocast), got {x.dtype}"
@@ -95,8 +104,6 @@ def fp8_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
             return "the GPU has no FP8 tensor cores (sm_89 or newer needed)"
     elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return f"needs CUDA bf16 or CPU fp32/bf16 activations, got {x.dtype} on {x.device}"
-    if not weight.is_floating_point() or weight.dtype == torch.float64:
-        return f"weight must be fp32/bf16/fp16, got {weight.dtype}"
     return None
 
 
