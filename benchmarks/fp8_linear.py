@@ -39,13 +39,14 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
     projection padded to MULTIPLE rows, as `k3.ops.joined_linear` pads it)."""
     t = cfg.text_config
     seen: dict[str, tuple[int, int]] = {}
-    for name, layer in layers(cfg, "meta").items():
+    built = layers(cfg, "meta")
+    for name, layer in built.items():
         for mname, m in layer.named_modules():
-            if isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0:
+            if isinstance(m, torch.nn.Linear) and m.in_features % fp8.ALIGN == 0 and m.out_features % fp8.ALIGN == 0:
                 seen.setdefault(f"{name}.{mname}", (m.out_features, m.in_features))
     D = t.hidden_size
     pad = lambda n: -(-n // MULTIPLE) * MULTIPLE  # noqa: E731
-    kda = layers(cfg, "meta")["kda"]
+    kda = built["kda"]
     HK = kda.q_proj.out_features
     seen["kda.joined"] = (pad(3 * HK + kda.f_a_proj.out_features + kda.b_proj.out_features + HK), D)
     by_shape: dict[tuple[int, int], list[str]] = {}
