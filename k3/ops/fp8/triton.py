@@ -106,7 +106,7 @@ def quantize_rows_triton(x: torch.Tensor, block_rows: int | None = None, block_c
     n = split or max(1, min(steps, FILL // blocks))
     cpp = triton.cdiv(steps, n) * bc  # columns per program, a multiple of bc
     n = triton.cdiv(C, cpp)
-    args = (x, q, s, None, R, C, x.stride(0), x.stride(1), q.stride(0), cpp)
+    args = (x, q, s, s, R, C, x.stride(0), x.stride(1), q.stride(0), cpp)  # amax_ptr: unread in whole rows
     kw = dict(BR=br, BC=bc, num_warps=4, **pdl(x))
     if n == 1:
         quant_rows_kernel[(blocks, 1)](*args, PHASE=0, **kw)
