@@ -26,7 +26,16 @@ def _sig(fn, types, consts):
     return sig
 
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+def _ptxas() -> str:
+    """The ptxas this Triton runs for sm_90 (its bundled 12.8 `ptxas` in 3.6, `ptxas-blackwell` in 3.9)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(90).path
+    except (ImportError, AttributeError, RuntimeError):
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+
+
+PTXAS = _ptxas()
 
 
 # integer arguments that are multiples of 16 at k3's shapes (head dims 128, strides of [T, H, 128] rows, state
@@ -46,17 +55,32 @@ def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
              if n not in consts and (sig[n].startswith("*") or n in aligned)}
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **opts))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(k.asm["ptx"])
-    r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
-                       capture_output=True, text=True)
-    txt = r.stderr
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as fh:
+            fh.write(k.asm["ptx"])
+        txt = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin], capture_output=True,
+                             text=True).stderr
+        sass = _sass(cubin)
     regs = re.search(r"Used (\d+) registers", txt)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
     smem = k.metadata.shared
-    return dict(regs=int(regs.group(1)) if regs else None,
-                spill_st=int(spill.group(1)) if spill else None, spill_ld=int(spill.group(2)) if spill else None,
-                smem=smem)
+    out = dict(regs=int(regs.group(1)) if regs else None,
+               spill_st=int(spill.group(1)) if spill else None, spill_ld=int(spill.group(2)) if spill else None,
+               smem=smem)
+    if sass is not None:  # static SASS counts: all instructions, and the local-memory (spill) loads and stores
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+        out.update(instrs=len(ops), local=sum(o.split(".")[0] in ("LDL", "STL") for o in ops))
+    return out
+
+
+def _sass(cubin: str) -> str | None:
+    """`cuobjdump -sass` of a cubin with the Triton-bundled cuobjdump, or None where it is missing or fails."""
+    tool = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+    if not (os.path.exists(cubin) and os.path.exists(tool)):
+        return None
+    r = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
 
 
 def kernels():
