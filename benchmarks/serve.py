@@ -176,6 +176,8 @@ SWITCHES = {
                           "a batch-1 step's KDA attention as six kernels"),
     "l2_prefetch_step_ms": ("k3.ops.l2_prefetch", "ON", "each projection's weight prefetched into L2 a projection "
                             "ahead", "no L2 prefetch"),
+    "gemv_prefetch_step_ms": ("k3.ops.gemv.triton", "PREFETCH", "each GEMV asking for its weights in L2 before its "
+                              "PDL wait", "each GEMV reading its weights after its PDL wait"),
 }
 
 
@@ -203,6 +205,8 @@ HIT_SWITCHES = {
                              "its admission copies as host calls before the graph"),
     "l2_prefetch_seconds": ("k3.ops.l2_prefetch", "ON", "its projections' weights prefetched into L2 one ahead",
                             "no L2 prefetch"),
+    "gemv_prefetch_seconds": ("k3.ops.gemv.triton", "PREFETCH", "each GEMV asking for its weights in L2 before its "
+                              "PDL wait", "each GEMV reading its weights after its PDL wait"),
 }
 
 

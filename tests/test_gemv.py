@@ -139,6 +139,55 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
 
 
+def test_weight_prefetch_only_under_pdl_with_aligned_rows(monkeypatch):
+    """`PREFETCH` (each program asks for its rows of W in L2 before its PDL wait) is a launch keyword only where PDL
+    is on and the bulk prefetch's 16-byte bounds hold: W's start, its row stride and its row length in bytes."""
+    on = {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(gemv_triton, "PREFETCH", True)
+    monkeypatch.setattr(gemv_triton, "pdl", lambda x: dict(on))
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 72, dtype=torch.bfloat16)
+    assert gemv_triton.launch_pdl(x, w) == dict(on, PREFETCH=True)
+    assert "PREFETCH" not in gemv_triton.launch_pdl(x, w[:, :60])  # rows of 120 bytes
+    assert "PREFETCH" not in gemv_triton.launch_pdl(x, w[:, 4:68])  # W starts 8 bytes in
+    assert "PREFETCH" not in gemv_triton.launch_pdl(x, torch.zeros(32, 68, dtype=torch.bfloat16)[:, :64])  # stride
+    monkeypatch.setattr(gemv_triton, "PREFETCH", False)
+    assert gemv_triton.launch_pdl(x, w) == on
+    monkeypatch.setattr(gemv_triton, "PREFETCH", True)
+    monkeypatch.setattr(gemv_triton, "pdl", lambda x: {})  # no PDL (the CPU, an older GPU): nothing to overlap
+    assert gemv_triton.launch_pdl(x, w) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_weight_prefetch_leaves_results_unchanged(monkeypatch):
+    """A chain of k3-small decode GEMVs (each the next one's input, so each waits on the one before under PDL),
+    eager and replayed from a CUDA graph: bitwise the same with and without the prefetch before the wait."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shapes = [(6336, 1536), (1536, 1536), (2848, 1536), (1536, 2848), (163840, 1536)]
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16() for n, k in shapes]
+    x0 = torch.randn(1, 1536, device="cuda", generator=g).bfloat16()
+
+    def chain():
+        x = x0
+        for w in ws:
+            x = gemv_triton.gemv(x[:, :w.shape[1]], w)
+        return x
+
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(gemv_triton, "PREFETCH", on)
+        eager = chain()
+        chain()  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        outs[on] = eager
+    assert torch.equal(outs[True], outs[False])
+
+
 def test_linear_with_an_accumulator_matches_addmm():
     """y = x W^T + add (the MoE up projection onto the shared experts' output): kernel and cuBLAS paths."""
     g = rng(11)

@@ -9,12 +9,14 @@ head, bf16 activations elsewhere).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .._triton import interpreted as _interpreted, pdl
-from .._triton_jit import pdl_sync
+from .._triton_jit import pdl_sync, prefetch_l2
 from ..situ.triton import situ_glu_value
 
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
@@ -25,6 +27,11 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 # 2026-12-03): within 6 % of the best of 7 settings on the shapes `linear` gives these tiles
 LAUNCH_WIDE = ((65536, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
 MAX_TILE_ROWS = 64
+# under programmatic dependent launch, each program asks for its rows of W in L2 (one bulk prefetch) BEFORE waiting on
+# the kernel before it: W does not depend on that kernel, so a decode step's weight stream overlaps its predecessor's
+# tail instead of starting after it (x, which does, is read after the wait). A cache hint: results are unchanged.
+# K3_GEMV_PREFETCH=1; off until timed (`benchmarks/probe/persistent_chain.py`'s "graph M1 early-W" row)
+PREFETCH = os.environ.get("K3_GEMV_PREFETCH", "0") == "1"
 
 
 @triton.jit
@@ -32,7 +39,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16, BM: tl.constexpr = 16,
-                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False,
+                PREFETCH: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is
     loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
@@ -41,7 +49,13 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
-    the projections of the same input), the others to y [M, N − NT]."""
+    the projections of the same input), the others to y [M, N − NT].
+    PREFETCH (with PDL; W's rows 16-byte aligned): this program's rows of W into L2 before waiting on the kernel
+    before it."""
+    if PREFETCH:
+        r0 = tl.program_id(0) * BN
+        esz: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_l2(w_ptr + r0.to(tl.int64) * sw, ((tl.minimum(BN, N - r0) - 1) * sw + K) * esz)
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
@@ -166,10 +180,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
-            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
+            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **launch_pdl(x2, w))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
+
+
+def launch_pdl(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """The kernel's PDL keywords, with `PREFETCH` where it is on and W's rows start on 16-byte bounds."""
+    kw = pdl(x)
+    esz = w.element_size()
+    if kw and PREFETCH and w.data_ptr() % 16 == 0 and (w.stride(0) * esz) % 16 == 0 and (w.shape[1] * esz) % 16 == 0:
+        kw = dict(kw, PREFETCH=True)
+    return kw
 
 
 def _rows(t: torch.Tensor | None, M: int, width: int, name: str, default: torch.Tensor) -> torch.Tensor:
