@@ -83,6 +83,8 @@ def main() -> int:
     # there would busy only 48 programs)
     settings += [dict(bn=16, bi=16, bl=bl, mma=True, ch=ch, per_sm=ps)
                  for bl, ch, ps in itertools.product((4, 16), (128, 256), (2, 4))]
+    # the default's tiles with the static weights asked for in L2 before the PDL wait
+    settings += [dict(bn=default["bn"], bi=default["bi"], bl=default["bl"], per_sm=ps, prefetch=True) for ps in (2, 4)]
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

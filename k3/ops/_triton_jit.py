@@ -59,6 +59,17 @@ def grid_done(cnt_ptr, programs):
 
 
 @triton.jit
+def prefetch_share(ptr, nbytes, p, G):
+    """Program p of G asks for its share of the `nbytes` (a multiple of 16) at `ptr` (16-byte aligned) in L2: one
+    bulk prefetch of ⌈nbytes / G⌉ bytes rounded up to 16 (`prefetch_l2`); L2 is shared, so whichever program reads
+    the bytes later finds them there."""
+    span = ((nbytes + G - 1) // G + 15) // 16 * 16
+    lo = p * span
+    if lo < nbytes:
+        prefetch_l2(ptr + lo // (ptr.dtype.element_ty.primitive_bitwidth // 8), tl.minimum(span, nbytes - lo))
+
+
+@triton.jit
 def prefetch_l2(addr, nbytes):
     """Thread 0 of the program asks the TMA unit to bring `nbytes` (a multiple of 16) at `addr` (a pointer or an
     int64 address, 16-byte aligned) into L2 (`cp.async.bulk.prefetch.L2.global`, sm_90+; not in the interpreter)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_jit import grid_barrier, grid_done, pdl_sync
+from ._triton_jit import grid_barrier, grid_done, pdl_sync, prefetch_share
 from .route_triton import route_factor, route_next
 from .situ.triton import situ_glu_value
 
@@ -81,11 +81,17 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
                      BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False,
-                     MMA: tl.constexpr = False, S: tl.constexpr = 3, IEEE: tl.constexpr = False):
-    pdl_sync(PDL)
+                     MMA: tl.constexpr = False, S: tl.constexpr = 3, IEEE: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     RIN: tl.constexpr = L + 2 * IS + E
+    if PREFETCH:  # the weights that do not depend on the routing, into L2 while the kernel before still runs
+        esz: tl.constexpr = win_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_share(win_ptr, RIN * D * esz, p, G)
+        prefetch_share(wsd_ptr, D * IS * esz, p, G)
+        prefetch_share(wup_ptr, D * L * esz, p, G)
+    pdl_sync(PDL)
     # 1. latent ‖ shared gate ‖ up ‖ router logits
     for t in range(p, (RIN + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
