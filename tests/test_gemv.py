@@ -141,7 +141,8 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
 
 def test_weight_prefetch_only_under_pdl_with_aligned_rows(monkeypatch):
     """`PREFETCH` (each program asks for its rows of W in L2 before its PDL wait) is a launch keyword only where PDL
-    is on and the bulk prefetch's 16-byte bounds hold: W's start, its row stride and its row length in bytes."""
+    is on, the bulk prefetch's 16-byte bounds hold (W's start, its row stride and its row length in bytes) and W fits
+    the cap (`PREFETCH_MAX_BYTES`)."""
     on = {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(gemv_triton, "PREFETCH", True)
     monkeypatch.setattr(gemv_triton, "pdl", lambda x: dict(on))
@@ -150,6 +151,9 @@ def test_weight_prefetch_only_under_pdl_with_aligned_rows(monkeypatch):
     assert "PREFETCH" not in gemv_triton.launch_pdl(x, w[:, :60])  # rows of 120 bytes
     assert "PREFETCH" not in gemv_triton.launch_pdl(x, w[:, 4:68])  # W starts 8 bytes in
     assert "PREFETCH" not in gemv_triton.launch_pdl(x, torch.zeros(32, 68, dtype=torch.bfloat16)[:, :64])  # stride
+    monkeypatch.setattr(gemv_triton, "PREFETCH_MAX_BYTES", 32 * 72 * 2 - 16)  # larger than the cap (the head)
+    assert "PREFETCH" not in gemv_triton.launch_pdl(x, w)
+    monkeypatch.setattr(gemv_triton, "PREFETCH_MAX_BYTES", 32 * 72 * 2)
     monkeypatch.setattr(gemv_triton, "PREFETCH", False)
     assert gemv_triton.launch_pdl(x, w) == on
     monkeypatch.setattr(gemv_triton, "PREFETCH", True)

@@ -32,6 +32,9 @@ MAX_TILE_ROWS = 64
 # tail instead of starting after it (x, which does, is read after the wait). A cache hint: results are unchanged.
 # K3_GEMV_PREFETCH=1; off until timed (`benchmarks/probe/persistent_chain.py`'s "graph M1 early-W" row)
 PREFETCH = os.environ.get("K3_GEMV_PREFETCH", "0") == "1"
+# only for weights of at most this many bytes: the first wave of a larger one's programs (the 503 MB head's) would ask
+# for more than the L2 (50 MB on the H200) holds and evict its own lines before they are read
+PREFETCH_MAX_BYTES = 24 << 20
 
 
 @triton.jit
@@ -187,10 +190,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
 
 
 def launch_pdl(x: torch.Tensor, w: torch.Tensor) -> dict:
-    """The kernel's PDL keywords, with `PREFETCH` where it is on and W's rows start on 16-byte bounds."""
+    """The kernel's PDL keywords, with `PREFETCH` where it is on, W's rows start on 16-byte bounds and W spans at most
+    `PREFETCH_MAX_BYTES`."""
     kw = pdl(x)
     esz = w.element_size()
-    if kw and PREFETCH and w.data_ptr() % 16 == 0 and (w.stride(0) * esz) % 16 == 0 and (w.shape[1] * esz) % 16 == 0:
+    if (kw and PREFETCH and w.data_ptr() % 16 == 0 and (w.stride(0) * esz) % 16 == 0 and (w.shape[1] * esz) % 16 == 0
+            and w.shape[0] * w.stride(0) * esz <= PREFETCH_MAX_BYTES):
         kw = dict(kw, PREFETCH=True)
     return kw
 
