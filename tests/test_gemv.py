@@ -139,31 +139,32 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
 
 
-def test_weight_prefetch_only_under_pdl_with_aligned_rows(monkeypatch):
-    """`PREFETCH` (each program asks for its rows of W in L2 before its PDL wait) is a launch keyword only where PDL
-    is on, the bulk prefetch's 16-byte bounds hold (W's start, its row stride and its row length in bytes) and W fits
-    the cap (`PREFETCH_MAX_BYTES`)."""
+def test_early_weights_only_under_pdl_with_aligned_weights(monkeypatch):
+    """`pdl_early` adds `PREFETCH` (the kernel asks for its weights in L2 before its PDL wait) only where
+    `EARLY_WEIGHTS` and PDL are on, the bulk prefetch's 16-byte bounds hold (each weight's start, row stride and row
+    length in bytes) and the weights fit `max_bytes`; the GEMV passes its W and the cap (the head stays out)."""
+    from k3.ops import _triton
     on = {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(gemv_triton, "PREFETCH", True)
-    monkeypatch.setattr(gemv_triton, "pdl", lambda x: dict(on))
+    monkeypatch.setattr(_triton, "EARLY_WEIGHTS", True)
+    monkeypatch.setattr(_triton, "pdl", lambda x: dict(on))
     x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 72, dtype=torch.bfloat16)
-    assert gemv_triton.launch_pdl(x, w) == dict(on, PREFETCH=True)
-    assert "PREFETCH" not in gemv_triton.launch_pdl(x, w[:, :60])  # rows of 120 bytes
-    assert "PREFETCH" not in gemv_triton.launch_pdl(x, w[:, 4:68])  # W starts 8 bytes in
-    assert "PREFETCH" not in gemv_triton.launch_pdl(x, torch.zeros(32, 68, dtype=torch.bfloat16)[:, :64])  # stride
-    monkeypatch.setattr(gemv_triton, "PREFETCH_MAX_BYTES", 32 * 72 * 2 - 16)  # larger than the cap (the head)
-    assert "PREFETCH" not in gemv_triton.launch_pdl(x, w)
-    monkeypatch.setattr(gemv_triton, "PREFETCH_MAX_BYTES", 32 * 72 * 2)
-    monkeypatch.setattr(gemv_triton, "PREFETCH", False)
-    assert gemv_triton.launch_pdl(x, w) == on
-    monkeypatch.setattr(gemv_triton, "PREFETCH", True)
-    monkeypatch.setattr(gemv_triton, "pdl", lambda x: {})  # no PDL (the CPU, an older GPU): nothing to overlap
-    assert gemv_triton.launch_pdl(x, w) == {}
+    assert _triton.pdl_early(x, [w, w[:8]]) == dict(on, PREFETCH=True)
+    assert _triton.pdl_early(x, [w, w[:, :60]]) == on  # rows of 120 bytes
+    assert _triton.pdl_early(x, [w[:, 4:68]]) == on  # W starts 8 bytes in
+    assert _triton.pdl_early(x, [torch.zeros(32, 68, dtype=torch.bfloat16)[:, :64]]) == on  # a row stride of 136 B
+    assert _triton.pdl_early(x, [w], max_bytes=32 * 72 * 2) == dict(on, PREFETCH=True)
+    assert _triton.pdl_early(x, [w], max_bytes=32 * 72 * 2 - 16) == on  # over the cap
+    assert gemv_triton.PREFETCH_MAX_BYTES < 163840 * 1536 * 2 <= 2 ** 31  # the head's 503 MB are over it
+    monkeypatch.setattr(_triton, "EARLY_WEIGHTS", False)
+    assert _triton.pdl_early(x, [w]) == on
+    monkeypatch.setattr(_triton, "EARLY_WEIGHTS", True)
+    monkeypatch.setattr(_triton, "pdl", lambda x: {})  # no PDL (the CPU, an older GPU): nothing to overlap
+    assert _triton.pdl_early(x, [w]) == {}
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_weight_prefetch_leaves_results_unchanged(monkeypatch):
+def test_cuda_early_weights_leave_results_unchanged(monkeypatch):
     """A chain of k3-small decode GEMVs (each the next one's input, so each waits on the one before under PDL),
     eager and replayed from a CUDA graph: bitwise the same with and without the prefetch before the wait."""
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -177,9 +178,10 @@ def test_cuda_weight_prefetch_leaves_results_unchanged(monkeypatch):
             x = gemv_triton.gemv(x[:, :w.shape[1]], w)
         return x
 
+    from k3.ops import _triton
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(gemv_triton, "PREFETCH", on)
+        monkeypatch.setattr(_triton, "EARLY_WEIGHTS", on)
         eager = chain()
         chain()  # compiled before the capture
         graph = torch.cuda.CUDAGraph()

@@ -165,24 +165,12 @@ def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
     assert moe.__dict__["_grid_counters"][torch.device("cuda", torch.cuda.current_device())].tolist() == [0, 0, 0]
 
 
-def test_early_prefetch_only_under_pdl_with_aligned_weights(monkeypatch):
-    """`LAUNCH["prefetch"]` (the routing-free weights asked for in L2 before the PDL wait) becomes the kernel's
-    PREFETCH only with PDL on and every such weight on 16-byte bounds (start and size)."""
-    on = {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(moe_block, "pdl", lambda x: dict(on))
-    x, w = torch.zeros(1, 8), torch.zeros(8, 8, dtype=torch.bfloat16)
-    assert moe_block.early(x, True, w, w) == dict(on, PREFETCH=True)
-    assert moe_block.early(x, False, w, w) == on
-    assert moe_block.early(x, True, w, w.view(-1)[4:60]) == on  # starts 8 bytes in
-    assert moe_block.early(x, True, w, w.view(-1)[:60]) == on  # 120 bytes
-    monkeypatch.setattr(moe_block, "pdl", lambda x: {})
-    assert moe_block.early(x, True, w) == {}
-
-
 @cuda
 @pytest.mark.cuda
-def test_cuda_early_prefetch_leaves_the_block_unchanged(monkeypatch):
-    """k3-small's MoE with the early prefetch: bitwise the output of the kernel without it, eager and from a graph."""
+def test_cuda_early_weights_leave_the_block_unchanged(monkeypatch):
+    """k3-small's MoE with its routing-free weights asked for in L2 before the PDL wait (`EARLY_WEIGHTS`): bitwise
+    the output of the kernel without, eager and from a graph."""
+    from k3.ops import _triton
     from k3.config import K3Config
     from k3.model.moe import LatentMoE
     cfg = K3Config.preset("k3-small").text_config
@@ -195,7 +183,7 @@ def test_cuda_early_prefetch_leaves_the_block_unchanged(monkeypatch):
     monkeypatch.setattr(moe_block, "ON", True)
     outs = []
     for pf in (False, True):
-        monkeypatch.setitem(moe_block.LAUNCH, "prefetch", pf)
+        monkeypatch.setattr(_triton, "EARLY_WEIGHTS", pf)
         with torch.no_grad():
             eager = moe(x)
             graph = torch.cuda.CUDAGraph()

@@ -83,9 +83,15 @@ def main() -> int:
     # there would busy only 48 programs)
     settings += [dict(bn=16, bi=16, bl=bl, mma=True, ch=ch, per_sm=ps)
                  for bl, ch, ps in itertools.product((4, 16), (128, 256), (2, 4))]
-    # the default's tiles with the static weights asked for in L2 before the PDL wait
-    settings += [dict(bn=default["bn"], bi=default["bi"], bl=default["bl"], per_sm=ps, prefetch=True) for ps in (2, 4)]
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
+    # the default settings with the routing-free weights asked for in L2 before the PDL wait (`EARLY_WEIGHTS`)
+    from k3.ops import _triton
+    _triton.EARLY_WEIGHTS = True
+    try:
+        rows = launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check)
+        result["rows"].update({f"early-W {k}": v for k, v in rows.items()})
+    finally:
+        _triton.EARLY_WEIGHTS = False
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ._triton import check_counters, cooperative, interpreted, pdl, runs_on
+from ._triton import check_counters, cooperative, interpreted, pdl_early, runs_on
 
 ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
@@ -32,11 +32,10 @@ ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") =
 # H200 it costs 0.3-0.5 µs per layer). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph, 12 settings):
 # bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
 # `mma`: the tiles of 16 rows or more on the tensor cores with their chunks pipelined over `stages` (the GEMV
-# kernel's form; not yet timed, off). `prefetch`: under PDL, every program asks for its share of the weights that do
-# not depend on the routing (the joined input, the shared down, the up projection) in L2 before waiting on the
-# kernel before it (`k3.ops.gemv.triton.PREFETCH`'s idea; a cache hint, results unchanged; not yet timed, off)
-LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True, "mma": False, "stages": 3,
-          "prefetch": False}
+# kernel's form; not yet timed, off). With `k3.ops._triton.EARLY_WEIGHTS` every program asks for its share of the
+# weights that do not depend on the routing (the joined input, the shared down, the up projection) in L2 before its
+# PDL wait.
+LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True, "mma": False, "stages": 3}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -92,17 +91,8 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
         HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
         BLN=triton.next_power_of_2(L), MMA=c["mma"], S=c["stages"],
         IEEE=interpreted(moe_block_kernel) or w1.dtype == torch.float32, num_warps=c["warps"],
-        **cooperative(x, c["coop"]), **early(x, c["prefetch"], w_in, w_shared_down, w_up))
+        **cooperative(x, c["coop"]), **pdl_early(x, (w_in, w_shared_down, w_up)))
     return out, idx, wt, scores
-
-
-def early(x: torch.Tensor, on: bool, *weights: torch.Tensor) -> dict:
-    """PDL's launch keywords, with the kernel's `PREFETCH` where `on`, PDL is on and each weight starts on a 16-byte
-    bound and spans a multiple of 16 bytes (the bulk prefetch's rule)."""
-    kw = pdl(x)
-    if kw and on and all(w.data_ptr() % 16 == 0 and (w.numel() * w.element_size()) % 16 == 0 for w in weights):
-        kw = dict(kw, PREFETCH=True)
-    return kw
 
 
 def _check(x, w_in, latent, shared, w1, w2, w3, w_sd, w_up, norm, bias, top_k, residual, counters) -> None:

@@ -9,13 +9,11 @@ head, bf16 activations elsewhere).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted, pdl
+from .._triton import interpreted as _interpreted, pdl_early
 from .._triton_jit import pdl_sync, prefetch_l2
 from ..situ.triton import situ_glu_value
 
@@ -27,13 +25,9 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 # 2026-12-03): within 6 % of the best of 7 settings on the shapes `linear` gives these tiles
 LAUNCH_WIDE = ((65536, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
 MAX_TILE_ROWS = 64
-# under programmatic dependent launch, each program asks for its rows of W in L2 (one bulk prefetch) BEFORE waiting on
-# the kernel before it: W does not depend on that kernel, so a decode step's weight stream overlaps its predecessor's
-# tail instead of starting after it (x, which does, is read after the wait). A cache hint: results are unchanged.
-# K3_GEMV_PREFETCH=1; off until timed (`benchmarks/probe/persistent_chain.py`'s "graph M1 early-W" row)
-PREFETCH = os.environ.get("K3_GEMV_PREFETCH", "0") == "1"
-# only for weights of at most this many bytes: the first wave of a larger one's programs (the 503 MB head's) would ask
-# for more than the L2 (50 MB on the H200) holds and evict its own lines before they are read
+# `k3.ops._triton.EARLY_WEIGHTS` (each program's rows of W asked for in L2 before its PDL wait) only for weights of at
+# most this many bytes: the first wave of a larger one's programs (the 503 MB head's) would ask for more than the L2
+# (50 MB on the H200) holds and evict its own lines before they are read
 PREFETCH_MAX_BYTES = 24 << 20
 
 
@@ -53,8 +47,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
     the projections of the same input), the others to y [M, N − NT].
-    PREFETCH (with PDL; W's rows 16-byte aligned): this program's rows of W into L2 before waiting on the kernel
-    before it."""
+    PREFETCH (with PDL; `k3.ops._triton.pdl_early`): this program's rows of W asked for in L2 before waiting on the
+    kernel before it."""
     if PREFETCH:
         r0 = tl.program_id(0) * BN
         esz: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -183,21 +177,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
-            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **launch_pdl(x2, w))
+            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl_early(x2, [w], PREFETCH_MAX_BYTES))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
-
-
-def launch_pdl(x: torch.Tensor, w: torch.Tensor) -> dict:
-    """The kernel's PDL keywords, with `PREFETCH` where it is on, W's rows start on 16-byte bounds and W spans at most
-    `PREFETCH_MAX_BYTES`."""
-    kw = pdl(x)
-    esz = w.element_size()
-    if (kw and PREFETCH and w.data_ptr() % 16 == 0 and (w.stride(0) * esz) % 16 == 0 and (w.shape[1] * esz) % 16 == 0
-            and w.shape[0] * w.stride(0) * esz <= PREFETCH_MAX_BYTES):
-        kw = dict(kw, PREFETCH=True)
-    return kw
 
 
 def _rows(t: torch.Tensor | None, M: int, width: int, name: str, default: torch.Tensor) -> torch.Tensor:
