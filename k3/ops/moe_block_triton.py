@@ -87,10 +87,9 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
     dt = out_ptr.dtype.element_ty
     RIN: tl.constexpr = L + 2 * IS + E
     if PREFETCH:  # the weights that do not depend on the routing, into L2 while the kernel before still runs
-        esz: tl.constexpr = win_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_share(win_ptr, RIN * D * esz, p, G)
-        prefetch_share(wsd_ptr, D * IS * esz, p, G)
-        prefetch_share(wup_ptr, D * L * esz, p, G)
+        prefetch_share(win_ptr, RIN * D, p, G)
+        prefetch_share(wsd_ptr, D * IS, p, G)
+        prefetch_share(wup_ptr, D * L, p, G)
     pdl_sync(PDL)
     # 1. latent ‖ shared gate ‖ up ‖ router logits
     for t in range(p, (RIN + BN - 1) // BN, G):
