@@ -95,7 +95,7 @@ def kernels():
                          "o_ptr", "dsall_ptr")}
     t.update({n: f32 for n in ("alog_ptr", "dtb_ptr", "aqk_ptr", "tb_ptr", "gc_ptr", "h0_ptr", "ht_ptr", "hsel_ptr",
                                "dht_ptr", "dh0_ptr", "du_ptr", "ddtb_ptr", "dalog_ptr", "dqe_ptr", "dw_ptr",
-                               "dkg_ptr", "daqk_ptr", "dgc_ptr", "da_ptr", "dd_ptr", "part_ptr")})
+                               "dkg_ptr", "daqk_ptr", "dgc_ptr", "da_ptr", "dd_ptr")})
     t.update({n: i32 for n in ("chunks_ptr", "cu_ptr", "coff_ptr", "slot_ptr", "idx_ptr")})
     t["s_ptr"] = f32
     t.update(scale="fp32", lower_bound="fp32")
@@ -105,26 +105,21 @@ def kernels():
         fn = next(getattr(m, name) for m in mods if hasattr(m, name))
         consts = {c: v for c, v in dict(BK=128, BV=128, DOT_PREC="tf32", BF16=True, PREFETCH=True, HAS_H0=False,
                                          HAS_DHT=True, STORE_HT=True, STORE_H=True, STORE_SEL=False, HAS_IDX=True,
-                                         HAS_CU=False, HAS_DTB=True, SUMMARY=False, SPLIT=False, NV=1,
+                                         HAS_CU=False, HAS_DTB=True, SUMMARY=False, NV=1,
                                          VB=CFG["intra_bwd_vb"], KB=32, BT=16, PRE=False, STORE_O=False,
                                          **flags).items() if c in fn.arg_names}
         if "recur" in name:
             consts["BV"] = CFG["fwd_bv"] if "fwd" in name else CFG["bwd_bv"]
         if "decode" in name:
             consts["BV"] = 64  # kda_decode_triton's default block
-        if name == "kda_intra_bwd_states_kernel":  # the split backward's first kernel at its CFG settings
-            consts.update(KB=CFG["intra_bwd_states_kb"], VB=CFG["intra_bwd_states_vb"])
         warps = CFG.get({"kda_intra_fwd_kernel": "intra_warps", "kda_intra_bwd_kernel": "intra_bwd_warps",
-                         "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps",
-                         "kda_intra_bwd_states_kernel": "intra_bwd_states_warps"}.get(name, ""), 4)
+                         "kda_recur_fwd_kernel": "fwd_warps", "kda_recur_bwd_kernel": "bwd_warps"}.get(name, ""), 4)
         out.append((name, fn, t, consts, warps, {}))
         if name == "kda_recur_fwd_kernel":  # the segment-summary specialisations (sequence splitting)
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, STORE_H=False, HAS_H0=False), warps, {}))
             out.append((name + "[PRE]", fn, t, dict(consts, PRE=True, STORE_H=False, STORE_O=True), warps, {}))
         if name == "kda_intra_fwd_kernel":
             out.append((name + "[PRE]", fn, t, dict(consts, PRE=True), warps, {}))
-        if name == "kda_intra_bwd_kernel":  # the second half of the split backward (CFG intra_bwd_split)
-            out.append((name + "[SPLIT]", fn, t, dict(consts, SPLIT=True), warps, {}))
         if name == "kda_recur_bwd_kernel":
             out.append((name + "[SUMMARY]", fn, t, dict(consts, SUMMARY=True, HAS_DHT=False, HAS_H0=True), warps,
                         {}))

@@ -175,33 +175,6 @@ def test_saved_states_backward_equals_recompute(monkeypatch):
             assert torch.equal(res[0][name], r[name]), name
 
 
-@pytest.mark.parametrize("K,V,cu", [(32, 16, None), (128, 128, None), (32, 48, [0, 7, 40])],
-                         ids=["K32-V16", "K128-V128", "varlen-V48"])
-def test_split_intra_backward_equals_one_kernel(monkeypatch, K, V, cu):
-    """CFG intra_bwd_split: the state products in `kda_intra_bwd_states_kernel` (blocks of 16 key columns), then
-    the chunk backward loading them from its buffer: every gradient equals the one-kernel backward's to fp32
-    rounding (rel. RMS <= 1e-6), both meet the fp64 oracle, and the states kernel really ran."""
-    from k3.ops.kda.triton import chunk as ch
-    from k3.ops.kda.triton.chunk import cfg_override
-    x, gr = make(1, 40, 2, K, V, seed=31, N=None)
-    if cu is not None:
-        x["h0"] = torch.randn(len(cu) - 1, 2, K, V, generator=torch.Generator().manual_seed(3))
-        gr["dht"] = torch.randn(len(cu) - 1, 2, K, V, generator=torch.Generator().manual_seed(4))
-    kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=DEV)}
-    launched = []
-    real = ch.kda_intra_bwd_states_kernel
-    monkeypatch.setattr(ch, "kda_intra_bwd_states_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
-    one = run_gated(triton_gated, x, gr, torch.float32, **kw)
-    assert not launched
-    with cfg_override(intra_bwd_split=True):
-        two = run_gated(triton_gated, x, gr, torch.float32, **kw)
-        assert launched
-        compare(x, gr, strict=None if CUDA else STRICT, **kw)
-    for name in one:  # the same products, summed in the same value-block order; blocks of key columns may
-        assert rmse(one[name], two[name]) < 1e-6, name  # round differently (the interpreter's matmul, FMAs)
-
-
 @pytest.mark.parametrize("cu", [None, [0, 5, 60, 60, 110]], ids=["one-sequence", "varlen"])
 def test_sequence_split_equals_whole(cu):
     """CFG["seq_split"]: long sequences cut into segments that run in parallel (summaries, fp32 combine,

@@ -20,7 +20,7 @@ import triton
 from ..._host import to_device
 from ..states_at import chunk_slots
 from .combine import combine_segments, combine_segments_torch
-from .intra import C, kda_intra_bwd_kernel, kda_intra_bwd_states_kernel, kda_intra_fwd_kernel
+from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
 from .recur import kda_recur_bwd_kernel, kda_recur_fwd_kernel
 
 # Launch parameters (env-overridable for tuning sweeps on the GPU); defaults are the fastest measured
@@ -58,17 +58,6 @@ CFG = {
     "intra_bwd_warps": int(os.environ.get("K3_KDA_INTRA_BWD_WARPS", "4")),
     # value block of the per-chunk state-gradient products in the token-parallel backward
     "intra_bwd_vb": int(os.environ.get("K3_KDA_INTRA_BWD_VB", "64")),
-    # the token-parallel backward in two kernels: the state products (S, dS' against do, vn, du) into an fp32
-    # buffer (6.5 KB per chunk and head at K = 128), then the chunk's own backward, which loads each product
-    # where it is first used instead of holding all of them across its factor tiles (255 registers and spills in
-    # one kernel). Off until timed.
-    "intra_bwd_split": os.environ.get("K3_KDA_INTRA_BWD_SPLIT", "0") == "1",
-    # the first kernel's programs: one per (chunk, head, block of `states_kb` key columns), value blocks of
-    # `states_vb`. sm_90a builds (local Triton 3.9, 4 warps): KB 16 with VB 32 / 64 / 128 138 / 136 / 168 registers,
-    # KB 32 184-255, KB 64 and 128 spill (24 B to 3.4 KB); no spills at KB 16
-    "intra_bwd_states_kb": int(os.environ.get("K3_KDA_INTRA_BWD_STATES_KB", "16")),
-    "intra_bwd_states_vb": int(os.environ.get("K3_KDA_INTRA_BWD_STATES_VB", "64")),
-    "intra_bwd_states_warps": int(os.environ.get("K3_KDA_INTRA_BWD_STATES_WARPS", "4")),
     # tl.dot precision of the fp32 factor tiles: "" = ieee for fp32 inputs, tf32 for bf16/fp16 inputs.
     "dot_prec": os.environ.get("K3_KDA_DOT_PREC", ""),
     "prefetch": os.environ.get("K3_KDA_PREFETCH", "1") == "1",
@@ -419,7 +408,8 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht, _dsel):
         qp, kp, vp, gp, bp, A_log, dt_bias, h0 = ctx.saved_tensors
-        B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, gdt, bdt, ashape, dshape = ctx.meta
+        (B, T, H, K, V, N, NC, scale, lb, flags, cu, coff, chunks, cu_host, coff_host, gdt, bdt, ashape,
+         dshape) = ctx.meta
         Tt = B * T
         dev = qp.device
         parts, hall, vnew, summ = ctx.saved_parts or (None,) * 4
@@ -447,20 +437,11 @@ class _ChunkKDA(torch.autograd.Function):
         dalog = torch.empty(NC, H, **f32) if gate else None
         BK, BVf = _blk(K), _blk(V)
         VB = min(CFG["intra_bwd_vb"], BVf)
-        split = dict(part_ptr=du, SPLIT=False)  # (a pointer it never reads: no None argument for the JIT)
-        if CFG["intra_bwd_split"]:  # the state products in their own kernel first (`kda_intra_bwd_states_kernel`)
-            part = torch.empty(NC, H, 3 * C * BK + C * C + BK, **f32)
-            KB = min(CFG["intra_bwd_states_kb"], BK)
-            kda_intra_bwd_states_kernel[(NC * (BK // KB), H)](
-                hall, dsall, vnew, do, du, chunks, part, H, K, V, BK=BK, KB=KB, BV=BVf,
-                VB=min(CFG["intra_bwd_states_vb"], BVf), DOT_PREC=_prec(qp.dtype), BF16=_bf16(hall),
-                num_warps=CFG["intra_bwd_states_warps"])
-            split = dict(part_ptr=part, SPLIT=True)
         kda_intra_bwd_kernel[(NC, H)](
             qp, kp, vp, gp, bp, A_log, dt_bias, chunks, hall, dsall, vnew, do, du,
             dq, dk, dv, dg, db, ddtb, dalog, H, K, V, scale, lb,
             BK=BK, BV=BVf, VB=VB, DOT_PREC=_prec(qp.dtype),
-            BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags, **split)
+            BF16=_bf16(hall), num_warps=CFG["intra_bwd_warps"], **flags)
         dA_log = dalog.sum(0).reshape(ashape) if gate else None
         ddt = ddtb.sum(0).reshape(dshape) if gate and dshape is not None else None
         shp = lambda x: x.reshape((B, T) + tuple(x.shape[1:]))  # noqa: E731

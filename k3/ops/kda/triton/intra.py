@@ -222,14 +222,12 @@ def kda_intra_fwd_kernel(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_p
 
 @triton.jit
 def _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, ic, h, t0, nvalid, H, K, V,
-                 BK: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr,
-                 k0=0):
+                 BK: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr):
     """The recurrence's gradients of one (chunk, head), value block by value block (states never live whole in
     registers): dqe = do S^T, dw = -du S^T, dkg = vn dS'^T [16, BK], dAqk = do vn^T [16, 16] and
-    d e^{G_C} = rowsum(S * dS') [BK], from the incoming state S (hall) and the outgoing state's gradient dS'; for
-    the key columns [k0, k0 + BK) (the states' rows)."""
+    d e^{G_C} = rowsum(S * dS') [BK], from the incoming state S (hall) and the outgoing state's gradient dS'."""
     rows = tl.arange(0, 16)
-    cols = k0 + tl.arange(0, BK)
+    cols = tl.arange(0, BK)
     rm = rows < nvalid
     cm = cols < K
     dqe = tl.zeros([16, BK], tl.float32)
@@ -257,57 +255,17 @@ def _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, ic, h, t0, nvali
     return dqe, dw, dkg, dA, dD
 
 
-# the split backward's per-(chunk, head) buffer of `_state_grads`' results, fp32: dqe, dw, dkg [16, BK] each,
-# then dAqk [16, 16], then dD [BK]
-@triton.jit
-def _part_offsets(ic, h, H, BK: tl.constexpr):
-    base = (ic * H + h).to(tl.int64) * (3 * 16 * BK + 256 + BK)
-    return base, base + 3 * 16 * BK, base + 3 * 16 * BK + 256
-
-
-@triton.jit
-def kda_intra_bwd_states_kernel(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, chunks_ptr, part_ptr, H, K, V,
-                                BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr,
-                                DOT_PREC: tl.constexpr, BF16: tl.constexpr):
-    """The split token-parallel backward's first half: `_state_grads` of one (chunk, head, block of KB key
-    columns) into `part_ptr` (the key-column block 0 program also stores dAqk). Its registers hold three [16, KB]
-    accumulators and one [KB, VB] block of S and of dS', not the chunk's factor tiles. The key-column blocks of
-    one chunk are neighbouring programs (program_id(0) = chunk · BK/KB + block), so the chunk's do, v_new and du,
-    which every block reads, come from L2 after the first."""
-    nkb = BK // KB
-    ic = tl.program_id(0) // nkb
-    h = tl.program_id(1)
-    k0 = (tl.program_id(0) % nkb) * KB
-    t0 = tl.load(chunks_ptr + 2 * ic)
-    nvalid = tl.load(chunks_ptr + 2 * ic + 1)
-    dqe, dw, dkg, dA, dD = _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, ic, h, t0, nvalid, H, K, V,
-                                        KB, BV, VB, DOT_PREC, BF16, k0)
-    rows = tl.arange(0, 16)
-    cols = k0 + tl.arange(0, KB)
-    base, a_off, d_off = _part_offsets(ic, h, H, BK)
-    tile = rows[:, None] * BK + cols[None, :]
-    tl.store(part_ptr + base + tile, dqe)
-    tl.store(part_ptr + base + 16 * BK + tile, dw)
-    tl.store(part_ptr + base + 32 * BK + tile, dkg)
-    tl.store(part_ptr + d_off + cols, dD)
-    if k0 == 0:
-        tl.store(part_ptr + a_off + rows[:, None] * 16 + rows[None, :], dA)
-
-
 @triton.jit
 def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, chunks_ptr,
                          hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr,
                          dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, ddtb_ptr, dalog_ptr,
                          H, K, V, scale, lower_bound,
                          BK: tl.constexpr, BV: tl.constexpr, VB: tl.constexpr, GATE: tl.constexpr,
-                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr,
-                         part_ptr, SPLIT: tl.constexpr):
+                         BETA_SIG: tl.constexpr, L2: tl.constexpr, DOT_PREC: tl.constexpr, BF16: tl.constexpr):
     """Per (chunk, head): the recurrence's non-sequential gradients from the chunk's incoming state S
     (hall) and the gradient dS' of its outgoing state (dsall) -- dqe = do S^T, dw = -du S^T, dkg = vn dS'^T,
     dAqk = do vn^T, d e^{G_C} = rowsum(S * dS') in value blocks of VB -- then back through the chunk to q, k,
-    v, g (or f, dt_bias, A_log) and beta (or its logit), including the l2norm. SPLIT: those products come from
-    `kda_intra_bwd_states_kernel`'s buffer (part_ptr) instead, each loaded where it is first used, so they are not
-    live in registers across the factor tiles' recomputation."""
+    v, g (or f, dt_bias, A_log) and beta (or its logit), including the l2norm."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(chunks_ptr + 2 * ic)
@@ -317,12 +275,8 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     rm = rows < nvalid
     cm = cols < K
     mk = rm[:, None] & cm[None, :]
-    # SPLIT: `kda_intra_bwd_states_kernel` ran first, and each product is loaded where it is first needed
-    base, a_off, d_off = _part_offsets(ic, h, H, BK)
-    tile = rows[:, None] * BK + cols[None, :]
-    if not SPLIT:
-        dqe, dw, dkg, dA, dD = _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, ic, h, t0, nvalid, H, K, V,
-                                            BK, BV, VB, DOT_PREC, BF16)
+    dqe, dw, dkg, dA, dD = _state_grads(hall_ptr, dsall_ptr, vnew_ptr, do_ptr, du_ptr, ic, h, t0, nvalid, H, K, V,
+                                        BK, BV, VB, DOT_PREC, BF16)
 
     qs, kn, g, beta, qn, _, z, rq, rk = _prep(q_ptr, k_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, t0, nvalid, h, H, K,
                                               scale, lower_bound, BK, GATE, BETA_SIG, L2)
@@ -337,9 +291,6 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     u = tl.dot(Tm, Ru, input_precision=DOT_PREC)
     offk = (t0 + rows)[:, None] * (H * K) + h * K + cols[None, :]
     du = tl.load(du_ptr + offv, mask=mv, other=0.0)
-    if SPLIT:
-        dA = tl.load(part_ptr + a_off + rows[:, None] * 16 + rows[None, :])
-        dw = tl.load(part_ptr + base + 16 * BK + tile)
     dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
 
     # through w = T Rw, u = T Ru, T = (I + beta*M)^-1
@@ -357,10 +308,6 @@ def kda_intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, c
     dAd = tl.sum(tl.where(rows[:, None] == rows[None, :], dA, 0.0), 1)
     dAs = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
     dki = tl.dot(tl.trans(dM), ke, input_precision=DOT_PREC) + tl.dot(tl.trans(dAs), qe, input_precision=DOT_PREC)
-    if SPLIT:
-        dqe = tl.load(part_ptr + base + tile)
-        dkg = tl.load(part_ptr + base + 32 * BK + tile)
-        dD = tl.load(part_ptr + d_off + cols)
     dqe += tl.dot(dAs, ki, input_precision=DOT_PREC)
 
     # through the factor tiles to q, k and G
