@@ -249,6 +249,21 @@ def test_fp8_linear_equals_its_dequantised_products():
     assert 5e-3 < rel_rmse(rdx, dx) < 0.06
 
 
+def test_scaled_mm_cpu_fallback_equals_the_rowwise_gemm(monkeypatch):
+    """Where the CPU `_scaled_mm` takes per-tensor scales only (torch 2.11), `scaled_mm` forms the same product
+    in fp32: equal to the fp64 product of the quantised operands, and to the row-wise GEMM where torch has one."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(48, 80, generator=gen), torch.randn(24, 80, generator=gen) * 30
+    qa, sa = fp8.quantize_rows(a)
+    qb, sb = fp8.quantize_rows(b)
+    native = fp8.scaled_mm(qa, sa, qb, sb, torch.float32) if fp8._cpu_rowwise_scaled_mm() else None
+    monkeypatch.setattr(fp8, "_cpu_rowwise_scaled_mm", lambda: False)
+    got = fp8.scaled_mm(qa, sa, qb, sb, torch.float32)
+    assert rel_rmse(_oracle_mm(a, b), got) < 1e-6
+    if native is not None:
+        assert rel_rmse(native.double(), got) < 1e-6
+
+
 @pytest.mark.parametrize("M", [160, 150], ids=["M%16=0", "M%16!=0"])
 def test_fp8_weight_grad_option(monkeypatch, M):
     """With WGRAD on, dW = dyᵀ x is the FP8 product over both operands' columns (each column of dy and x
@@ -475,4 +490,4 @@ def test_k3_train_fp8_run_saves_a_plain_checkpoint(tmp_path):
     want, got = tr.model.state_dict(), loaded.state_dict()
     assert set(want) == set(got)
     k = next(k for k in want if k.endswith("o_proj.weight"))
-    torch.testing.assert_close(got[k], want[k].to(got[k].dtype), rtol=0, atol=0)
+    torch.testing.assert_close(got[k], want[k].to(got[k].device, got[k].dtype), rtol=0, atol=0)

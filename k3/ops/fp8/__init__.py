@@ -141,7 +141,23 @@ def scaled_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Te
     """(aq · sa) (bq · sb)ᵀ for row-quantised aq [M, K], bq [N, K]: one `_scaled_mm` (fp32 accumulation)."""
     if aq.shape[0] == 0 or bq.shape[0] == 0 or aq.shape[1] == 0:  # cuBLAS takes no empty operand
         return torch.zeros(aq.shape[0], bq.shape[0], dtype=out_dtype, device=aq.device)
+    if not aq.is_cuda and not _cpu_rowwise_scaled_mm():
+        # older torch (2.11) runs `_scaled_mm` on the CPU with per-tensor scales only: the same product in fp32
+        # (e4m3 products are exact in fp32; the sums accumulate in fp32, as the GEMM's do)
+        return ((aq.float() @ bq.float().t()) * sa[:, None] * sb[None, :]).to(out_dtype)
     return torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes row-wise scales (2.13 does; 2.11 asserts per-tensor only)."""
+    a = torch.ones(16, 16).to(FP8)
+    s = torch.ones(16)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=s[:, None], scale_b=s[None, :], out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def fp8_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
