@@ -176,8 +176,6 @@ SWITCHES = {
                           "a batch-1 step's KDA attention as six kernels"),
     "l2_prefetch_step_ms": ("k3.ops.l2_prefetch", "ON", "each projection's weight prefetched into L2 a projection "
                             "ahead", "no L2 prefetch"),
-    "early_weights_step_ms": ("k3.ops._triton", "EARLY_WEIGHTS", "GEMVs and the MoE block asking for their weights "
-                              "in L2 before the PDL wait", "weights read after the PDL wait"),
 }
 
 
@@ -205,8 +203,6 @@ HIT_SWITCHES = {
                              "its admission copies as host calls before the graph"),
     "l2_prefetch_seconds": ("k3.ops.l2_prefetch", "ON", "its projections' weights prefetched into L2 one ahead",
                             "no L2 prefetch"),
-    "early_weights_seconds": ("k3.ops._triton", "EARLY_WEIGHTS", "GEMVs and the MoE block asking for their weights "
-                              "in L2 before the PDL wait", "weights read after the PDL wait"),
 }
 
 

@@ -24,15 +24,10 @@ def main() -> None:
     t = {n: BF for n in ("x_ptr", "res_ptr", "out_ptr", "win_ptr", "w1_ptr", "w3_ptr", "w2_ptr", "wsd_ptr", "wup_ptr",
                          "nw_ptr", "lat_ptr", "gu_ptr", "h_ptr", "y_ptr", "sh_ptr")}
     t.update(FLOATS, bias_ptr="*fp32", z_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32", sc_ptr="*fp32", cnt_ptr="*i32")
-    for bn, bi, bl, mma, ch, pf in ((8, 4, 4, False, 256, False), (16, 8, 8, False, 256, False),
-                                    (4, 4, 4, False, 256, False), (8, 8, 4, False, 256, False),
-                                    (8, 8, 4, False, 256, True), (16, 16, 16, True, 256, False),
-                                    (16, 16, 16, True, 128, False), (32, 16, 16, True, 128, False),
-                                    (16, 16, 16, True, 64, False), (16, 16, 4, True, 128, False)):
+    for bn, bi, bl in ((8, 4, 4), (16, 8, 8), (4, 4, 4), (8, 8, 4)):
         c = dict(D=1536, L=768, I=512, IS=1024, E=32, K=4, BE=32, HAS_BIAS=True, RENORM=True, HAS_NORM=True,
-                 HAS_RES=True, BN=bn, BI=bi, BL=bl, CH=ch, BLN=1024, PDL=True, MMA=mma, S=3, IEEE=False, PREFETCH=pf)
-        print(f"moe_block bn {bn} bi {bi} bl {bl} mma {mma} ch {ch} prefetch {pf}: {report(moe_block_kernel, t, c)}",
-              flush=True)
+                 HAS_RES=True, BN=bn, BI=bi, BL=bl, CH=256, BLN=1024, PDL=True)
+        print(f"moe_block bn {bn} bi {bi} bl {bl}: {report(moe_block_kernel, t, c)}", flush=True)
     t = {n: BF for n in ("x_ptr", "res_ptr", "out_ptr", "win_ptr", "wfb_ptr", "cpool_ptr", "onw_ptr", "wo_ptr",
                          "yin_ptr", "f_ptr", "qkv_ptr", "o_ptr")}
     t.update(FLOATS, wc_ptr="*fp32", spool_ptr="*fp32", slot_ptr="*i64", alog_ptr="*fp32", dtb_ptr="*fp32",

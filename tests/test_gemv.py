@@ -139,60 +139,6 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
 
 
-def test_early_weights_only_under_pdl_with_aligned_weights(monkeypatch):
-    """`pdl_early` adds `PREFETCH` (the kernel asks for its weights in L2 before its PDL wait) only where
-    `EARLY_WEIGHTS` and PDL are on, the bulk prefetch's 16-byte bounds hold (each weight's start, row stride and row
-    length in bytes) and the weights fit `max_bytes` (the GEMV's cap, which keeps the 503 MB head out)."""
-    from k3.ops import _triton
-    on = {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(_triton, "EARLY_WEIGHTS", True)
-    monkeypatch.setattr(_triton, "pdl", lambda x: dict(on))
-    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 72, dtype=torch.bfloat16)
-    assert _triton.pdl_early(x, [w, w[:8]]) == dict(on, PREFETCH=True)
-    assert _triton.pdl_early(x, [w, w[:, :60]]) == on  # rows of 120 bytes
-    assert _triton.pdl_early(x, [w[:, 4:68]]) == on  # W starts 8 bytes in
-    assert _triton.pdl_early(x, [torch.zeros(32, 68, dtype=torch.bfloat16)[:, :64]]) == on  # a row stride of 136 B
-    assert _triton.pdl_early(x, [w], max_bytes=32 * 72 * 2) == dict(on, PREFETCH=True)
-    assert _triton.pdl_early(x, [w], max_bytes=32 * 72 * 2 - 16) == on  # over the cap
-    monkeypatch.setattr(_triton, "EARLY_WEIGHTS", False)
-    assert _triton.pdl_early(x, [w]) == on
-    monkeypatch.setattr(_triton, "EARLY_WEIGHTS", True)
-    monkeypatch.setattr(_triton, "pdl", lambda x: {})  # no PDL (the CPU, an older GPU): nothing to overlap
-    assert _triton.pdl_early(x, [w]) == {}
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_early_weights_leave_results_unchanged(monkeypatch):
-    """A chain of k3-small decode GEMVs (each the next one's input, so each waits on the one before under PDL),
-    eager and replayed from a CUDA graph: bitwise the same with and without the prefetch before the wait."""
-    g = torch.Generator(device="cuda").manual_seed(5)
-    shapes = [(6336, 1536), (1536, 1536), (2848, 1536), (1536, 2848), (163840, 1536)]
-    ws = [(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16() for n, k in shapes]
-    x0 = torch.randn(1, 1536, device="cuda", generator=g).bfloat16()
-
-    def chain():
-        x = x0
-        for w in ws:
-            x = gemv_triton.gemv(x[:, :w.shape[1]], w)
-        return x
-
-    from k3.ops import _triton
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(_triton, "EARLY_WEIGHTS", on)
-        eager = chain()
-        chain()  # compiled before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        outs[on] = eager
-    assert torch.equal(outs[True], outs[False])
-
-
 def test_linear_with_an_accumulator_matches_addmm():
     """y = x W^T + add (the MoE up projection onto the shared experts' output): kernel and cuBLAS paths."""
     g = rng(11)

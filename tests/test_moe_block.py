@@ -53,13 +53,8 @@ def _both(moe, x, residual, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6),
                                        pytest.param(torch.bfloat16, 1e-2, marks=[cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("tiles", [{}, dict(mma=True, bn=16, bi=16, bl=16, ch=64), dict(mma=True, bn=16, bi=16, bl=4)],
-                         ids=["sums", "mma", "mma-but-the-down-tiles"])
-def test_block_equals_the_composed_path(dtype, tol, residual, tiles, monkeypatch):
-    """Both tile forms: fp32 sums on the CUDA cores, and tiles of 16 rows on the tensor cores (their chunks
-    pipelined; fp32 weights multiply in IEEE fp32); with `mma` on, tiles under 16 rows (bl 4) are summed."""
+def test_block_equals_the_composed_path(dtype, tol, residual, monkeypatch):
     dev = _device_or_skip()
-    monkeypatch.setattr(moe_block, "LAUNCH", {**moe_block.LAUNCH, **tiles})
     for seed in (0, 1, 2):
         moe = _moe(seed, dtype, dev)
         g = torch.Generator().manual_seed(100 + seed)
@@ -166,29 +161,6 @@ def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
         torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert moe.__dict__["_grid_counters"][torch.device("cuda", torch.cuda.current_device())].tolist() == [0, 0, 0]
-
-
-@cuda
-@pytest.mark.cuda
-def test_cuda_early_weights_leave_the_block_unchanged(monkeypatch):
-    """k3-small's MoE with its routing-free weights asked for in L2 before the PDL wait (`EARLY_WEIGHTS`): bitwise
-    the output of the kernel without, eager and from a graph."""
-    from k3.ops import _triton
-    moe, x = _small_moe(8)
-    monkeypatch.setattr(moe_block, "ON", True)
-    outs = []
-    for pf in (False, True):
-        monkeypatch.setattr(_triton, "EARLY_WEIGHTS", pf)
-        with torch.no_grad():
-            eager = moe(x)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = moe(x)
-            graph.replay()
-            torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        outs.append(eager)
-    assert torch.equal(outs[0], outs[1])
 
 
 @triton.jit

@@ -79,19 +79,7 @@ def main() -> int:
         cnts = [t for m in mods for t in m.__dict__.get("_grid_counters", {}).values()]
         return {"rel_rms": err, "barrier_timed_out": any(int(t[2]) for t in cnts)}
     settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
-    # the tensor-core form for the tiles of 16 rows (phase 3's down projection kept in sums at bl 4: 16-row tiles
-    # there would busy only 48 programs)
-    settings += [dict(bn=16, bi=16, bl=bl, mma=True, ch=ch, per_sm=ps)
-                 for bl, ch, ps in itertools.product((4, 16), (128, 256), (2, 4))]
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
-    # the default settings with the routing-free weights asked for in L2 before the PDL wait (`EARLY_WEIGHTS`)
-    from k3.ops import _triton
-    _triton.EARLY_WEIGHTS = True
-    try:
-        rows = launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check)
-        result["rows"].update({f"early-W {k}": v for k, v in rows.items()})
-    finally:
-        _triton.EARLY_WEIGHTS = False
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -357,14 +357,6 @@ def main() -> int:
             def fn(ahead=ahead, x0=x0):
                 last["ys"] = run_graph_chain(ws, x0, ahead, side)
             report(f"graph M{rows}" + (f"+pf{ahead}" if ahead else ""), fn, lambda: last["ys"], x0)
-        # each GEMV asking for its weight rows in L2 before its PDL wait (`k3.ops._triton.EARLY_WEIGHTS`)
-        from k3.ops import _triton
-        old, _triton.EARLY_WEIGHTS = _triton.EARLY_WEIGHTS, True
-        try:
-            report(f"graph M{rows} early-W", lambda x0=x0: last.update(ys=run_graph_chain(ws, x0, 0, side)),
-                   lambda: last["ys"], x0)
-        finally:
-            _triton.EARLY_WEIGHTS = old
     cnt = torch.zeros(3, dtype=torch.int32, device=dev)
     out = lambda: persistent_outputs(act, sh, width)  # noqa: E731
     for name, v in VARIANTS.items():

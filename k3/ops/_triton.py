@@ -65,31 +65,6 @@ def pdl(x) -> dict:
     return _PDL_ON if _pdl_capable(x.device.index if x.device.index is not None else 0) else {}
 
 
-# Weights asked for in L2 before the PDL wait: a decode kernel launched early under PDL waits for the kernel before
-# it, but its weights do not depend on that kernel, so each program may ask for its share of them first (one bulk
-# prefetch, `prefetch_l2`): the step's weight stream then overlaps each predecessor's tail. A cache hint: results are
-# unchanged. K3_EARLY_WEIGHTS=1, or `EARLY_WEIGHTS = True` here (taken at each launch); off until timed. Kernels that
-# take it: the GEMV (`k3.ops.gemv`), the batch-1 MoE block (`k3.ops.moe_block`).
-EARLY_WEIGHTS = os.environ.get("K3_EARLY_WEIGHTS", "0") == "1"
-
-
-def pdl_early(x, weights, max_bytes: int | None = None) -> dict:
-    """`pdl(x)`, plus `PREFETCH: True` for a kernel that then asks for `weights` in L2 before its wait: where
-    `EARLY_WEIGHTS` and PDL are on, each weight starts on a 16-byte bound with 16-byte multiples for its row strides
-    and row length (the bulk prefetch's rule), and together they span at most `max_bytes` (None: any)."""
-    kw = pdl(x)
-    if not (kw and EARLY_WEIGHTS):
-        return kw
-    total = 0
-    for w in weights:
-        esz = w.element_size()
-        if (w.data_ptr() % 16 or w.stride(-1) != 1 or (w.shape[-1] * esz) % 16
-                or any((st * esz) % 16 for st in w.stride()[:-1])):
-            return kw
-        total += (w.shape[0] * w.stride(0) if w.dim() > 1 else w.shape[0]) * esz
-    return kw if max_bytes is not None and total > max_bytes else dict(kw, PREFETCH=True)
-
-
 def cooperative(x, on: bool) -> dict:
     """Launch keywords of a persistent kernel (programs meeting at grid barriers) whose tensors live where x does:
     {"launch_cooperative_grid": True} with `on` on CUDA -- the driver then guarantees every program is resident at

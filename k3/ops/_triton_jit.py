@@ -59,19 +59,6 @@ def grid_done(cnt_ptr, programs):
 
 
 @triton.jit
-def prefetch_share(ptr, n, p, G):
-    """Program p of G asks for its share of the `n` elements at `ptr` (16-byte aligned, n·size a multiple of 16) in
-    L2: one bulk prefetch of ⌈bytes / G⌉ rounded up to 16 (`prefetch_l2`); L2 is shared, so whichever program reads
-    the bytes later finds them there."""
-    esz: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    nbytes = n * esz
-    span = ((nbytes + G - 1) // G + 15) // 16 * 16
-    lo = p * span
-    if lo < nbytes:
-        prefetch_l2(ptr + lo // esz, tl.minimum(span, nbytes - lo))
-
-
-@triton.jit
 def prefetch_l2(addr, nbytes):
     """Thread 0 of the program asks the TMA unit to bring `nbytes` (a multiple of 16) at `addr` (a pointer or an
     int64 address, 16-byte aligned) into L2 (`cp.async.bulk.prefetch.L2.global`, sm_90+; not in the interpreter)."""

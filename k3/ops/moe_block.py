@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ._triton import check_counters, cooperative, interpreted, pdl_early, runs_on
+from ._triton import check_counters, cooperative, pdl, runs_on
 
 ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
@@ -31,11 +31,7 @@ ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") =
 # all be resident at once, where a plain launch would leave the barrier to time out; under graph capture on the
 # H200 it costs 0.3-0.5 µs per layer). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph, 12 settings):
 # bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
-# `mma`: the tiles of 16 rows or more on the tensor cores with their chunks pipelined over `stages` (the GEMV
-# kernel's form; not yet timed, off). With `k3.ops._triton.EARLY_WEIGHTS` every program asks for its share of the
-# weights that do not depend on the routing (the joined input, the shared down, the up projection) in L2 before its
-# PDL wait.
-LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True, "mma": False, "stages": 3}
+LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -89,9 +85,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
         float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
         BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
-        BLN=triton.next_power_of_2(L), MMA=c["mma"], S=c["stages"],
-        IEEE=interpreted(moe_block_kernel) or w1.dtype == torch.float32, num_warps=c["warps"],
-        **cooperative(x, c["coop"]), **pdl_early(x, (w_in, w_shared_down, w_up)))
+        BLN=triton.next_power_of_2(L), num_warps=c["warps"], **cooperative(x, c["coop"]), **pdl(x))
     return out, idx, wt, scores
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_jit import grid_barrier, grid_done, pdl_sync, prefetch_share
+from ._triton_jit import grid_barrier, grid_done, pdl_sync
 from .route_triton import route_factor, route_next
 from .situ.triton import situ_glu_value
 
@@ -28,9 +28,10 @@ def _dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU:
     """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0). GLU: x[c] is
     SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection); NORM: x[c] · rstd · nw[c]
     rounded to W's dtype (an RMSNorm whose statistics the caller formed).
-    MMA (tiles of ≥ 16 rows; smaller ones are summed as below): on the tensor cores, as the GEMV kernel does: x
-    padded to a 16-row tile (row 0 real), W's CH-column chunks pipelined over S stages (asynchronous copies, several
-    chunks in flight); IEEE: the product in fp32 (fp32 weights; the CPU interpreter, whose bf16 dot is wrong).
+    MMA (`k3.ops.kda_block`'s `mma`; tiles of ≥ 16 rows, smaller ones summed as below): on the tensor cores, as the
+    GEMV kernel does: x padded to a 16-row tile (row 0 real), W's CH-column chunks pipelined over S stages
+    (asynchronous copies, several chunks in flight); IEEE: the product in fp32 (fp32 weights; the CPU interpreter,
+    whose bf16 dot is wrong).
     Otherwise every chunk's loads are issued at once (the loop unrolls) and summed on the CUDA cores."""
     rm = rows < N
     r = rows[:, None].to(tl.int64) * ld
@@ -80,21 +81,15 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                      D: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
-                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False,
-                     MMA: tl.constexpr = False, S: tl.constexpr = 3, IEEE: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False):
+                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_sync(PDL)
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     RIN: tl.constexpr = L + 2 * IS + E
-    if PREFETCH:  # the weights that do not depend on the routing, into L2 while the kernel before still runs
-        prefetch_share(win_ptr, RIN * D, p, G)
-        prefetch_share(wsd_ptr, D * IS, p, G)
-        prefetch_share(wup_ptr, D * L, p, G)
-    pdl_sync(PDL)
     # 1. latent ‖ shared gate ‖ up ‖ router logits
     for t in range(p, (RIN + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
-        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, MMA=MMA, S=S, IEEE=IEEE)
+        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH)
         tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
         tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
         tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
@@ -127,13 +122,13 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                 if k == 0:
                     tl.store(sc_ptr + ee, sc, mask=em)
             e64 = e.to(tl.int64)
-            g = _dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH, MMA=MMA, S=S, IEEE=IEEE)
-            u = _dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH, MMA=MMA, S=S, IEEE=IEEE)
+            g = _dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH)
+            u = _dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH)
             h = situ_glu_value(g, u, beta, linear_beta)
             tl.store(h_ptr + k * I + ri, h.to(dt), mask=ri < I)
         else:
             rs = (t - NEXP) * BN + tl.arange(0, BN)
-            sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta, MMA, S, IEEE)
+            sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta)
             if HAS_RES:
                 sacc += tl.load(res_ptr + rs, mask=rs < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(sh_ptr + rs, sacc.to(dt), mask=rs < D)
@@ -145,7 +140,7 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         for kk in tl.static_range(K):
             e = tl.load(idx_ptr + kk, cache_modifier=".cg")
             wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
-            acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH, MMA=MMA, S=S, IEEE=IEEE)
+            acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH)
         tl.store(y_ptr + rows, acc.to(dt), mask=rows < L)
     grid_barrier(cnt_ptr, 3 * G)
     # 4. latent RMSNorm, up projection + the shared output
@@ -159,7 +154,6 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         rows = t * BN + tl.arange(0, BN)
         rm = rows < D
         acc = tl.load(sh_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, MMA=MMA, S=S, IEEE=IEEE, NORM=HAS_NORM,
-                         nw_ptr=nw_ptr, rstd=rstd)
+        acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd)
         tl.store(out_ptr + rows, acc.to(dt), mask=rm)
     grid_done(cnt_ptr, G)

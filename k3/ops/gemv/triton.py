@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import interpreted as _interpreted, pdl_early
-from .._triton_jit import pdl_sync, prefetch_l2
+from .._triton import interpreted as _interpreted, pdl
+from .._triton_jit import pdl_sync
 from ..situ.triton import situ_glu_value
 
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
@@ -25,10 +25,6 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 # 2026-12-03): within 6 % of the best of 7 settings on the shapes `linear` gives these tiles
 LAUNCH_WIDE = ((65536, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
 MAX_TILE_ROWS = 64
-# `k3.ops._triton.EARLY_WEIGHTS` (each program's rows of W asked for in L2 before its PDL wait) only for weights of at
-# most this many bytes: the first wave of a larger one's programs (the 503 MB head's) would ask for more than the L2
-# (50 MB on the H200) holds and evict its own lines before they are read
-PREFETCH_MAX_BYTES = 24 << 20
 
 
 @triton.jit
@@ -36,8 +32,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16, BM: tl.constexpr = 16,
-                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False,
-                PREFETCH: tl.constexpr = False):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is
     loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
@@ -46,13 +41,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
-    the projections of the same input), the others to y [M, N − NT].
-    PREFETCH (with PDL; `k3.ops._triton.pdl_early`): this program's rows of W asked for in L2 before waiting on the
-    kernel before it."""
-    if PREFETCH:
-        r0 = tl.program_id(0) * BN
-        esz: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_l2(w_ptr + r0.to(tl.int64) * sw, ((tl.minimum(BN, N - r0) - 1) * sw + K) * esz)
+    the projections of the same input), the others to y [M, N − NT]."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
@@ -177,7 +166,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
-            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl_early(x2, [w], PREFETCH_MAX_BYTES))
+            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
