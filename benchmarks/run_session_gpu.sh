@@ -17,11 +17,10 @@
 #       benchmarks/probe/hit_switches.py (a 16K hit under every combination of its switches, interleaved; HS=1);
 #       benchmarks/probe/moe_fused.py (the one-kernel routed experts experiment; MF=1);
 #       benchmarks/probe/kda_small.py (short extend steps' KDA / conv settings, intra up to 32K tokens; KS=1);
-#       benchmarks/probe/persistent_chain.py (96 decode GEMVs: graph kernels, an L2 prefetch side stream, one
-#       persistent kernel with grid barriers; PC=1, PC_ARGS for its options);
+#       benchmarks/probe/persistent_chain.py (96 decode GEMVs: graph kernels, one persistent kernel with grid
+#       barriers, its L2 prefetch ahead; PC=1, PC_ARGS for its options);
 #       benchmarks/probe/graph_branches.py (independent GEMVs of a layer side by side in the graph; GB=1);
 #       benchmarks/probe/moe_block.py (a batch-1 MoE as one persistent kernel vs the composed path; MB=1);
-#       benchmarks/probe/kda_block.py (a batch-1 KDA attention as one persistent kernel vs the composed ops; KB=1);
 #       benchmarks/kda_profile.py at the training shape 8 x 4096, H 12: the KDA kernels' launch settings, the
 #       column-block intra backward's among them (benchmarks/kda_train_variants.json; KIB=1);
 #       benchmarks/joined_proj.py (a KDA / MLA / MoE layer's training step, projections joined and separate; JP=1);
@@ -128,7 +127,7 @@ if [ "${KS:-0}" = 1 ]; then  # short extend steps' KDA and conv launch settings;
     || echo "kda small exit $?" >> "$OUT/kda_small.log"
   tail -10 "$OUT/kda_small.log"
 fi
-if [ "${PC:-0}" = 1 ]; then  # would a persistent decode kernel or an L2 prefetch stream pay? (a GEMV chain)
+if [ "${PC:-0}" = 1 ]; then  # would a persistent decode kernel pay? (a GEMV chain)
   timeout ${PC_S:-150} python3 benchmarks/probe/persistent_chain.py ${PC_ARGS:-} --out "$OUT/persistent_chain.json" \
     > "$OUT/persistent_chain.log" 2>&1 || echo "persistent chain exit $?" >> "$OUT/persistent_chain.log"
   grep -v -i warn "$OUT/persistent_chain.log" | tail -40
@@ -142,11 +141,6 @@ if [ "${MB:-0}" = 1 ]; then  # a batch-1 step's MoE as one persistent kernel, la
   timeout ${MB_S:-150} python3 benchmarks/probe/moe_block.py --out "$OUT/moe_block.json" > "$OUT/moe_block.log" 2>&1 \
     || echo "moe block exit $?" >> "$OUT/moe_block.log"
   grep -v -i warn "$OUT/moe_block.log" | tail -16
-fi
-if [ "${KB:-0}" = 1 ]; then  # a batch-1 step's KDA attention as one persistent kernel, launch settings, vs composed
-  timeout ${KB_S:-150} python3 benchmarks/probe/kda_block.py --out "$OUT/kda_block.json" > "$OUT/kda_block.log" 2>&1 \
-    || echo "kda block exit $?" >> "$OUT/kda_block.log"
-  grep -v -i warn "$OUT/kda_block.log" | tail -16
 fi
 if [ "${OPS:-0}" = 1 ]; then
   timeout ${OPS_S:-150} python3 benchmarks/probe/decode_ops.py ${OPS_ARGS:-} --out "$OUT/decode_ops.json" > "$OUT/decode_ops.log" 2>&1 \

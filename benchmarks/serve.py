@@ -172,10 +172,6 @@ SWITCHES = {
                                "MLA pages per position"),
     "moe_block_step_ms": ("k3.ops.moe_block", "ON", "a batch-1 step's MoE as one persistent kernel",
                           "a batch-1 step's MoE as eight kernels"),
-    "kda_block_step_ms": ("k3.ops.kda_block", "ON", "a batch-1 step's KDA attention as one persistent kernel",
-                          "a batch-1 step's KDA attention as six kernels"),
-    "l2_prefetch_step_ms": ("k3.ops.l2_prefetch", "ON", "each projection's weight prefetched into L2 a projection "
-                            "ahead", "no L2 prefetch"),
 }
 
 
@@ -201,8 +197,6 @@ HIT_SWITCHES = {
                                "MLA pages per position"),
     "graph_copies_seconds": ("k3.serve.runner", "GRAPH_COPIES", "its admission copies in the graph",
                              "its admission copies as host calls before the graph"),
-    "l2_prefetch_seconds": ("k3.ops.l2_prefetch", "ON", "its projections' weights prefetched into L2 one ahead",
-                            "no L2 prefetch"),
 }
 
 
@@ -321,15 +315,6 @@ def run(a) -> dict:
             r["no_gemv_step_ms"] = with_setting(eng, gemv, "MAX_ROWS", 0, again)["step_ms"]
             r["no_pdl_step_ms"] = with_setting(eng, _triton, "PDL", False, again)["step_ms"]
             r["prologue_step_ms"] = with_setting(eng, gemv, "PROLOGUE", True, again)["step_ms"]
-            from k3.ops import kda_block, l2_prefetch, moe_block
-            blocks = [(kda_block, "ON", True), (moe_block, "ON", True)]  # both layer kernels; and + the prefetch
-            both = (("blocks_step_ms", blocks), ("blocks_l2_step_ms", blocks + [(l2_prefetch, "ON", True)]))
-            for key, settings in both:
-                try:
-                    r[key] = with_settings(eng, settings, again)["step_ms"]
-                except Exception as e:  # noqa: BLE001 - reported, not fatal
-                    r[key + "_error"] = f"{type(e).__name__}: {e}"[:500]
-                    abort_all(eng)
         if eng.runner.use_graphs:  # the decode switches not on by default yet, each flipped in the same run
             again = lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)  # noqa: E731
             for key, settings in flipped(SWITCHES).items():
@@ -499,11 +484,6 @@ def table(res: dict) -> str:
                 extra += f"   ({name} flipped failed: {r[key + '_error'][:120]})"
         if r.get("switches_flipped_step_ms"):
             extra += f"   (all switches flipped {r['switches_flipped_step_ms']:.2f} ms)"
-        for key, what in (("blocks_step_ms", "KDA and MoE blocks"), ("blocks_l2_step_ms", "blocks + L2 prefetch")):
-            if key in r:
-                extra += f"   ({what} {r[key]:.2f} ms)"
-            if key + "_error" in r:
-                extra += f"   ({what} failed: {r[key + '_error'][:200]})"
         if "eager_step_ms" in r:
             extra += f"   (eager {r['eager_step_ms']:.2f} ms, graphs {r['graph_speedup']:.1f}x)"
         lines.append(f"{r['batch']:>14} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f}{extra}")

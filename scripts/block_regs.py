@@ -1,6 +1,6 @@
-"""Register / spill report of the persistent decode-block kernels (`k3.ops.moe_block`, `k3.ops.kda_block`) at
-k3-small's width, bf16, compiled for sm_90a without a GPU (the local Triton and ptxas, `kda_regs.report`), for each
-launch setting their probes sweep.
+"""Register / spill report of the persistent decode-block kernel (`k3.ops.moe_block`) at k3-small's width, bf16,
+compiled for sm_90a without a GPU (the local Triton and ptxas, `kda_regs.report`), for each launch setting its probe
+sweeps.
 
     python scripts/block_regs.py
 """
@@ -13,7 +13,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kda_regs import report  # noqa: E402
 
-from k3.ops.kda_block_triton import kda_block_kernel  # noqa: E402
 from k3.ops.moe_block_triton import moe_block_kernel  # noqa: E402
 
 BF = "*bf16"
@@ -28,15 +27,6 @@ def main() -> None:
         c = dict(D=1536, L=768, I=512, IS=1024, E=32, K=4, BE=32, HAS_BIAS=True, RENORM=True, HAS_NORM=True,
                  HAS_RES=True, BN=bn, BI=bi, BL=bl, CH=256, BLN=1024, PDL=True)
         print(f"moe_block bn {bn} bi {bi} bl {bl}: {report(moe_block_kernel, t, c)}", flush=True)
-    t = {n: BF for n in ("x_ptr", "res_ptr", "out_ptr", "win_ptr", "wfb_ptr", "cpool_ptr", "onw_ptr", "wo_ptr",
-                         "yin_ptr", "f_ptr", "qkv_ptr", "o_ptr")}
-    t.update(FLOATS, wc_ptr="*fp32", spool_ptr="*fp32", slot_ptr="*i64", alog_ptr="*fp32", dtb_ptr="*fp32",
-             cnt_ptr="*i32", c_slot="i64", s_slot="i64")
-    for bn, bc, bv, mma in ((8, 64, 16, False), (16, 64, 16, False), (4, 32, 16, False), (8, 128, 32, False),
-                            (16, 64, 16, True)):
-        c = dict(D=1536, H=12, K=128, W1=3, WP=4, HAS_RES=True, HAS_DTB=True, BN=bn, BC=bc, BV=bv, CH=256, PDL=True,
-                 MMA=mma, STAGES=3, IEEE=False)
-        print(f"kda_block bn {bn} bc {bc} bv {bv} mma {mma}: {report(kda_block_kernel, t, c)}", flush=True)
 
 
 if __name__ == "__main__":

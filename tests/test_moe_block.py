@@ -1,7 +1,9 @@
 """`k3.ops.moe_block` (a batch-1 decode step's whole LatentMoE as one persistent kernel) against the composed path it
 replaces (`LatentMoE.forward`'s joined inference branch with the switch off): outputs, routing, scores; its checks;
-its barrier counters left at zero (the engine with it: `test_kda_block.py`). On a CPU the kernel runs in
+its barrier counters left at zero; an engine with it against the engine without. On a CPU the kernel runs in
 Triton's interpreter with one program; on CUDA with every SM's programs and grid barriers, also in a CUDA graph."""
+
+import random
 
 import pytest
 import torch
@@ -91,6 +93,33 @@ def test_block_leaves_its_counters_at_zero_and_takes_one_row_only(monkeypatch):
         cnt.fill_(7)  # two rows: the composed path, which does not touch the counters
         moe(torch.randn(2, D, device=dev))
         assert cnt.tolist() == [7, 7, 7]
+
+
+def test_engine_with_the_block_equals_the_engine_without(monkeypatch):
+    """Greedy decoding at batch 1 (the block's steps) and a batch of three (the composed path) in fp32, with the
+    block on against off: the same tokens, logits within fp32 rounding; the block ran only when on."""
+    dev = _device_or_skip()
+    from k3.serve import Engine, EngineConfig, SamplingParams
+
+    model = make_tiny(seed=8).to(dev)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
+    calls, real = [], moe_block.moe_block_decode
+    monkeypatch.setattr(moe_block, "moe_block_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(moe_block, "ON", on)
+        eng = Engine(model, EngineConfig(block_size=32, hash_block_size=16, num_pages=64, record_logits=True))
+        sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        outs = eng.generate(prompts[:1], sp) + eng.generate(prompts[1:], sp)
+        runs.append((outs, eng))
+        assert bool(calls) == on
+        eng.check_pool()
+    (oa, ea), (ob, eb) = runs
+    for a, b in zip(oa, ob):
+        assert a.token_ids == b.token_ids
+        for u, v in zip(ea.recorded_logits[a.request_id], eb.recorded_logits[b.request_id]):
+            assert (u - v).abs().max() <= 1e-4
 
 
 def test_block_rejects_bad_inputs():

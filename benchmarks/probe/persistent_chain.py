@@ -1,10 +1,7 @@
 """Would a persistent decode kernel pay? A batch-1 decode step's dense projections as a chain of one-row GEMVs
-(k3-small's shapes in order, 16 layers with their own weights: ≈ 620 MB, far more than L2), four ways:
+(k3-small's shapes in order, 16 layers with their own weights: ≈ 620 MB, far more than L2), three ways:
 
   graph         the production GEMV (`k3.ops.gemv.triton.gemv`, PDL) one kernel per GEMV, in a CUDA graph;
-  graph+pf{A}   the same, plus an L2 prefetch of GEMV i+A's weights on a side stream of the graph, launched when
-                GEMV i−1 has finished (graph edges, no polling): weights stream from HBM while the chain runs
-                (`k3.ops.l2_prefetch.l2_prefetch`, what the engine's K3_L2_PREFETCH graphs hold);
   persist       ONE kernel of G programs (1, 2 or 4 per SM, a cooperative launch): each GEMV's row tiles are
                 shared out, a grid-wide barrier (an atomic counter) separates consecutive GEMVs; a tile is summed
                 in one of the forms of `VARIANTS` (chunk by chunk; the production GEMV's pipelined MMA form; the
@@ -208,34 +205,14 @@ def run_variant(w, act, tab, cnt, L, G, v: dict, ahead: int, **kw):
     run_persistent(w, act, tab, cnt, L, G, BN, CH, ahead, warps, **{"KP": 2048, **v, **kw})
 
 
-def run_graph_chain(ws, x0, ahead: int, side: torch.cuda.Stream | None):
-    """Production GEMVs, one per weight, on x0's rows (x0 [M, K]: M ≤ 64) → their outputs; with ahead > 0 the
-    side stream prefetches weight i+ahead once GEMV i−1 is done (recorded events become graph edges)."""
+def run_graph_chain(ws, x0):
+    """Production GEMVs, one per weight, on x0's rows (x0 [M, K]: M ≤ 64) → their outputs."""
     from k3.ops.gemv.triton import gemv
-    main = torch.cuda.current_stream() if ahead else None
-    if ahead:
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for j in range(min(ahead, len(ws))):
-                _prefetch_weight(ws[j])
     x, ys = x0, []
-    for i, wt in enumerate(ws):
-        if ahead and i + ahead < len(ws):
-            ev = torch.cuda.Event()
-            ev.record(main)
-            with torch.cuda.stream(side):
-                side.wait_event(ev)
-                _prefetch_weight(ws[i + ahead])
+    for wt in ws:
         x = gemv(x[:, :wt.shape[1]], wt)
         ys.append(x)
-    if ahead:
-        main.wait_stream(side)
     return ys
-
-
-def _prefetch_weight(wt: torch.Tensor):
-    from k3.ops.l2_prefetch import l2_prefetch  # the engine's prefetch (K3_L2_PREFETCH)
-    l2_prefetch(wt)
 
 
 def check_cpu() -> int:
@@ -265,7 +242,7 @@ def check_cpu() -> int:
     late = torch.zeros(3, dtype=torch.int32)
     run_persistent(w, act.clone(), tab, late, len(sh), 2, 16, 32, 0, SPINS=4)
     print(f"two programs in the interpreter: a barrier timed out and was flagged: {bool(late[2])}")
-    gstep = step_error(ws, run_graph_chain(ws, x0, 0, None), x0)
+    gstep = step_error(ws, run_graph_chain(ws, x0), x0)
     print(f"production GEMV chain, 3 rows: worst GEMV rel. RMS error {gstep:.1e}")
     ok = step < 6e-3 and gstep < 6e-3 and err < 0.1 and cnt.tolist() == [0, 0, 0] and bool(late[2])
     return 0 if ok and compiles() else 1
@@ -293,9 +270,6 @@ def compile_sm90() -> int:
         consts = dict(S=3, TS=1, IEEE=False, ALIGNED=True, SPINS=1 << 20, AHEAD=2, KP=2048)
         r = report(persistent_chain_kernel, types, {**consts, **v}, num_warps=warps)
         print(f"sm_90a persistent kernel, {name}, AHEAD 2: {r}")
-    from k3.ops.l2_prefetch_triton import l2_prefetch_kernel
-    r = report(l2_prefetch_kernel, dict(addr="i64", nbytes="i64"), dict(SPAN=65536), num_warps=1)
-    print(f"sm_90a prefetch kernel (k3.ops.l2_prefetch): {r}")
     return 0
 
 
@@ -349,14 +323,13 @@ def main() -> int:
 
     ws = [w[o:o + n * k].view(n, k) for (n, k), o in zip(sh, offs)]
     x1 = act[:sh[0][1]].clone().view(1, -1)
-    side = torch.cuda.Stream()
     last = {}
     for rows in a.rows:  # row 0 is the persistent kernel's input, the others fresh random rows
         x0 = torch.cat([x1, torch.randn(rows - 1, x1.shape[1], device=dev).to(x1.dtype)])
-        for ahead in [0] + a.ahead:
-            def fn(ahead=ahead, x0=x0):
-                last["ys"] = run_graph_chain(ws, x0, ahead, side)
-            report(f"graph M{rows}" + (f"+pf{ahead}" if ahead else ""), fn, lambda: last["ys"], x0)
+
+        def fn(x0=x0):
+            last["ys"] = run_graph_chain(ws, x0)
+        report(f"graph M{rows}", fn, lambda: last["ys"], x0)
     cnt = torch.zeros(3, dtype=torch.int32, device=dev)
     out = lambda: persistent_outputs(act, sh, width)  # noqa: E731
     for name, v in VARIANTS.items():

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops import joined_linear as joined_linear_ops, kda_block
-from ..ops._triton import grid_counters
+from ..ops import joined_linear as joined_linear_ops
 from ..ops.gemv import linear
 from ..ops.conv import short_conv, short_conv_split, short_conv_step
 from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_gated,
@@ -191,8 +190,6 @@ class KimiDeltaAttention(nn.Module):
         w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                             self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype,
                           multiple=64)
-        if N == 1 and b.decode and self._block_fits(x[0], w, cache):  # batch 1: the layer as one kernel (K3_KDA_BLOCK)
-            return self._block_decode(x[0], w, w_conv, cache, residual)
         y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
         f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         backend = cache.pc.kda_backend or self.backend
@@ -233,20 +230,6 @@ class KimiDeltaAttention(nn.Module):
         o, s = (o[0], s[0]) if len(o) == 1 else (torch.cat(o), torch.cat(s))
         cache.set_states(s)
         return self._output(o, gate, residual, residual_inplace)
-
-    def _block_fits(self, x: torch.Tensor, w: torch.Tensor, cache: PagedLayerCache) -> bool:
-        return (kda_block.ON and (cache.pc.kda_backend or self.backend) not in ("torch", "reference")
-                and kda_block.fits(x, self.head_dim, w, self.f_b_proj.weight, self.o_proj.weight))
-
-    def _block_decode(self, x: torch.Tensor, w: torch.Tensor, w_conv: torch.Tensor, cache: PagedLayerCache,
-                      residual: torch.Tensor | None) -> torch.Tensor:
-        """`_forward_paged`'s decode branch for one sequence as one persistent kernel (`k3.ops.kda_block`)."""
-        out = kda_block.kda_block_decode(
-            x, w, self.f_b_proj.weight, w_conv, cache.conv_pool(), cache.state_pool(), cache.batch.slots,
-            self.A_log[:self.num_heads], self.dt_bias, self.lower_bound, (self.o_norm.weight, self.o_norm.eps),
-            self.o_proj.weight, None if residual is None else residual.reshape(1, -1).contiguous(),
-            grid_counters(self, x.device))
-        return out.view(1, 1, -1)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None,
                 residual_inplace: bool = False) -> torch.Tensor:

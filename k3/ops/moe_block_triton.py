@@ -23,41 +23,21 @@ from .situ.triton import situ_glu_value
 
 @triton.jit
 def _dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU: tl.constexpr = False,
-              beta=0.0, linear_beta=0.0, MMA: tl.constexpr = False, S: tl.constexpr = 3, IEEE: tl.constexpr = False,
-              NORM: tl.constexpr = False, nw_ptr=None, rstd=1.0):
+              beta=0.0, linear_beta=0.0, NORM: tl.constexpr = False, nw_ptr=None, rstd=1.0):
     """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0). GLU: x[c] is
     SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection); NORM: x[c] · rstd · nw[c]
-    rounded to W's dtype (an RMSNorm whose statistics the caller formed).
-    MMA (`k3.ops.kda_block`'s `mma`; tiles of ≥ 16 rows, smaller ones summed as below): on the tensor cores, as the
-    GEMV kernel does: x padded to a 16-row tile (row 0 real), W's CH-column chunks pipelined over S stages
-    (asynchronous copies, several chunks in flight); IEEE: the product in fp32 (fp32 weights; the CPU interpreter,
-    whose bf16 dot is wrong).
-    Otherwise every chunk's loads are issued at once (the loop unrolls) and summed on the CUDA cores."""
+    rounded to W's dtype (an RMSNorm whose statistics the caller formed). Every chunk's loads are issued at once
+    (the loop unrolls) and summed on the CUDA cores."""
     rm = rows < N
     r = rows[:, None].to(tl.int64) * ld
     wdt = w_ptr.dtype.element_ty
-    if MMA and rows.shape[0] >= 16:
-        m = tl.arange(0, 16)
-        acc2 = tl.zeros([16, rows.shape[0]], tl.float32)
-        for c0 in tl.range(0, K, CH, num_stages=S):
-            cols = c0 + tl.arange(0, CH)
-            cm = cols < K
-            x = _x_chunk(x_ptr, cols, cm, K, GLU, beta, linear_beta, NORM, nw_ptr, rstd, wdt)
-            xt = tl.where(m[:, None] == 0, x[None, :], 0.0)
-            w = tl.load(w_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-            if IEEE:
-                acc2 += tl.dot(xt, tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc2 = tl.dot(xt.to(wdt), tl.trans(w), acc2)
-        acc = tl.sum(tl.where(m[:, None] == 0, acc2, 0.0), 0)
-    else:
-        acc = tl.zeros(rows.shape, tl.float32)
-        for c0 in tl.static_range(0, K, CH):
-            cols = c0 + tl.arange(0, CH)
-            cm = cols < K
-            x = _x_chunk(x_ptr, cols, cm, K, GLU, beta, linear_beta, NORM, nw_ptr, rstd, wdt)
-            w = tl.load(w_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], 1)
+    acc = tl.zeros(rows.shape, tl.float32)
+    for c0 in tl.static_range(0, K, CH):
+        cols = c0 + tl.arange(0, CH)
+        cm = cols < K
+        x = _x_chunk(x_ptr, cols, cm, K, GLU, beta, linear_beta, NORM, nw_ptr, rstd, wdt)
+        w = tl.load(w_ptr + r + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
     return acc
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..model.paged_cache import PackedBatch, PagedCache, prefill_tables_host, token_runs_host
-from ..ops import gemv, l2_prefetch
+from ..ops import gemv
 from ..ops._host import to_device
 from ..ops.attn_res import static_tables
 from ..ops.conv import CONV_TILE
@@ -85,7 +85,6 @@ class _Graph:
     (decode) rather than of `batch.rows`."""
     ALL_ROWS = False
     copies = 0  # pool copy segments the graph can run first (`ExtendGraph`; 0: the runner runs them before it)
-    prefetches = 0  # L2 prefetch kernels captured beside the forward (`k3.ops.l2_prefetch`, K3_L2_PREFETCH)
 
     def _capture(self, runner: "ModelRunner", mempool) -> None:
         self.runner, self.graph = runner, None
@@ -99,16 +98,12 @@ class _Graph:
         self.copied = torch.cuda.Event()
         side = torch.cuda.Stream(runner.device)
         side.wait_stream(torch.cuda.current_stream(runner.device))
-        # with K3_L2_PREFETCH: the warm-up records the projections' weights in order, the capture adds their prefetches
-        plan = l2_prefetch.PrefetchPlan() if l2_prefetch.ON else None
-        with torch.cuda.stream(side), l2_prefetch.recording(plan):  # warm-up off the capture: Triton compiles,
-            self.run()                                               # cuBLAS picks its kernels
+        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
+            self.run()
         torch.cuda.current_stream(runner.device).wait_stream(side)
         self.graph, self.tables = torch.cuda.CUDAGraph(), []
         with static_tables(self.tables, runner.device), torch.cuda.graph(self.graph, pool=mempool):
-            with l2_prefetch.capturing(plan):
-                self.out = self.run()
-        self.prefetches = 0 if plan is None else plan.issued
+            self.out = self.run()
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:

@@ -17,7 +17,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .. import l2_prefetch
 from .._compile import eager_op
 from .._triton import device_reason
 from ..linear_ce.chunked import mm_out_dtype_available
@@ -84,9 +83,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     - glu = (β, linear β): x is [..., 2K] gate ‖ up, the input SiTU-GLU(gate, up) (`k3.ops.situ.situ_glu_fused`);
     - norm = (weight, eps, group): RMSNorm of each row (group None; weight [K]) or of each `group` columns
       (a head; weight [group]) (`k3.ops.norm.rms_norm`);
-    - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one).
-    Inside a captured graph with an L2 prefetch plan, the weight is reported to it (`k3.ops.l2_prefetch.note`)."""
-    l2_prefetch.note(w)
+    - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one)."""
     if fits(x, w, add, gate):
         from .triton import gemv
         if (norm is not None or glu is not None) and not (PROLOGUE and _prologue_fits(norm, w.shape[1])):
@@ -122,7 +119,6 @@ def linear_fp32_tail(x: torch.Tensor, w: torch.Tensor, tail: int) -> tuple[torch
     row blocks of w."""
     if fits(x, w):
         from .triton import gemv
-        l2_prefetch.note(w)  # (the other path's `linear` calls report their parts)
         return gemv(x, w, fp32_tail=tail)
     wt = w[-tail:]
     if x.dtype != torch.float32 and not (x.is_cuda and mm_out_dtype_available(x.device.type)):
