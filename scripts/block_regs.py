@@ -16,7 +16,7 @@ from kda_regs import report  # noqa: E402
 from k3.ops.moe_block_triton import moe_block_kernel  # noqa: E402
 
 BF = "*bf16"
-FLOATS = dict(scale="fp32", beta="fp32", linear_beta="fp32", eps="fp32", lower_bound="fp32")
+FLOATS = dict(scale="fp32", beta="fp32", linear_beta="fp32", eps="fp32")
 
 
 def main() -> None:

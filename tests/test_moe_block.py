@@ -153,18 +153,6 @@ def test_cooperative_launch_keywords():
         assert cooperative(torch.zeros(1, device="cuda"), True) == {"launch_cooperative_grid": True}
 
 
-def _small_moe(seed: int):
-    """k3-small's LatentMoE on CUDA in bf16 with N(0, 1/fan-in) weights, and one random input row."""
-    from k3.config import K3Config
-    from k3.model.moe import LatentMoE
-    cfg = K3Config.preset("k3-small").text_config
-    torch.manual_seed(seed)
-    moe = LatentMoE(cfg).cuda()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-    return moe.to(torch.bfloat16).eval(), torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-
-
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("coop", [False, True], ids=["plain-launch", "cooperative-launch"])
@@ -173,8 +161,16 @@ def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
     within bf16 rounding, the same experts; a CUDA graph of the kernel replayed equals its eager run, bitwise;
     launched plainly and as a cooperative grid."""
     monkeypatch.setitem(moe_block.LAUNCH, "coop", coop)
-    moe, x = _small_moe(7)
-    res = torch.randn_like(x)
+    from k3.config import K3Config
+    from k3.model.moe import LatentMoE
+    cfg = K3Config.preset("k3-small").text_config
+    torch.manual_seed(7)
+    moe = LatentMoE(cfg).cuda()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    moe = moe.to(torch.bfloat16).eval()
+    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     (ya, ia, _), (yb, ib, _) = _both(moe, x, res, monkeypatch)
     assert torch.equal(ia, ib) and rel_rmse(yb.float(), ya.float()) <= 1.5e-2
     monkeypatch.setattr(moe_block, "ON", True)

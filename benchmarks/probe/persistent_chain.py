@@ -30,13 +30,23 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import graph_us  # noqa: E402
 
-from k3.ops._triton_jit import grid_barrier, grid_done, prefetch_l2  # noqa: E402
+from k3.ops._triton_jit import grid_barrier, grid_done  # noqa: E402
 
 # one KDA + MoE layer of k3-small in decode order ([N, K]): the six projections (q‖k‖v‖f_a‖b‖g padded to 64),
 # f_b, o_proj (norm + gate prologue in production), the MoE's joined input (latent down ‖ shared gate ‖ up ‖
 # router), the shared experts' down and the latent up projection
 LAYER = ((6336, 1536), (1536, 128), (1536, 1536), (2848, 1536), (1536, 1024), (1536, 768))
 HBM = 4.3e12  # bytes/s: the H200's bandwidth as `benchmarks/serve.py` counts it
+
+
+@triton.jit
+def prefetch_l2(addr, nbytes):
+    """Thread 0 of the program asks the TMA unit to bring `nbytes` (a multiple of 16) at `addr` (a pointer or an
+    int64 address, 16-byte aligned) into L2 (`cp.async.bulk.prefetch.L2.global`, sm_90+; not in the interpreter)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

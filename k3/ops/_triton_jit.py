@@ -56,13 +56,3 @@ def grid_done(cnt_ptr, programs):
     if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.atomic_xchg(cnt_ptr, 0)
         tl.atomic_xchg(cnt_ptr + 1, 0)
-
-
-@triton.jit
-def prefetch_l2(addr, nbytes):
-    """Thread 0 of the program asks the TMA unit to bring `nbytes` (a multiple of 16) at `addr` (a pointer or an
-    int64 address, 16-byte aligned) into L2 (`cp.async.bulk.prefetch.L2.global`, sm_90+; not in the interpreter)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
