@@ -289,3 +289,84 @@ def test_cuda_prologues_bf16_equal_the_separate_kernels(kind, N, K, monkeypatch)
         separate = gemv.linear(x, w, add=add, gate=gate, norm=norm, glu=glu)
     assert rel_rmse(ref, fused) <= 1e-2 and rel_rmse(ref, separate) <= 1e-2
     assert rel_rmse(separate.double(), fused) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["plain", "add", "tail", "head-norm-gate", "glu", "gate"])
+@pytest.mark.parametrize("split", [2, 3, 5])
+def test_gemv_split_k_matches_fp64(kind, split, dtype):
+    """Split K (`gemv(..., split=)`: a row tile's columns over several programs, the last to arrive sums the fp32
+    partials in order): one row, K not a multiple of the chunk (the last split shorter, or fewer splits than asked
+    when the chunks run out), with each epilogue and column-local prologue, against fp64 within the unsplit
+    kernel's tolerance; the per-tile counters are back at zero after the launch (the next launch starts clean)."""
+    g = rng(split * 100 + len(kind))
+    K, N, group = 208, 40, 16
+    glu = (4.0, 25.0) if kind == "glu" else None
+    x = torch.randn(1, 2 * K if glu else K, generator=g) * 2
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    add = torch.randn(1, N, generator=g) if kind == "add" else None
+    norm = (torch.rand(group, generator=g) + 0.5, 1e-5, group) if "norm" in kind else None
+    gate = torch.randn(1, K, generator=g) if "gate" in kind else None
+    cast = lambda t: None if t is None else t.to(dtype).to(DEV)  # noqa: E731
+    dd = lambda t: None if t is None else cast(t).double().cpu()  # noqa: E731
+    normd = None if norm is None else (dd(norm[0]), norm[1], norm[2])
+    ref = F.linear(_fp64_prologue(dd(x), dd(gate), normd, glu), dd(w))
+    if add is not None:
+        ref = ref + dd(add)
+    with torch.no_grad():
+        kw = dict(add=cast(add), gate=cast(gate), norm=None if norm is None else (cast(norm[0]), norm[1], norm[2]),
+                  glu=glu, config=(16, 32, 4, 2))
+        if kind == "tail":
+            y, t = gemv_triton.gemv(cast(x), cast(w), fp32_tail=8, split=split, **kw)
+            whole, tail = gemv_triton.gemv(cast(x), cast(w), fp32_tail=8, split=1, **kw)
+            assert torch.equal(t, tail) or rel_rmse(tail.cpu(), t.cpu()) <= 1e-6
+            got = torch.cat([y.float(), t], -1)
+        else:
+            got = gemv_triton.gemv(cast(x), cast(w), torch.float32, split=split, **kw)
+    # bf16: a prologue's output is rounded once to bf16 (as unsplit), the tail's y is bf16
+    tol = 1e-6 if dtype == torch.float32 or kind in ("plain", "add") else 8e-3 if kind == "tail" else 1e-2
+    assert rel_rmse(ref, got.double().cpu()) <= tol
+    assert int(gemv_triton._COUNTERS[torch.device(DEV)].abs().sum()) == 0
+
+
+def test_gemv_split_k_rules(monkeypatch):
+    """`split_k` splits only one row on CUDA with `SPLIT` on, never with a row-norm prologue, about SPLIT_PROGRAMS
+    programs per SM and at most one chunk each; an explicit split with a row norm is refused."""
+    x = torch.zeros(1, 64)
+    monkeypatch.setattr(gemv_triton, "SPLIT", True)
+    assert gemv_triton.split_k(x, 1, 96, 1536, 512, False) == 1  # on the CPU: never
+    with pytest.raises(ValueError, match="split=2"):
+        gemv_triton.gemv(x, torch.zeros(8, 64), norm=(torch.ones(64), 1e-5, None), split=2)
+    if CUDA:
+        xc = x.cuda()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert gemv_triton.split_k(xc, 1, 96, 1536, 512, False) == min(3, round(2 * sms / 96))
+        assert gemv_triton.split_k(xc, 1, 96, 1536, 512, True) == 1
+        assert gemv_triton.split_k(xc, 2, 96, 1536, 512, False) == 1
+        monkeypatch.setattr(gemv_triton, "SPLIT", False)
+        assert gemv_triton.split_k(xc, 1, 96, 1536, 512, False) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("N,K", [(1536, 1536), (6336, 1536), (832, 1536), (2304, 512)])
+def test_cuda_split_k_bf16_matches_unsplit_and_replays_in_a_graph(N, K, monkeypatch):
+    """k3-small's narrow decode projections, one bf16 row: split K (`K3_GEMV_SPLIT`'s rule) within bf16 rounding of
+    the unsplit kernel; a CUDA graph of the split launch replayed equals its eager run bitwise, counters at zero."""
+    monkeypatch.setattr(gemv_triton, "SPLIT", True)
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    with torch.no_grad():
+        one = gemv_triton.gemv(x, w, split=1)
+        eager = gemv_triton.gemv(x, w)
+        assert rel_rmse(one.float(), eager.float()) <= 8e-3
+        graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(graph):
+            out = gemv_triton.gemv(x, w)
+        torch.cuda.current_stream().wait_stream(s)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager) and int(gemv_triton._COUNTERS[x.device].abs().sum()) == 0
