@@ -172,8 +172,6 @@ SWITCHES = {
                                "MLA pages per position"),
     "moe_block_step_ms": ("k3.ops.moe_block", "ON", "a batch-1 step's MoE as one persistent kernel",
                           "a batch-1 step's MoE as eight kernels"),
-    "gemv_split_step_ms": ("k3.ops.gemv.triton", "SPLIT", "one-row projections with K split over programs",
-                           "one-row projections, one program per row tile"),
 }
 
 # the batch-1 MoE block's launch options (`k3.ops.moe_block.LAUNCH`) timed against its defaults in the same run

@@ -60,12 +60,6 @@ def main():
                     paths = {"cublas": lambda w: F.linear(x, w)}
                 for c in CONFIGS if M <= 16 else CONFIGS_WIDE:
                     paths[f"gemv {c}"] = lambda w, c=c: gemv.gemv(x, w, out, config=c)
-                if M == 1:  # K split over 2-6 programs per row tile (`gemv(split=)`), at the default launch
-                    c = gemv.launch(N, K, 16)
-                    for sp in (2, 3, 4, 6):
-                        if sp <= -(-K // c[1]):
-                            paths[f"gemv {c} split {sp}"] = lambda w, c=c, sp=sp: gemv.gemv(x, w, out, config=c,
-                                                                                              split=sp)
                 r = dict(shape=name, N=N, K=K, M=M, mb=nbytes / 1e6)
                 for p, fn in paths.items():
                     try:

@@ -9,8 +9,6 @@ head, bf16 activations elsewhere).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -34,8 +32,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16, BM: tl.constexpr = 16,
-                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, KS=0,
-                ws_ptr=None, cnt_ptr=None):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is
     loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
@@ -44,11 +41,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
-    the projections of the same input), the others to y [M, N − NT].
-    SPLIT > 1 (split K; not with NORM 1): program (p, s) sums columns [s·KS, (s+1)·KS) (KS a multiple of CH) into
-    the fp32 workspace ws [SPLIT, M, N]; the last of a tile's SPLIT programs to arrive at its counter cnt[p] sums
-    the SPLIT partials in order (the result does not depend on which arrived last), finishes the tile and sets
-    cnt[p] back to zero for the next launch."""
+    the projections of the same input), the others to y [M, N − NT]."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
@@ -63,13 +56,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     ss = tl.zeros([MR], tl.float32)
     r64 = rows[:, None].to(tl.int64)
     dt = x_ptr.dtype.element_ty
-    if SPLIT == 1:
-        k_lo = 0
-        k_hi = K
-    else:
-        k_lo = tl.program_id(1) * KS
-        k_hi = tl.minimum(K, k_lo + KS)
-    for c0 in range(k_lo, k_hi, CH):
+    for c0 in range(0, K, CH):
         cols = c0 + tl.arange(0, CH)
         cm = cols < K
         xm = mrm[:, None] & cm[None, :]
@@ -110,17 +97,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
         else:
             acc = acc * rs[:, None]
     om = mm[:, None] & rm[None, :]
-    if SPLIT > 1:  # the tile's partial sums: the last program of the tile to arrive finishes it
-        wsp = ws_ptr + m[:, None] * N + rows[None, :]
-        tl.store(wsp + tl.program_id(1) * M * N, acc, mask=om)
-        tl.debug_barrier()  # this program's threads have issued their stores (released by the atomic)
-        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        om = om & (tl.full([BM, BN], 0, tl.int32) + arrived == SPLIT - 1)  # only the last program goes on
-        acc = tl.zeros([BM, BN], tl.float32)
-        for s2 in tl.static_range(SPLIT):
-            acc += tl.load(wsp + s2 * M * N, mask=om, other=0.0, cache_modifier=".cg")
-        if arrived == SPLIT - 1:
-            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
     if HAS_ADD:
         acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
     if NT > 0:
@@ -149,14 +125,12 @@ def launch(n: int, k: int | None = None, rows: int = 16) -> tuple[int, int, int,
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0,
-         split: int | None = None):
+         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
     """x [..., K] (≤ 64 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
-    the last t output columns unrounded (no add then). split: K split over that many programs per row tile (None:
-    `split_k`'s choice; 1: none)."""
+    the last t output columns unrounded (no add then)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -186,60 +160,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         bn, ch, warps, stages = config or launch(N, K, BM)
         if group:  # whole groups per chunk (a chunk of one 128-column head took 2.8x as long: 12 serial chunks)
             ch = max(ch, group)
-        tiles = triton.cdiv(N, bn)
-        sk = split_k(x2, M, tiles, K, ch, norm is not None and not group) if split is None else split
-        if sk < 1 or (sk > 1 and norm is not None and not group):
-            raise ValueError(f"gemv: split={sk} must be >= 1, and 1 with a row norm prologue")
-        sk = min(sk, triton.cdiv(K, ch))
-        cnt = _split_counters(x2.device, tiles) if sk > 1 else None
-        if cnt is None:
-            sk = 1
-        ks = triton.cdiv(triton.cdiv(K, sk), ch) * ch
-        sk = triton.cdiv(K, ks)
-        ws = torch.empty(sk, M, N, dtype=torch.float32, device=x.device) if sk > 1 else None
-        gemv_kernel[(tiles, sk)](
+        gemv_kernel[(triton.cdiv(N, bn),)](
             x2, w, y, a, g, x2 if nw is None else nw.contiguous(), M, N, K, x2.stride(0), w.stride(0), y.stride(0),
             a.stride(0), g.stride(0), float(eps), float(beta), float(linear_beta), BN=bn, CH=ch,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
-            NT=fp32_tail, st=t.stride(0), SPLIT=sk, KS=ks, ws_ptr=ws, cnt_ptr=cnt, num_warps=warps, num_stages=stages,
-            **pdl(x2))
+            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
-
-
-# split K for one row (`split_k`), off until timed (K3_GEMV_SPLIT=1: on): a row tile's K columns over several
-# programs, so that a narrow projection (o_proj: 96 tiles of 16 rows) fills the GPU and each program walks fewer
-# sequential chunks
-SPLIT = os.environ.get("K3_GEMV_SPLIT", "0") == "1"
-SPLIT_PROGRAMS = 2  # per SM: the split aims at that many programs in all
-_COUNTERS: dict = {}
-_SMS: dict = {}
-
-
-def split_k(x: torch.Tensor, rows: int, tiles: int, K: int, ch: int, row_norm: bool) -> int:
-    """How many programs share a row tile's K columns: 1 unless `SPLIT`, one row on CUDA and no row-norm prologue;
-    else about SPLIT_PROGRAMS per SM over the tiles, at most one chunk of `ch` columns each."""
-    if not SPLIT or rows != 1 or row_norm or not x.is_cuda:
-        return 1
-    sms = _SMS.get(x.device)
-    if sms is None:
-        sms = _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return max(1, min(triton.cdiv(K, ch), round(SPLIT_PROGRAMS * sms / tiles)))
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The split kernels' per-tile arrival counters on `device` (int32 zeros; each launch leaves them at zero),
-    made once outside any CUDA graph capture; None when they do not exist yet during a capture (the launch then
-    does not split) or the tiles exceed them."""
-    t = _COUNTERS.get(device)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        t = _COUNTERS[device] = torch.zeros(1 << 14, dtype=torch.int32, device=device)
-    return t if tiles <= t.numel() else None
 
 
 def _rows(t: torch.Tensor | None, M: int, width: int, name: str, default: torch.Tensor) -> torch.Tensor:
