@@ -174,10 +174,6 @@ SWITCHES = {
                           "a batch-1 step's MoE as eight kernels"),
 }
 
-# the batch-1 MoE block's launch options (`k3.ops.moe_block.LAUNCH`) timed against its defaults in the same run
-MOE_BLOCK_LAUNCHES = {"poll_load": dict(poll="load"),
-                      "pre": dict(pre=True, poll="load", warps=8, per_sm=2, maxnreg=128)}
-
 
 # prefill switches that `run` flips in the same run: result key → (module, flag, with the flag on, with it off)
 PREFILL_SWITCHES = {
@@ -319,14 +315,6 @@ def run(a) -> dict:
             r["no_gemv_step_ms"] = with_setting(eng, gemv, "MAX_ROWS", 0, again)["step_ms"]
             r["no_pdl_step_ms"] = with_setting(eng, _triton, "PDL", False, again)["step_ms"]
             r["prologue_step_ms"] = with_setting(eng, gemv, "PROLOGUE", True, again)["step_ms"]
-            from k3.ops import moe_block
-            for tag, over in MOE_BLOCK_LAUNCHES.items():  # the MoE block's launch options not on by default yet
-                try:
-                    r[f"moe_block_{tag}_step_ms"] = with_setting(eng, moe_block, "LAUNCH", {**moe_block.LAUNCH, **over},
-                                                                 again)["step_ms"]
-                except Exception as e:  # noqa: BLE001
-                    r[f"moe_block_{tag}_error"] = f"{type(e).__name__}: {e}"[:500]
-                    abort_all(eng)
         if eng.runner.use_graphs:  # the decode switches not on by default yet, each flipped in the same run
             again = lambda: decode_rate(eng, rand_prompts(b, prompt_len, V, b), steps, cuda)  # noqa: E731
             for key, settings in flipped(SWITCHES).items():
@@ -488,9 +476,6 @@ def table(res: dict) -> str:
             extra += f"   (without PDL {r['no_pdl_step_ms']:.2f} ms)"
         if "prologue_step_ms" in r:
             extra += f"   (norms and SiTU in the GEMVs' prologues {r['prologue_step_ms']:.2f} ms)"
-        for tag in MOE_BLOCK_LAUNCHES:
-            if f"moe_block_{tag}_step_ms" in r:
-                extra += f"   (MoE block {tag} {r[f'moe_block_{tag}_step_ms']:.2f} ms)"
         for key, (module, name, on, off) in SWITCHES.items():
             if key in r:  # the switch flipped from its setting in this process
                 state = on if not getattr(importlib.import_module(module), name) else off

@@ -23,14 +23,10 @@ def main() -> None:
     t = {n: BF for n in ("x_ptr", "res_ptr", "out_ptr", "win_ptr", "w1_ptr", "w3_ptr", "w2_ptr", "wsd_ptr", "wup_ptr",
                          "nw_ptr", "lat_ptr", "gu_ptr", "h_ptr", "y_ptr", "sh_ptr")}
     t.update(FLOATS, bias_ptr="*fp32", z_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32", sc_ptr="*fp32", cnt_ptr="*i32")
-    for (bn, bi, bl), pre, poll in [((8, 4, 4), False, False), ((16, 8, 8), False, False), ((4, 4, 4), False, False),
-                                    ((8, 8, 4), False, False), ((8, 8, 4), False, True), ((8, 8, 4), True, True),
-                                    ((16, 8, 8), True, True), ((4, 4, 4), True, True)]:
+    for bn, bi, bl in ((8, 4, 4), (16, 8, 8), (4, 4, 4), (8, 8, 4)):
         c = dict(D=1536, L=768, I=512, IS=1024, E=32, K=4, BE=32, HAS_BIAS=True, RENORM=True, HAS_NORM=True,
-                 HAS_RES=True, BN=bn, BI=bi, BL=bl, CH=256, BLN=1024, ISP=1024, IP=512, KP=4, PRE=pre,
-                 POLL_LOAD=poll, PDL=True)
-        print(f"moe_block bn {bn} bi {bi} bl {bl} pre {int(pre)} poll_load {int(poll)}: "
-              f"{report(moe_block_kernel, t, c)}", flush=True)
+                 HAS_RES=True, BN=bn, BI=bi, BL=bl, CH=256, BLN=1024, PDL=True)
+        print(f"moe_block bn {bn} bi {bi} bl {bl}: {report(moe_block_kernel, t, c)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ from k3.ops._triton_jit import grid_barrier, grid_done
 from k3.ops.moe_block import moe_block_decode
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# the launch options off by default: weights loaded a phase early, barriers polled with loads
-PRE = {"pre": True, "poll": "load"}
 
 
 def _device_or_skip() -> str:
@@ -57,11 +55,8 @@ def _both(moe, x, residual, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6),
                                        pytest.param(torch.bfloat16, 1e-2, marks=[cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("launch", [{}, PRE], ids=["default", "pre-poll-load"])
-def test_block_equals_the_composed_path(dtype, tol, residual, launch, monkeypatch):
+def test_block_equals_the_composed_path(dtype, tol, residual, monkeypatch):
     dev = _device_or_skip()
-    for k, v in launch.items():
-        monkeypatch.setitem(moe_block.LAUNCH, k, v)
     for seed in (0, 1, 2):
         moe = _moe(seed, dtype, dev)
         g = torch.Generator().manual_seed(100 + seed)
@@ -75,11 +70,8 @@ def test_block_equals_the_composed_path(dtype, tol, residual, launch, monkeypatc
         assert rel_rmse(yb.float(), ya.float()) <= tol, rel_rmse(yb.float(), ya.float())
 
 
-@pytest.mark.parametrize("launch", [{}, PRE], ids=["default", "pre-poll-load"])
-def test_block_without_norm_or_bias_and_other_top_k(launch, monkeypatch):
+def test_block_without_norm_or_bias_and_other_top_k(monkeypatch):
     dev = _device_or_skip()
-    for k, v in launch.items():
-        monkeypatch.setitem(moe_block.LAUNCH, k, v)
     for over in (dict(latent_moe_use_norm=False), dict(num_experts_per_token=1), dict(moe_renormalize=False,
                                                                                      routed_scaling_factor=2.5)):
         moe = _moe(3, torch.float32, dev, bias=False, **over)
@@ -163,15 +155,12 @@ def test_cooperative_launch_keywords():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("coop,launch", [(False, {}), (True, {}), (True, PRE)],
-                         ids=["plain-launch", "cooperative-launch", "cooperative-pre-poll-load"])
-def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, launch, monkeypatch):
+@pytest.mark.parametrize("coop", [False, True], ids=["plain-launch", "cooperative-launch"])
+def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
     """k3-small's MoE dimensions, bf16, every SM's programs (the barriers for real): the composed path's output
     within bf16 rounding, the same experts; a CUDA graph of the kernel replayed equals its eager run, bitwise;
     launched plainly and as a cooperative grid."""
     monkeypatch.setitem(moe_block.LAUNCH, "coop", coop)
-    for k, v in launch.items():
-        monkeypatch.setitem(moe_block.LAUNCH, k, v)
     from k3.config import K3Config
     from k3.model.moe import LatentMoE
     cfg = K3Config.preset("k3-small").text_config
@@ -200,17 +189,16 @@ def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, launch, monkeypatch):
 
 
 @triton.jit
-def _two_phases(x_ptr, cnt_ptr, G, SPINS: tl.constexpr, POLL_LOAD: tl.constexpr = False):
+def _two_phases(x_ptr, cnt_ptr, G, SPINS: tl.constexpr):
     """Each program stores its value, meets the others at a barrier, then reads its neighbour's."""
     p = tl.program_id(0)
     tl.store(x_ptr + p, p + 1.0)
-    grid_barrier(cnt_ptr, G, SPINS, POLL_LOAD)
+    grid_barrier(cnt_ptr, G, SPINS)
     tl.store(x_ptr + G + p, tl.load(x_ptr + (p + 1) % G, cache_modifier=".cg"))
     grid_done(cnt_ptr, G)
 
 
-@pytest.mark.parametrize("poll_load", [False, True], ids=["poll-atomic", "poll-load"])
-def test_grid_barrier_flags_a_wait_that_times_out(poll_load):
+def test_grid_barrier_flags_a_wait_that_times_out():
     """`grid_barrier`: two programs in the interpreter run one after the other, so the first waits at its barrier
     for a program that has not started: the wait must end after SPINS polls with cnt[2] set (a flagged wrong
     result, not a hung GPU); one program passes with the counters back at zero."""
@@ -219,20 +207,6 @@ def test_grid_barrier_flags_a_wait_that_times_out(poll_load):
         pytest.skip("the interpreter's sequential programs are what makes a wait time out here")
     for G, flagged in ((1, 0), (2, 1)):
         x, cnt = torch.zeros(2 * G), torch.zeros(3, dtype=torch.int32)
-        _two_phases[(G,)](x, cnt, G, SPINS=4, POLL_LOAD=poll_load)
+        _two_phases[(G,)](x, cnt, G, SPINS=4)
         assert cnt.tolist() == [0, 0, flagged]
     assert x.tolist()[:2] == [1.0, 2.0] and x.tolist()[2] == 0.0  # program 0 read program 1's value too early
-
-
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("poll_load", [False, True], ids=["poll-atomic", "poll-load"])
-def test_cuda_grid_barrier_orders_every_program(poll_load):
-    """Every SM's programs (a cooperative grid) store, meet, read a neighbour's value: all see it, repeatedly."""
-    G = 4 * torch.cuda.get_device_properties(0).multi_processor_count
-    cnt = torch.zeros(3, dtype=torch.int32, device="cuda")
-    for _ in range(20):
-        x = torch.zeros(2 * G, device="cuda")
-        _two_phases[(G,)](x, cnt, G, SPINS=1 << 20, POLL_LOAD=poll_load, launch_cooperative_grid=True)
-        want = (torch.arange(G, device="cuda") + 1) % G + 1.0
-        assert torch.equal(x[G:], want) and cnt.tolist() == [0, 0, 0]

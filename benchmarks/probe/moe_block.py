@@ -52,7 +52,6 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default="moe_block.json")
-    ap.add_argument("--all", action="store_true", help="also the tile and programs-per-SM sweep of session 26")
     a = ap.parse_args()
     cfg, mods = layers(a.layers)
     x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -80,12 +79,6 @@ def main() -> int:
         cnts = [t for m in mods for t in m.__dict__.get("_grid_counters", {}).values()]
         return {"rel_rms": err, "barrier_timed_out": any(int(t[2]) for t in cnts)}
     settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
-    # the barriers polled with loads; the next phase's weights a phase early (`pre`: 8 warps, 2 per SM, capped at
-    # 128 registers, the build without spills: scripts/block_regs.py)
-    w8 = dict(warps=8, per_sm=2, maxnreg=128)
-    settings = [{}, dict(poll="load"), dict(poll="load", per_sm=2), dict(poll="load", **w8), dict(pre=True, **w8),
-                dict(pre=True, poll="load", **w8), dict(pre=True, poll="load", bn=4, bi=4, bl=4, **w8),
-                dict(pre=True, poll="load", warps=4, per_sm=2)] + (settings if a.all else [])
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

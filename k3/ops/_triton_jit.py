@@ -29,41 +29,20 @@ def pdl_sync(PDL: tl.constexpr):
 
 
 @triton.jit
-def grid_barrier(cnt_ptr, target, SPINS: tl.constexpr = 1 << 20, POLL_LOAD: tl.constexpr = False):
-    """A barrier of a persistent kernel's programs (all resident at once): `grid_arrive`, then `grid_wait`. Data
-    another program stored before the barrier must then be read past L1 (`cache_modifier=".cg"`)."""
-    grid_arrive(cnt_ptr)
-    grid_wait(cnt_ptr, target, SPINS, POLL_LOAD)
-
-
-@triton.jit
-def grid_arrive(cnt_ptr):
-    """A program arrives at a grid barrier: cnt[0] += 1 (release: its stores before it are visible to a program
-    whose `grid_wait` then sees the count). Work between this and the wait (loads of the next phase's weights)
-    overlaps the others' arrival."""
+def grid_barrier(cnt_ptr, target, SPINS: tl.constexpr = 1 << 20):
+    """A barrier of a persistent kernel's programs (all resident at once): every program arrives at cnt[0]
+    (release: its stores before it are visible to the others), then waits until it reaches `target` (= programs ×
+    barriers so far; acquire). Data another program stored before the barrier must then be read past L1
+    (`cache_modifier=".cg"`). A wait longer than SPINS polls (≈ a second: programs not all resident, or a bug)
+    sets cnt[2] and goes on, so a wrong launch gives a flagged wrong result, not a hung GPU. Under the CPU
+    interpreter programs run one after another: only one program works."""
     tl.debug_barrier()  # this program's threads have issued their stores
     tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def grid_wait(cnt_ptr, target, SPINS: tl.constexpr = 1 << 20, POLL_LOAD: tl.constexpr = False):
-    """Wait until cnt[0] reaches `target` (= programs × barriers so far), then acquire. POLL_LOAD: poll with
-    volatile loads (served by L2, no read-modify-write queueing at one address) and acquire once at the end,
-    instead of polling with acquiring atomics. A wait longer than SPINS polls (≈ a second: programs not all
-    resident, or a bug) sets cnt[2] and goes on, so a wrong launch gives a flagged wrong result, not a hung GPU.
-    Under the CPU interpreter programs run one after another: only one program works."""
+    v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     n = 0
-    if POLL_LOAD:
-        v = tl.load(cnt_ptr, volatile=True)
-        while (v < target) & (n < SPINS):
-            v = tl.load(cnt_ptr, volatile=True)
-            n += 1
-        v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")  # the arrivals' release sequence: their stores
-    else:
+    while (v < target) & (n < SPINS):
         v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-        while (v < target) & (n < SPINS):
-            v = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-            n += 1
+        n += 1
     if v < target:
         tl.atomic_xchg(cnt_ptr + 2, 1)
     tl.debug_barrier()

@@ -31,11 +31,7 @@ ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") =
 # all be resident at once, where a plain launch would leave the barrier to time out; under graph capture on the
 # H200 it costs 0.3-0.5 µs per layer). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph, 12 settings):
 # bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
-# `pre` (the next phase's weights loaded a phase early and held in registers, `moe_block_triton`), `poll` ("load":
-# the barriers poll with volatile loads; "atomic": with acquiring atomics) and `maxnreg` (a register cap for ptxas,
-# so that `per_sm` programs fit: with `pre`, 8 warps and 2 per SM build at 128 without spills) are off until timed.
-LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True, "pre": False,
-          "poll": "atomic", "maxnreg": None}
+LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -89,9 +85,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
         float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
         BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
-        BLN=triton.next_power_of_2(L), ISP=triton.next_power_of_2(IS), IP=triton.next_power_of_2(I),
-        KP=triton.next_power_of_2(K), PRE=bool(c["pre"]), POLL_LOAD=c["poll"] == "load", num_warps=c["warps"], **cooperative(x, c["coop"]), **pdl(x),
-        **({"maxnreg": c["maxnreg"]} if c["maxnreg"] and x.is_cuda else {}))
+        BLN=triton.next_power_of_2(L), num_warps=c["warps"], **cooperative(x, c["coop"]), **pdl(x))
     return out, idx, wt, scores
 
 

@@ -10,18 +10,13 @@ its weight loads at once (the widths are constexprs: the chunk loops unroll), as
    projection of SiTU-GLU(gate, up) plus the residual;
 3. the routed experts' down projection, weighted by the choices' weights and summed;
 4. the latent RMSNorm (each program forms the statistics itself) and the up projection plus the shared output.
-Values written in one phase are read in the next past L1 (`.cg`).
-
-PRE: a program's first tile of phases 2 (the shared down projection), 3 and 4 has its weights loaded a phase early
-(the shared down's at the start, the experts' down once phase 2 has chosen them, the up projection's at the start
-of phase 3) and held in registers, so their memory latency overlaps the phase and barrier before. POLL_LOAD: the
-barriers poll with volatile loads (`k3.ops._triton_jit.grid_wait`)."""
+Values written in one phase are read in the next past L1 (`.cg`)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._triton_jit import grid_arrive, grid_done, grid_wait, pdl_sync
+from ._triton_jit import grid_barrier, grid_done, pdl_sync
 from .route_triton import route_factor, route_next
 from .situ.triton import situ_glu_value
 
@@ -66,23 +61,11 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                      D: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
-                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, ISP: tl.constexpr, IP: tl.constexpr,
-                     KP: tl.constexpr, PRE: tl.constexpr = False,
-                     POLL_LOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False):
     pdl_sync(PDL)
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     RIN: tl.constexpr = L + 2 * IS + E
-    NBI: tl.constexpr = (I + BI - 1) // BI
-    NEXP: tl.constexpr = K * NBI
-    cs = tl.arange(0, ISP)
-    ci = tl.arange(0, IP)
-    cl = tl.arange(0, BLN)
-    kr = tl.arange(0, KP)
-    if PRE:  # this program's first shared-down tile (phase 2 tile p, when it is one): [BN, IS]
-        r2 = (p - NEXP) * BN + tl.arange(0, BN)
-        w_sd = tl.load(wsd_ptr + r2[:, None].to(tl.int64) * IS + cs[None, :],
-                       mask=((r2 >= 0) & (r2 < D))[:, None] & (cs < IS)[None, :], other=0.0)
     # 1. latent ‖ shared gate ‖ up ‖ router logits
     for t in range(p, (RIN + BN - 1) // BN, G):
         rows = t * BN + tl.arange(0, BN)
@@ -90,9 +73,10 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
         tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
         tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
-    grid_arrive(cnt_ptr)
-    grid_wait(cnt_ptr, G, POLL_LOAD=POLL_LOAD)
+    grid_barrier(cnt_ptr, G)
     # 2. routed experts' gate / up (+ the choice) | shared experts' down (+ residual)
+    NBI: tl.constexpr = (I + BI - 1) // BI
+    NEXP: tl.constexpr = K * NBI
     ee = tl.arange(0, BE)
     em = ee < E
     sc = tl.sigmoid(tl.load(z_ptr + ee, mask=em, other=0.0, cache_modifier=".cg"))
@@ -101,24 +85,17 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         ck = ck + tl.load(bias_ptr + ee, mask=em, other=0.0).to(tl.float32)
     ck = tl.where(em, ck, float("-inf"))
     f = route_factor(ee, sc, ck, E, scale, K, BE, RENORM)
-    ev = tl.zeros([KP], tl.int32)  # the K choices and their weights, in order
-    wv = tl.zeros([KP], tl.float32)
-    c = ck
-    for kk in tl.static_range(K):
-        i, si, c = route_next(ee, sc, c, E, BE)
-        ev = tl.where(kr == kk, i, ev)
-        wv = tl.where(kr == kk, si * f, wv)
-    if PRE:  # this program's first phase-3 tile: rows [p·BL, (p+1)·BL) of each chosen expert's down, [KP, BL, I]
-        r3 = p * BL + tl.arange(0, BL)
-        w_dn = tl.load(w2_ptr + ev.to(tl.int64)[:, None, None] * s2_e + r3[None, :, None] * s2_r
-                       + ci[None, None, :],
-                       mask=(kr < K)[:, None, None] & (r3 < L)[None, :, None] & (ci < I)[None, None, :], other=0.0)
     for t in range(p, NEXP + (D + BN - 1) // BN, G):
         if t < NEXP:
             k = t // NBI
             ri = (t % NBI) * BI + tl.arange(0, BI)
-            e = tl.sum(tl.where(kr == k, ev, 0), 0)
-            wk = tl.sum(tl.where(kr == k, wv, 0.0), 0)
+            e = 0
+            wk = 0.0
+            c = ck
+            for kk in tl.static_range(K):
+                i, si, c = route_next(ee, sc, c, E, BE)
+                e = tl.where(k == kk, i, e)
+                wk = tl.where(k == kk, si * f, wk)
             if t % NBI == 0:
                 tl.store(idx_ptr + k, e.to(tl.int64))
                 tl.store(wt_ptr + k, wk)
@@ -131,39 +108,24 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
             tl.store(h_ptr + k * I + ri, h.to(dt), mask=ri < I)
         else:
             rs = (t - NEXP) * BN + tl.arange(0, BN)
-            if PRE and t == p:
-                xs = _x_chunk(gu_ptr, cs, cs < IS, IS, True, beta, linear_beta, False, nw_ptr, 1.0,
-                              wsd_ptr.dtype.element_ty)
-                sacc = tl.sum(w_sd.to(tl.float32) * xs[None, :], 1)
-            else:
-                sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta)
+            sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta)
             if HAS_RES:
                 sacc += tl.load(res_ptr + rs, mask=rs < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(sh_ptr + rs, sacc.to(dt), mask=rs < D)
-    grid_arrive(cnt_ptr)
-    grid_wait(cnt_ptr, 2 * G, POLL_LOAD=POLL_LOAD)
+    grid_barrier(cnt_ptr, 2 * G)
     # 3. routed experts' down projections, weighted and summed
-    if PRE:  # this program's first phase-4 tile: rows [p·BN, (p+1)·BN) of the up projection, [BN, L]
-        r4 = p * BN + tl.arange(0, BN)
-        w_u = tl.load(wup_ptr + r4[:, None].to(tl.int64) * L + cl[None, :],
-                      mask=(r4 < D)[:, None] & (cl < L)[None, :], other=0.0)
     for t in range(p, (L + BL - 1) // BL, G):
         rows = t * BL + tl.arange(0, BL)
-        if PRE and t == p:
-            hv = tl.load(h_ptr + kr[:, None] * I + ci[None, :], mask=(kr < K)[:, None] & (ci < I)[None, :],
-                         other=0.0, cache_modifier=".cg").to(tl.float32)
-            acc = tl.sum(tl.sum(w_dn.to(tl.float32) * hv[:, None, :], 2) * wv[:, None], 0)
-        else:
-            acc = tl.zeros([BL], tl.float32)
-            for kk in tl.static_range(K):
-                e = tl.load(idx_ptr + kk, cache_modifier=".cg")
-                wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
-                acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH)
+        acc = tl.zeros([BL], tl.float32)
+        for kk in tl.static_range(K):
+            e = tl.load(idx_ptr + kk, cache_modifier=".cg")
+            wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
+            acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH)
         tl.store(y_ptr + rows, acc.to(dt), mask=rows < L)
-    grid_arrive(cnt_ptr)
-    grid_wait(cnt_ptr, 3 * G, POLL_LOAD=POLL_LOAD)
+    grid_barrier(cnt_ptr, 3 * G)
     # 4. latent RMSNorm, up projection + the shared output
     if HAS_NORM:
+        cl = tl.arange(0, BLN)
         yv = tl.load(y_ptr + cl, mask=cl < L, other=0.0, cache_modifier=".cg").to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(yv * yv, 0) / L + eps)
     else:
@@ -172,11 +134,6 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         rows = t * BN + tl.arange(0, BN)
         rm = rows < D
         acc = tl.load(sh_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if PRE and t == p:
-            xu = _x_chunk(y_ptr, cl, cl < L, L, False, beta, linear_beta, HAS_NORM, nw_ptr, rstd,
-                          wup_ptr.dtype.element_ty)
-            acc += tl.sum(w_u.to(tl.float32) * xu[None, :], 1)
-        else:
-            acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd)
+        acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd)
         tl.store(out_ptr + rows, acc.to(dt), mask=rm)
     grid_done(cnt_ptr, G)
