@@ -59,7 +59,8 @@ def main() -> int:
 
     def varlen():
         from torch.nn.attention.varlen import varlen_attn
-        kw = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+        causal = "is_causal" in inspect.signature(varlen_attn).parameters
+        kw = {"is_causal": True} if causal else {"window_size": (-1, 0)}
         o = varlen_attn(q.reshape(B * T, H, DQ), k.reshape(B * T, H, DQ), F.pad(v, (0, DQ - DV)).reshape(B * T, H, DQ),
                         cu, cu, max(lens), max(lens), scale=scale, **kw)
         return o[..., :DV].reshape(B, T, H, DV)
