@@ -101,9 +101,30 @@ def test_triton_decode_reads_strided_gate_and_beta_rows(dt_bias_on):
     assert (o - ro).abs().max() <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("block_v,warps", [(16, 2), (32, 1), (64, 4)])
+def test_triton_decode_column_blocks_equal_the_torch_step(block_v, warps):
+    """The one-token Triton step at the column-block launches a decode may take (`NARROW_LAUNCH` for a small batch,
+    the default 64) equals the PyTorch step: the blocks only split the state's value columns."""
+    from k3.ops.kda.triton import kda_decode_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(block_v)
+    P, H, K, N = 5, 2, 64, 2
+    q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, dev)
+    pool = torch.randn(P, H, K, K, generator=g).to(dev)
+    ref_pool = pool.clone()
+    slots = torch.tensor([3, 0], device=dev)
+    o = kda_decode_triton(q, k, v, f, bl, pool, state_indices=slots, A_log=A_log, dt_bias=dt_bias, beta_logits=True,
+                          use_qk_l2norm_in_kernel=True, block_v=block_v, num_warps=warps)
+    ro = kda_decode_step_gated(q, k, v, f, bl, A_log, dt_bias, ref_pool, slots, -5.0, backend="torch")
+    assert (o - ro).abs().max() <= 1e-5 and (pool - ref_pool).abs().max() <= 1e-5
+
+
 @cuda
 @pytest.mark.cuda
-def test_cuda_kda_decode_step_gated_triton_equals_torch():
+@pytest.mark.parametrize("narrow", [False, True], ids=["64-columns", "narrow"])
+def test_cuda_kda_decode_step_gated_triton_equals_torch(narrow, monkeypatch):
+    from k3.ops.kda.triton import decode
+    monkeypatch.setattr(decode, "NARROW", narrow)
     g = torch.Generator().manual_seed(2)
     P, H, K, N = 11, 4, 64, 5
     q, k, v, f, bl, A_log, dt_bias = _gated_inputs(N, H, K, torch.float32, g, "cuda")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import median_ms  # noqa: E402
+from timing import graph_us, median_ms  # noqa: E402
 
 from k3.ops.kda.triton import kda_decode_triton  # noqa: E402
 
@@ -39,6 +39,21 @@ def main():
             gbs = N * H * K * K * 4 * 2 / (ms * 1e-3) / 1e9
             res.append(dict(N=N, block_v=bv, warps=w, ms=ms, GBps=gbs))
             print(f"N {N:4d} BV {bv:4d} warps {w:3d}: {ms * 1e3:8.1f} us  {gbs:8.0f} GB/s")
+    # small decode batches as a step runs them: the 12 layers' calls in one CUDA graph (no Python launch), µs per call
+    for N in (1, 4):
+        g = torch.Generator(device="cuda").manual_seed(N)
+        slots = torch.randperm(P, device="cuda", generator=g)[:N]
+        q, k, f, v = (torch.randn(N, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        bl = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+        A_log, dtb = torch.randn(H, device="cuda"), torch.randn(H * K, device="cuda")
+        for bv, w in [(64, 4), (32, 4), (32, 2), (16, 2), (16, 1), (16, 4), (8, 1)]:
+            def layers():
+                for layer in range(L):
+                    kda_decode_triton(q, k, v, f, bl, pool[:, layer], state_indices=slots, A_log=A_log, dt_bias=dtb,
+                                      beta_logits=True, use_qk_l2norm_in_kernel=True, block_v=bv, num_warps=w)
+            us = graph_us(layers, 50) / L
+            res.append(dict(N=N, graph=True, block_v=bv, warps=w, us=us))
+            print(f"graph N {N:2d} BV {bv:4d} warps {w:3d}: {us:6.2f} us per call", flush=True)
     # extend steps (`ExtendGraph`): n sequences of T tokens each, stepped through recurrently (latency-bound)
     for n, T in ((1, 64), (32, 128)):
         g = torch.Generator(device="cuda").manual_seed(n * T)

@@ -1,6 +1,9 @@
 """Triton KDA decode: a few new tokens per sequence against a pool of fp32 states, updated in place."""
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -9,6 +12,13 @@ from ..._triton import pdl
 from ..._triton_jit import pdl_sync, token_range
 
 from .._common import check_token_shapes
+
+
+# one token per sequence and fewer programs than SMs at the default 64 columns (a batch-1 step: 24 programs for
+# k3-small's 12 heads): `NARROW_LAUNCH` (columns, warps) instead, so that more SMs read the state. Off until timed
+# (K3_KDA_DECODE_NARROW=1: on)
+NARROW = os.environ.get("K3_KDA_DECODE_NARROW", "0") == "1"
+NARROW_LAUNCH = (16, 2)
 
 
 @triton.jit
@@ -79,6 +89,11 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     tl.store(sp, S.to(s_ptr.dtype.element_ty), mask=sm)
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _index(x, device):
     """An int32 / int64 index tensor as the kernel reads it (either width; no conversion kernel per call)."""
     if x is None:
@@ -130,6 +145,9 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     # against 670 and 738)
     if cu_seqlens is not None and block_v is None:
         block_v, num_warps = 16, 1
+    elif (block_v is None and NARROW and q.is_cuda
+          and N * H * triton.cdiv(V, 64) < _sms(q.device.index or torch.cuda.current_device())):
+        block_v, num_warps = NARROW_LAUNCH
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
     grid = (N, H, triton.cdiv(V, BV))
