@@ -15,10 +15,12 @@ from .._common import check_token_shapes
 
 
 # one token per sequence and fewer programs than SMs at the default 64 columns (a batch-1 step: 24 programs for
-# k3-small's 12 heads): `NARROW_LAUNCH` (columns, warps) instead, so that more SMs read the state. Off until timed
-# (K3_KDA_DECODE_NARROW=1: on)
-NARROW = os.environ.get("K3_KDA_DECODE_NARROW", "0") == "1"
-NARROW_LAUNCH = (16, 2)
+# k3-small's 12 heads): `NARROW_LAUNCH` (columns, warps) instead, so that more SMs read the state.
+# `probe/kda_decode_cfg.py` (H100, 2026-12-05, 12 layers' calls in a CUDA graph, µs per call): batch 1, 64 columns
+# × 4 warps 3.35 against 2.57 for 16 × 1 (2.61 for 16 × 2, 2.73 for 32 × 4); batch 4, 4.69 against 3.97. In
+# `benchmarks/serve.py` the batch-1 step moved within its noise (1.156 against 1.158 ms). K3_KDA_DECODE_NARROW=0: off
+NARROW = os.environ.get("K3_KDA_DECODE_NARROW", "1") == "1"
+NARROW_LAUNCH = (16, 1)
 
 
 @triton.jit
