@@ -5,9 +5,11 @@ Token t attends key s iff s <= t and both belong to the same document; documents
 boundary; None = one document per row). No backend but "reference" builds a [T, T] mask.
 
 Backends: "flex" (torch's flex_attention, compiled once, with a BlockMask derived from the document ids;
-CUDA for training: torch's flex has no CPU backward), "sdpa" (one causal SDPA call per document, any device;
+CUDA for training: torch's flex has no CPU backward), "varlen" (PyTorch's FlashAttention over cu_seqlens with the
+max logit from its own kernel, CUDA; `varlen.py`), "sdpa" (one causal SDPA call per document, any device;
 reads the document bounds to the host), "reference" (dense masked SDPA, the oracle). "auto": flex on CUDA
-when T is a multiple of 128, else sdpa.
+when T is a multiple of 128 (varlen instead with `VARLEN`, K3_ATTN_VARLEN=1: off until timed in the training step),
+else sdpa.
 `chunk_attention` (chunk.py): one chunk of queries after cached keys whose count is a device tensor (the serving
 engine's prefill graphs).
 """
@@ -15,6 +17,7 @@ engine's prefill graphs).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,12 +26,15 @@ from .chunk import CHUNK_BACKENDS, chunk_attention
 from .flex import doc_block_mask, doc_block_tables, flex_doc_attention
 from .reference import doc_attention_mask, masked_max_logit, reference_doc_attention, token_docs
 from .sdpa import doc_segments, sdpa_doc_attention, segment_max_logit
+from .varlen import doc_max_logit, varlen_available, varlen_doc_attention
 
 __all__ = ["doc_causal_attention", "BACKENDS", "flex_available", "reference_doc_attention", "sdpa_doc_attention",
            "flex_doc_attention", "doc_block_mask", "doc_block_tables", "doc_attention_mask", "doc_segments",
-           "token_docs", "masked_max_logit", "segment_max_logit", "chunk_attention", "CHUNK_BACKENDS"]
+           "token_docs", "masked_max_logit", "segment_max_logit", "chunk_attention", "CHUNK_BACKENDS",
+           "varlen_doc_attention", "varlen_available", "doc_max_logit"]
 
-BACKENDS = ("auto", "flex", "sdpa", "reference")
+BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
+VARLEN = os.environ.get("K3_ATTN_VARLEN", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,11 +74,19 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     _check(q, k, v, cu_seqlens, backend)
     B, T = q.shape[:2]
     if backend == "auto":
-        backend = "flex" if q.is_cuda and T % 128 == 0 and flex_available() else "sdpa"
+        if q.is_cuda and VARLEN and varlen_available() and q.dtype in (torch.bfloat16, torch.float16):
+            backend = "varlen"
+        else:
+            backend = "flex" if q.is_cuda and T % 128 == 0 and flex_available() else "sdpa"
     if backend == "reference":
         return reference_doc_attention(q, k, v, scale, cu_seqlens, return_max_logit=return_max_logit)
     if backend == "sdpa":
         return sdpa_doc_attention(q, k, v, scale, cu_seqlens, return_max_logit=return_max_logit)
+    if backend == "varlen":
+        if not (q.is_cuda and varlen_available()):
+            raise ValueError(f"doc_causal_attention: backend 'varlen' needs CUDA tensors and torch.nn.attention.varlen "
+                             f"(torch {torch.__version__}, tensors on {q.device}); use 'flex' or 'sdpa'")
+        return varlen_doc_attention(q, k, v, scale, cu_seqlens, return_max_logit=return_max_logit)
     if not flex_available():
         raise ValueError("doc_causal_attention: backend 'flex' needs torch.nn.attention.flex_attention with "
                          f"BlockMask.from_kv_blocks and AuxRequest (torch {torch.__version__}); use 'sdpa'")

@@ -1,0 +1,81 @@
+"""Document-causal attention through PyTorch's FlashAttention over cu_seqlens (`torch.nn.attention.varlen`, CUDA),
+with QK-clip's max logit from its own kernel (`max_logit_triton.py`), which FlashAttention does not return.
+
+The documents are the cu_seqlens segments cut again at every row boundary (the backends' convention: attention
+never crosses a row): both bound lists concatenated and sorted on the device, so a bound present in both gives an
+empty sequence, which FlashAttention skips (no host sync, no unique). The kernel takes one head dim, so v is
+zero-padded to q's (exact: zero value columns give zero outputs, sliced off). `probe/mla_train_attn.py` (H100,
+2026-12-05, B 8 × T 4,096, H 12, d_qk 192, d_v 128): forward 1.46 against 4.05 ms for flex, forward + backward
+5.44 against 8.18 ms (without the max logit)."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_available() -> bool:
+    """True when `torch.nn.attention.varlen.varlen_attn` imports."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
+    """int32 sorted segment bounds over the B·T flattened tokens: cu_seqlens' and every row's (repeats allowed)."""
+    rows = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
+    if cu_seqlens is None:
+        return rows
+    return torch.sort(torch.cat([cu_seqlens.to(device=device, dtype=torch.int32), rows])).values
+
+
+def doc_first(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
+    """int32 [B·T]: the first token of each token's document (cut at rows), flattened index."""
+    t = torch.arange(B * T, dtype=torch.int32, device=device)
+    bounds = doc_bounds(cu_seqlens, B, T, device)
+    return bounds[torch.searchsorted(bounds, t, right=True) - 1]
+
+
+@torch.no_grad()
+def doc_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
+                  block: int = 64) -> torch.Tensor:
+    """Per head, the max over batch and allowed (t, s) of scale·q_t·k_s, fp32 [H]: q, k [B, T, H, D] (CUDA, or the
+    CPU through Triton's interpreter). The reference is `reference.masked_max_logit`."""
+    from .max_logit_triton import doc_max_logit_kernel
+
+    B, T, H, D = q.shape
+    qf, kf = q.reshape(B * T, H, D), k.reshape(B * T, H, D)
+    qf, kf = (x if x.stride(-1) == 1 else x.contiguous() for x in (qf, kf))
+    first = doc_first(cu_seqlens, B, T, q.device)
+    nb = -(-(B * T) // block)
+    out = torch.empty(nb, H, dtype=torch.float32, device=q.device)
+    doc_max_logit_kernel[(nb, H)](qf, kf, first, out, B * T, H, D, qf.stride(0), qf.stride(1), kf.stride(0),
+                                  kf.stride(1), BM=block, BN=block, DP=max(16, 1 << (D - 1).bit_length()),
+                                  IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=8)
+    return out.amax(0) * scale
+
+
+def varlen_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         cu_seqlens: torch.Tensor | None = None, *, return_max_logit: bool = False):
+    """q, k [B, T, H, Dq], v [B, T, H, Dv] (CUDA, half precision) → o [B, T, H, Dv] (, max_logit fp32 [H])."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, T, H, Dq = q.shape
+    Dv = v.shape[-1]
+    if Dv > Dq:
+        raise ValueError(f"varlen_doc_attention: v's head dim {Dv} exceeds q's {Dq}")
+    bounds = doc_bounds(cu_seqlens, B, T, q.device)
+    causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
+              else {"window_size": (-1, 0)})
+    vp = F.pad(v, (0, Dq - Dv)) if Dv < Dq else v
+    o = varlen_attn(q.reshape(B * T, H, Dq), k.reshape(B * T, H, Dq), vp.reshape(B * T, H, Dq), bounds, bounds, T, T,
+                    scale=scale, **causal)
+    o = o[..., :Dv].reshape(B, T, H, Dv)
+    if not return_max_logit:
+        return o
+    return o, doc_max_logit(q.detach(), k.detach(), scale, cu_seqlens)
