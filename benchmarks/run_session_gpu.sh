@@ -25,6 +25,8 @@
 #       column-block intra backward's among them (benchmarks/kda_train_variants.json; KIB=1);
 #       benchmarks/joined_proj.py (a KDA / MLA / MoE layer's training step, projections joined and separate; JP=1);
 #       benchmarks/fp8_linear.py (FP8 projections vs bf16: each shape, the quantisation kernel, whole layers; FP8L=1);
+#       benchmarks/probe/mla_train_attn.py (training attention: flex vs FlashAttention varlen, the max-logit kernel;
+#       ATT=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain, under TRAIN_ENV's switches and with regional torch.compile,
 #      in the same run.
@@ -91,6 +93,11 @@ if [ "${FP8L:-0}" = 1 ]; then  # FP8 projections vs bf16 (k3.ops.fp8): each shap
   timeout ${FP8L_S:-200} python3 benchmarks/fp8_linear.py ${FP8L_ARGS:-} --out "$OUT/fp8_linear.json" > "$OUT/fp8_linear.log" \
     2>&1 || echo "fp8 linear exit $?" >> "$OUT/fp8_linear.log"
   grep -v Warn "$OUT/fp8_linear.log" | tail -22
+fi
+if [ "${ATT:-0}" = 1 ]; then  # training attention: flex against PyTorch's FlashAttention (varlen), the max logit
+  timeout ${ATT_S:-120} python3 benchmarks/probe/mla_train_attn.py --out "$OUT/mla_train_attn.json" \
+    > "$OUT/mla_train_attn.log" 2>&1 || echo "mla train attn exit $?" >> "$OUT/mla_train_attn.log"
+  grep -v -i warn "$OUT/mla_train_attn.log" | tail -5
 fi
 if [ "${MOET:-0}" = 1 ]; then  # MoE expert tiles vs the grouped GEMMs, and their launch settings
   timeout ${MOET_S:-150} python3 benchmarks/probe/moe_tiles.py --out "$OUT/moe_tiles.json" > "$OUT/moe_tiles.log" 2>&1 \

@@ -5,8 +5,10 @@ forward + backward, two ways in one run:
   flex     `k3.ops.attention.doc_causal_attention(..., backend="flex")`, today's path, with the per-head max logit
            that QK-clip reads (from the same kernel);
   varlen   `torch.nn.attention.varlen.varlen_attn` (PyTorch's FlashAttention kernels over cu_seqlens): v zero-padded
-           to d_qk (the kernel takes one head dim), causal; it returns no max logit, which QK-clip would then need
-           from a separate pass (not timed here).
+           to d_qk (the kernel takes one head dim), causal, no max logit;
+  varlen+max  the production backend, `doc_causal_attention(..., backend="varlen", return_max_logit=True)`: the
+           same kernel over the documents cut at rows on the device, plus QK-clip's max logit from its Triton kernel
+           (`k3.ops.attention.doc_max_logit`, also timed alone, forward only).
 
 Checks varlen's output against flex's (relative RMS) and prints ms and the causal FLOP rate
 (2·H·(d_qk + d_v) per attended pair forward, 3.5× that forward + backward).
@@ -65,8 +67,11 @@ def main() -> int:
                         cu, cu, max(lens), max(lens), scale=scale, **kw)
         return o[..., :DV].reshape(B, T, H, DV)
 
+    def varlen_max():
+        return doc_causal_attention(q, k, v, scale, cu, return_max_logit=True, backend="varlen")[0]
+
     ref = None
-    for name, fn in (("flex", flex), ("varlen", varlen)):
+    for name, fn in (("flex", flex), ("varlen", varlen), ("varlen+max", varlen_max)):
         try:
             with torch.no_grad():
                 o = fn()
@@ -85,6 +90,17 @@ def main() -> int:
             row = dict(error=f"{type(e).__name__}: {e}"[:400])
         res["rows"][name] = row
         print(name, json.dumps(row), flush=True)
+    try:  # the max-logit kernel alone, and its value against flex's
+        from k3.ops.attention import doc_max_logit
+        with torch.no_grad():
+            ml = doc_max_logit(q, k, scale, cu)
+            ref_ml = doc_causal_attention(q, k, v, scale, cu, return_max_logit=True, backend="flex")[1]
+            ms = median_ms(lambda: doc_max_logit(q, k, scale, cu), 3, a.reps)
+        row = dict(ms=ms, max_abs_diff_vs_flex=float((ml - ref_ml).abs().max()))
+    except Exception as e:  # noqa: BLE001
+        row = dict(error=f"{type(e).__name__}: {e}"[:400])
+    res["rows"]["max_logit_kernel"] = row
+    print("max_logit_kernel", json.dumps(row), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
