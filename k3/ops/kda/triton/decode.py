@@ -91,8 +91,13 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     tl.store(sp, S.to(s_ptr.dtype.element_ty), mask=sm)
 
 
+def _sms(device: torch.device) -> int:
+    """The SMs of a CUDA device."""
+    return _sms_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
 @functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
+def _sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -147,8 +152,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     # against 670 and 738)
     if cu_seqlens is not None and block_v is None:
         block_v, num_warps = 16, 1
-    elif (block_v is None and NARROW and q.is_cuda
-          and N * H * triton.cdiv(V, 64) < _sms(q.device.index or torch.cuda.current_device())):
+    elif block_v is None and NARROW and q.is_cuda and N * H * triton.cdiv(V, 64) < _sms(q.device):
         block_v, num_warps = NARROW_LAUNCH
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
