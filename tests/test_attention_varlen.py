@@ -26,7 +26,7 @@ def test_doc_first_is_each_tokens_document_start(B, T, cu):
 
 
 @pytest.mark.parametrize("B,T,cu", CASES)
-@pytest.mark.parametrize("D", [24, 48])
+@pytest.mark.parametrize("D", [24, 48, 64])
 def test_max_logit_kernel_equals_the_dense_oracle(B, T, cu, D):
     """fp32 inputs (exact products): within 1e-5 of `masked_max_logit` per head, whatever the documents; a shift of
     one allowed key (dropping the diagonal) is caught by the first case."""
@@ -39,6 +39,12 @@ def test_max_logit_kernel_equals_the_dense_oracle(B, T, cu, D):
     got = doc_max_logit(q, k, 0.3, cu_t, block=16)
     assert got.dtype == torch.float32 and got.shape == (H,)
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_head_parts_cover_the_head_dim_in_power_of_two_tiles():
+    from k3.ops.attention.varlen import head_parts
+    assert [head_parts(d) for d in (192, 128, 24, 48, 64, 8, 200)] == [(128, 64), (128, 0), (16, 16), (32, 16),
+                                                                        (64, 0), (16, 0), (128, 128)]
 
 
 def test_varlen_backend_needs_cuda():

@@ -53,11 +53,20 @@ def doc_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: to
     qf, kf = (x if x.stride(-1) == 1 else x.contiguous() for x in (qf, kf))
     first = doc_first(cu_seqlens, B, T, q.device)
     nb = -(-(B * T) // block)
+    d1, d2 = head_parts(D)
     out = torch.empty(nb, H, dtype=torch.float32, device=q.device)
     doc_max_logit_kernel[(nb, H)](qf, kf, first, out, B * T, H, D, qf.stride(0), qf.stride(1), kf.stride(0),
-                                  kf.stride(1), BM=block, BN=block, DP=max(16, 1 << (D - 1).bit_length()),
+                                  kf.stride(1), BM=block, BN=block, D1=d1, D2=d2,
                                   IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=8)
     return out.amax(0) * scale
+
+
+def head_parts(D: int) -> tuple[int, int]:
+    """A head dim as two power-of-two tile widths (each ≥ 16, the MMA's least) covering it: (the largest power of
+    two ≤ D, or 16, and what the rest rounds up to, 0 when none is left): 192 → (128, 64), 128 → (128, 0)."""
+    d1 = max(16, 1 << (D.bit_length() - 1))
+    rest = D - d1
+    return d1, 0 if rest <= 0 else max(16, 1 << (rest - 1).bit_length())
 
 
 def varlen_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
