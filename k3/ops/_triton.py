@@ -56,6 +56,18 @@ def _pdl_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The streaming multiprocessors of a CUDA device (cached per device)."""
+    import torch
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def pdl(x) -> dict:
     """Launch keywords for a kernel with a `PDL: tl.constexpr` parameter whose tensors live where x does:
     {"PDL": True, "launch_pdl": True} on an sm90+ GPU with `PDL` on, else {} (the kernel's default PDL=False;

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ._triton import check_counters, cooperative, pdl, runs_on
+from ._triton import check_counters, cooperative, pdl, runs_on, sm_count
 
 ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") == "1"
 # rows per tile of the dense projections (BN), of the experts' gate / up (BI) and down (BL); columns per unrolled
@@ -76,7 +76,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
 
     from .moe_block_triton import moe_block_kernel
     c = LAUNCH
-    G = torch.cuda.get_device_properties(dev).multi_processor_count * c["per_sm"] if x.is_cuda else 1
+    G = sm_count(dev) * c["per_sm"] if x.is_cuda else 1
     nw, eps = norm if norm is not None else (x, 0.0)
     moe_block_kernel[(G,)](
         x, x if residual is None else residual, out, w_in, w1, w3, w2, w_shared_down, w_up, nw,

@@ -34,24 +34,26 @@ def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch
     return torch.sort(torch.cat([cu_seqlens.to(device=device, dtype=torch.int32), rows])).values
 
 
-def doc_first(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
-    """int32 [B·T]: the first token of each token's document (cut at rows), flattened index."""
-    t = torch.arange(B * T, dtype=torch.int32, device=device)
-    bounds = doc_bounds(cu_seqlens, B, T, device)
+def doc_first(bounds: torch.Tensor, tokens: int) -> torch.Tensor:
+    """int32 [tokens]: the first token of each token's document, from `doc_bounds` over that many tokens."""
+    t = torch.arange(tokens, dtype=torch.int32, device=bounds.device)
     return bounds[torch.searchsorted(bounds, t, right=True) - 1]
 
 
 @torch.no_grad()
 def doc_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
-                  block: int = 64) -> torch.Tensor:
+                  block: int = 64, bounds: torch.Tensor | None = None) -> torch.Tensor:
     """Per head, the max over batch and allowed (t, s) of scale·q_t·k_s, fp32 [H]: q, k [B, T, H, D] (CUDA, or the
-    CPU through Triton's interpreter). The reference is `reference.masked_max_logit`."""
+    CPU through Triton's interpreter). bounds: `doc_bounds(cu_seqlens, B, T)` when the caller has them. The
+    reference is `reference.masked_max_logit`."""
     from .max_logit_triton import doc_max_logit_kernel
 
     B, T, H, D = q.shape
     qf, kf = q.reshape(B * T, H, D), k.reshape(B * T, H, D)
     qf, kf = (x if x.stride(-1) == 1 else x.contiguous() for x in (qf, kf))
-    first = doc_first(cu_seqlens, B, T, q.device)
+    if bounds is None:
+        bounds = doc_bounds(cu_seqlens, B, T, q.device)
+    first = doc_first(bounds, B * T)
     nb = -(-(B * T) // block)
     d1, d2 = head_parts(D)
     out = torch.empty(nb, H, dtype=torch.float32, device=q.device)
@@ -69,6 +71,13 @@ def head_parts(D: int) -> tuple[int, int]:
     return d1, 0 if rest <= 0 else max(16, 1 << (rest - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
+def _causal_kwargs() -> dict:
+    """varlen_attn's causal keyword in this torch: `is_causal` (older) or a (-1, 0) window."""
+    from torch.nn.attention.varlen import varlen_attn
+    return {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+
+
 def varlen_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          cu_seqlens: torch.Tensor | None = None, *, return_max_logit: bool = False):
     """q, k [B, T, H, Dq], v [B, T, H, Dv] (CUDA, half precision) → o [B, T, H, Dv] (, max_logit fp32 [H])."""
@@ -79,12 +88,10 @@ def varlen_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     if Dv > Dq:
         raise ValueError(f"varlen_doc_attention: v's head dim {Dv} exceeds q's {Dq}")
     bounds = doc_bounds(cu_seqlens, B, T, q.device)
-    causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
-              else {"window_size": (-1, 0)})
     vp = F.pad(v, (0, Dq - Dv)) if Dv < Dq else v
     o = varlen_attn(q.reshape(B * T, H, Dq), k.reshape(B * T, H, Dq), vp.reshape(B * T, H, Dq), bounds, bounds, T, T,
-                    scale=scale, **causal)
+                    scale=scale, **_causal_kwargs())
     o = o[..., :Dv].reshape(B, T, H, Dv)
     if not return_max_logit:
         return o
-    return o, doc_max_logit(q.detach(), k.detach(), scale, cu_seqlens)
+    return o, doc_max_logit(q.detach(), k.detach(), scale, bounds=bounds)

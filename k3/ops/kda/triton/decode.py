@@ -1,14 +1,13 @@
 """Triton KDA decode: a few new tokens per sequence against a pool of fp32 states, updated in place."""
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..._triton import pdl
+from ..._triton import pdl, sm_count
 from ..._triton_jit import pdl_sync, token_range
 
 from .._common import check_token_shapes
@@ -91,16 +90,6 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
     tl.store(sp, S.to(s_ptr.dtype.element_ty), mask=sm)
 
 
-def _sms(device: torch.device) -> int:
-    """The SMs of a CUDA device."""
-    return _sms_of(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _index(x, device):
     """An int32 / int64 index tensor as the kernel reads it (either width; no conversion kernel per call)."""
     if x is None:
@@ -152,7 +141,7 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     # against 670 and 738)
     if cu_seqlens is not None and block_v is None:
         block_v, num_warps = 16, 1
-    elif block_v is None and NARROW and q.is_cuda and N * H * triton.cdiv(V, 64) < _sms(q.device):
+    elif block_v is None and NARROW and q.is_cuda and N * H * triton.cdiv(V, 64) < sm_count(q.device):
         block_v, num_warps = NARROW_LAUNCH
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
