@@ -41,6 +41,11 @@ def main() -> int:
     ap.add_argument("--mean-doc", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="mla_train_attn.json")
+    ap.add_argument("--ml-configs", type=lambda c: tuple(int(x) for x in c.split("x")), nargs="*",
+                    default=[(64, 64, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                             (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3),
+                             (128, 64, 8, 4)],
+                    help="max-logit kernel launches to time, as ROWSxKEYSxWARPSxSTAGES")
     a = ap.parse_args()
     B, T, H, DQ, DV = a.batch, a.seq, a.heads, 192, 128
     cu, _ = random_docs(B, T, a.mean_doc, torch.Generator().manual_seed(0))
@@ -101,6 +106,19 @@ def main() -> int:
         row = dict(error=f"{type(e).__name__}: {e}"[:400])
     res["rows"]["max_logit_kernel"] = row
     print("max_logit_kernel", json.dumps(row), flush=True)
+    from k3.ops.attention.varlen import MAX_LOGIT_LAUNCH
+    res["max_logit_launch"] = {}
+    for cfg in a.ml_configs:  # the kernel's launch settings: (query rows, key rows, warps, stages)
+        try:
+            with torch.no_grad():
+                ml = doc_max_logit(q, k, scale, cu, config=cfg)
+                ms = median_ms(lambda: doc_max_logit(q, k, scale, cu, config=cfg), 3, a.reps)
+            row = dict(ms=ms, max_abs_diff_vs_flex=float((ml - ref_ml).abs().max()))
+        except Exception as e:  # noqa: BLE001 - a launch that does not fit here is reported
+            row = dict(error=f"{type(e).__name__}: {e}"[:200])
+        res["max_logit_launch"]["x".join(map(str, cfg))] = row
+        print("max_logit", "x".join(map(str, cfg)), "(default)" if tuple(cfg) == MAX_LOGIT_LAUNCH else "",
+              json.dumps(row), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 

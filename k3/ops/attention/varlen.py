@@ -40,12 +40,20 @@ def doc_first(bounds: torch.Tensor, tokens: int) -> torch.Tensor:
     return bounds[torch.searchsorted(bounds, t, right=True) - 1]
 
 
+# the max-logit kernel's launch (query rows, key rows per tile, warps, stages); H100, 2026-12-05
+# (`probe/mla_train_attn.py`, B 8 × T 4,096, H 12, d 192): 64 × 64, 8 warps took 1.31 ms, against FlashAttention's
+# whole forward at 1.40 ms
+MAX_LOGIT_LAUNCH = (64, 64, 8, 3)
+
+
 @torch.no_grad()
 def doc_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
-                  block: int = 64, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                  block: int | None = None, bounds: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Per head, the max over batch and allowed (t, s) of scale·q_t·k_s, fp32 [H]: q, k [B, T, H, D] (CUDA, or the
     CPU through Triton's interpreter). bounds: `doc_bounds(cu_seqlens, B, T)` when the caller has them. The
-    reference is `reference.masked_max_logit`."""
+    reference is `reference.masked_max_logit`. config: the launch (query rows, key rows per tile, warps, stages),
+    default `MAX_LOGIT_LAUNCH`; block: query and key rows both (the tests' small tiles)."""
     from .max_logit_triton import doc_max_logit_kernel
 
     B, T, H, D = q.shape
@@ -54,12 +62,13 @@ def doc_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: to
     if bounds is None:
         bounds = doc_bounds(cu_seqlens, B, T, q.device)
     first = doc_first(bounds, B * T)
-    nb = -(-(B * T) // block)
+    bm, bn, warps, stages = config or ((block, block, 8, 3) if block else MAX_LOGIT_LAUNCH)
+    nb = -(-(B * T) // bm)
     d1, d2 = head_parts(D)
     out = torch.empty(nb, H, dtype=torch.float32, device=q.device)
     doc_max_logit_kernel[(nb, H)](qf, kf, first, out, B * T, H, D, qf.stride(0), qf.stride(1), kf.stride(0),
-                                  kf.stride(1), BM=block, BN=block, D1=d1, D2=d2,
-                                  IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=8)
+                                  kf.stride(1), BM=bm, BN=bn, D1=d1, D2=d2,
+                                  IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages)
     return out.amax(0) * scale
 
 
