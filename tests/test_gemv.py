@@ -289,3 +289,87 @@ def test_cuda_prologues_bf16_equal_the_separate_kernels(kind, N, K, monkeypatch)
         separate = gemv.linear(x, w, add=add, gate=gate, norm=norm, glu=glu)
     assert rel_rmse(ref, fused) <= 1e-2 and rel_rmse(ref, separate) <= 1e-2
     assert rel_rmse(separate.double(), fused) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,C,W,config", [(1, 72, 48, 4, (16, 32, 4, 2)), (3, 40, 40, 4, None),
+                                             (20, 50, 24, 3, (32, 64, 4, 2))])
+def test_gemv_conv_epilogue_equals_product_then_conv_step(M, N, C, W, config, dtype):
+    """`gemv(..., conv=)`: the first C output columns through the short conv against each row's window (slots
+    scattered over a larger pool), the windows advanced in place, against the product then the reference
+    `short_conv_step`: the conv's fp32 sums differ only in order (1e-6 for fp32, one bf16 rounding otherwise),
+    the other columns and every window bitwise; slots not stepped untouched. C = N and C inside a program's rows;
+    1, 3 and 20 rows (an MMA tile of 32); bad operands refused."""
+    from k3.ops.conv import short_conv_step
+    g = rng(M * 10 + C)
+    K, P = 40, 25
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).to(DEV)
+    taps = (torch.randn(C, 1, W, generator=g) * 0.5).to(DEV)
+    windows = torch.randn(P, C, W - 1, generator=g).to(dtype).to(DEV)
+    slots = torch.randperm(P, generator=g)[:M].to(DEV)
+    win_k, win_r = windows.clone(), windows.clone()
+    with torch.no_grad():
+        y = gemv_triton.gemv(x, w, config=config, conv=(taps, win_k, slots))
+        ref = gemv_triton.gemv(x, w, config=config)
+        conv = short_conv_step(ref[:, :C], taps, win_r, slots, backend="reference")
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert torch.equal(y[:, C:], ref[:, C:]) and torch.equal(win_k, win_r)
+    assert not torch.equal(win_k, windows) and torch.equal(win_k[[p for p in range(P) if p not in slots.tolist()]],
+                                                           windows[[p for p in range(P) if p not in slots.tolist()]])
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert rel_rmse(conv.double(), y[:, :C].double()) <= tol
+    with pytest.raises(ValueError, match="conv taps"):
+        gemv_triton.gemv(x, w, conv=(taps.double(), win_k, slots))
+    with pytest.raises(ValueError, match="conv windows"):
+        gemv_triton.gemv(x, w, conv=(taps, win_k[:, :-1], slots))
+    with pytest.raises(ValueError, match="conv slots"):
+        gemv_triton.gemv(x, w, conv=(taps, win_k, slots[:0] if M > 1 else slots.float()))
+    with pytest.raises(ValueError, match="no add"):
+        gemv_triton.gemv(x, w, add=torch.zeros(M, N, dtype=dtype, device=DEV), conv=(taps, win_k, slots))
+
+
+def test_linear_conv_dispatch(monkeypatch):
+    """`linear(x, w, conv=)` off the kernel (a CPU, or `CONV` off): the product, then `short_conv_step` on its
+    first C columns, with the windows advanced; `conv_epilogue` says the kernel would not take it; x must be 2-D."""
+    from k3.ops.conv import short_conv_step
+    g = rng(5)
+    M, N, K, C, W, P = 2, 30, 16, 20, 4, 6
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    taps, windows = torch.randn(C, 1, W, generator=g), torch.randn(P, C, W - 1, generator=g)
+    slots = torch.tensor([4, 1])
+    for on in (False, True):
+        monkeypatch.setattr(gemv, "CONV", on)
+        win_a, win_b = windows.clone(), windows.clone()
+        with torch.no_grad():
+            y = gemv.linear(x, w, conv=(taps, win_a, slots))
+            ref = F.linear(x, w)
+            ref[:, :C] = short_conv_step(ref[:, :C], taps, win_b, slots, backend="reference")
+        assert not gemv.conv_epilogue(x, w, taps, windows, slots)
+        assert torch.allclose(y, ref, atol=1e-6) and torch.equal(win_a, win_b)
+    with pytest.raises(ValueError, match="conv needs x"):
+        gemv.linear(x[None], w, conv=(taps, windows, slots))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 4])
+def test_cuda_conv_epilogue_bf16_equals_gemv_then_conv_kernel(M):
+    """k3-small's joined KDA input projection (6,336 × 1,536, the q ‖ k ‖ v conv over its first 4,608 columns) in
+    bf16 on the GPU: the conv in the GEMV's epilogue against the GEMV then the Triton `short_conv_step` kernel:
+    the other columns and the windows bitwise, the conv's outputs within one bf16 rounding."""
+    from k3.ops.conv import short_conv_step
+    g = rng(77 + M)
+    N, K, C, W, P = 6336, 1536, 4608, 4, 16
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    taps = (torch.randn(C, 1, W, generator=g) * 0.5).cuda()
+    windows = torch.randn(P, C, W - 1, generator=g).bfloat16().cuda()
+    slots = torch.randperm(P, generator=g)[:M].cuda()
+    win_k, win_r = windows.clone(), windows.clone()
+    with torch.no_grad():
+        y = gemv_triton.gemv(x, w, conv=(taps, win_k, slots))
+        ref = gemv_triton.gemv(x, w)
+        conv = short_conv_step(ref[:, :C], taps, win_r, slots)
+    assert torch.equal(y[:, C:], ref[:, C:]) and torch.equal(win_k, win_r)
+    assert rel_rmse(conv.double(), y[:, :C].double()) <= 8e-3
