@@ -176,7 +176,6 @@ SWITCHES = {
                            "a small batch's KDA step in 64-column blocks"),
     "gemv_conv_step_ms": ("k3.ops.gemv", "CONV", "KDA's decode conv in its projection's epilogue",
                           "KDA's decode conv by its own kernel"),
-    "kda_fb_step_ms": ("k3.ops.kda", "FB_IN_STEP", "KDA's f_b inside its decode step", "KDA's f_b by its own GEMV"),
 }
 
 

@@ -402,52 +402,6 @@ def test_decode_entry_points():
     assert torch.equal(p_t[[0, 2]], pool[[0, 2]])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", [(None, 4), (16, 1)], ids=["64-columns", "narrow"])
-def test_decode_step_with_the_gate_projection_inside(dtype, launch, monkeypatch):
-    """`kda_decode_step_gated(..., f=(fa, w_fb))` with the f_b projection inside the Triton step (FB_IN_STEP;
-    the interpreter here) against f = fa · w_fbᵀ computed first (`linear`, rounded to the activations' dtype):
-    o and the states within 1e-5 in fp32 (only f's summation order differs), 2e-2 in bf16 (f may round the other
-    way); the f_a width 40 is not a multiple of the kernel's 32-column chunks; rows of one wider projection
-    (strided), slots scattered; the other slots untouched; a bad f_b is refused."""
-    import k3.ops.kda as kda_ops
-    from k3.ops.kda import kda_decode_step_gated
-    from k3.ops.kda.triton import kda_decode_triton
-    gen = torch.Generator().manual_seed(41)
-    N, H, K, KA, P = 3, 2, 32, 40, 7
-    proj = torch.randn(N, 3 * H * K + KA + H + 5, generator=gen).to(dtype).to(DEV)
-    q, k, v = (proj[:, i * H * K:(i + 1) * H * K].reshape(N, H, K) for i in range(3))
-    fa, beta = proj[:, 3 * H * K:3 * H * K + KA], proj[:, 3 * H * K + KA:3 * H * K + KA + H]
-    w_fb = (torch.randn(H * K, KA, generator=gen) * KA ** -0.5).to(dtype).to(DEV)
-    A_log, dt_bias = torch.linspace(-1.0, 1.0, H).to(DEV), torch.randn(H * K, generator=gen).to(DEV)
-    pool = torch.randn(P, H, K, K, generator=gen).to(DEV)
-    slots = torch.tensor([5, 0, 3], device=DEV)
-    p_in, p_ref = pool.clone(), pool.clone()
-    with torch.no_grad():
-        monkeypatch.setattr(kda_ops, "FB_IN_STEP", True)
-        o_in = kda_decode_triton(q, k, v, q, beta, p_in, slots, A_log=A_log, dt_bias=dt_bias, beta_logits=True,
-                                 use_qk_l2norm_in_kernel=True, block_v=launch[0], num_warps=launch[1],
-                                 f_b=(fa, w_fb))
-        f = torch.nn.functional.linear(fa, w_fb).view(N, H, K)
-        o_ref = kda_decode_step_gated(q, k, v, f, beta, A_log, dt_bias, p_ref, slots, -5.0, backend="triton")
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        assert o_in.dtype == dtype and rmse(o_ref.double(), o_in.double()) <= tol
-        assert rmse(p_ref, p_in) <= tol and torch.equal(p_in[[1, 2, 4, 6]], pool[[1, 2, 4, 6]])
-        p_two = pool.clone()  # the dispatch point, both ways
-        o_two = kda_decode_step_gated(q, k, v, (fa, w_fb), beta, A_log, dt_bias, p_two, slots, -5.0,
-                                      backend="triton")
-        assert torch.equal(o_two, o_in) and torch.equal(p_two, p_in)
-        monkeypatch.setattr(kda_ops, "FB_IN_STEP", False)
-        p_off = pool.clone()
-        o_off = kda_decode_step_gated(q, k, v, (fa, w_fb), beta, A_log, dt_bias, p_off, slots, -5.0,
-                                      backend="torch")
-        assert rmse(o_ref.double(), o_off.double()) <= tol
-        with pytest.raises(ValueError, match="f_b needs"):
-            kda_decode_triton(q, k, v, q, beta, pool.clone(), slots, A_log=A_log, f_b=(fa, w_fb[:, 1:]))
-        with pytest.raises(ValueError, match="f_b needs"):
-            kda_decode_triton(q, k, v, q, beta, pool.clone(), slots, f_b=(fa, w_fb))
-
-
 # ---------------------------------------------------------------- dispatch and validation
 def test_dispatch_and_errors():
     x, _ = make(1, 20, 2, 16, 16, seed=17)

@@ -197,18 +197,17 @@ class KimiDeltaAttention(nn.Module):
             # a decode step: the short conv in the joined projection's epilogue (K3_GEMV_CONV=1)
             qkv, fa, beta_logit, gate, _ = linear(x[0], w, conv=conv).split(split, dim=-1)
             q, k, v = (t.reshape(N, H, K) for t in qkv.split(HK, dim=-1))
-            o = kda_decode_step_gated(q, k, v, (fa, self.f_b_proj.weight), beta_logit, self.A_log[:H], self.dt_bias,
-                                      cache.state_pool(), b.slots, self.lower_bound, backend=_step_backend(backend))
+            o = kda_decode_step_gated(q, k, v, linear(fa, self.f_b_proj.weight).view(N, H, K), beta_logit,
+                                      self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
+                                      backend=_step_backend(backend))
             return self._output(o, gate, residual, residual_inplace)
         y, fa, beta_logit, gate, _ = linear(x[0], w).split(split, dim=-1)
+        f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         if b.decode or b.graph_prefill:  # decode / extend / graph prefill: slots' conv windows and states in place
             if b.step_states_at is not None:  # the checkpoints' conv windows: the inputs before each
                 windows = y[b.ckpt_win_rows].transpose(1, 2)
             q, k, v = short_conv_step(y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.step_cu,
                                       tiles=b.conv_tiles).split(HK, dim=-1)
-            # f = f_b(fa), by the step's own kernel where it can (one token per sequence, K3_KDA_DECODE_FB=1)
-            f = (fa, self.f_b_proj.weight) if b.step_cu is None and b.step_states_at is None else \
-                linear(fa, self.f_b_proj.weight).view(N, H, K)
             o = kda_decode_step_gated(q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, K), f, beta_logit,
                                       self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
                                       backend=_step_backend(backend), cu_seqlens=b.step_cu, chunks=b.step_chunks,
@@ -217,7 +216,6 @@ class KimiDeltaAttention(nn.Module):
                 o, states = o
                 cache.write_checkpoints(windows, states)
             return self._output(o, gate, residual, residual_inplace)
-        f = linear(fa, self.f_b_proj.weight).view(N, H, K)
         # each document's tokens against its window in the pool (advanced in place), one program per token tile
         q, k, v = (t.reshape(N, H, K) for t in short_conv_step(
             y, w_conv, cache.conv_pool(), b.slots, cu_seqlens=b.cu_seqlens, tiles=b.conv_tiles).split(HK, dim=-1))

@@ -13,7 +13,6 @@ q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32 (
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.utils.checkpoint
@@ -38,12 +37,6 @@ BACKENDS = ("auto", "fla", "torch", "reference", "triton")
 # from this many tokens per sequence on average (padding included), else the token-recurrent decode kernel (H200,
 # k3-small, `benchmarks/probe/kda_extend.py`: tiles 1.10-1.16x faster at 8 per sequence, 3.0x at 64, 5.0x at 128)
 EXTEND_CHUNKED_MIN_TOKENS = 8
-
-
-# whether a decode step's gate projection f_b runs inside the Triton decode kernel when the caller hands over its
-# input and weight (`kda_decode_step_gated(..., f=(fa, w_fb))`, K3_KDA_DECODE_FB=1), or as its own GEMV first (the
-# default until timed on a GPU)
-FB_IN_STEP = os.environ.get("K3_KDA_DECODE_FB", "0") == "1"
 
 
 def extend_in_chunks(num_tokens: int, num_seqs: int) -> bool:
@@ -312,21 +305,7 @@ def kda_decode_step_gated(q, k, v, f, beta_logit, A_log, dt_bias, state, state_i
     (o, states [M, H, K, V] fp32, zero for unused entries) — the prefix cache's checkpoints inside a prefill chunk
     (on the Triton path this takes the chunked kernels, which need `chunks`). state_slots: their chunk table
     (`chunk_slots(states_at, cu_seqlens, chunks[1], NC)`) when a caller builds it once for all layers.
-    f may be the pair (fa [N, KA], w_fb [H·K, KA]) of the gate's low-rank projection, f = fa · w_fbᵀ: computed
-    inside the Triton decode kernel with `FB_IN_STEP` (K3_KDA_DECODE_FB=1) for one token per sequence, else by
-    `k3.ops.gemv.linear` first.
     """
-    if isinstance(f, tuple):
-        fa, w_fb = f
-        if (FB_IN_STEP and cu_seqlens is None and states_at is None
-                and _use_triton_decode(backend if backend in ("auto", "triton") else "torch", q, state,
-                                       q, k, v, fa, w_fb, beta_logit)):
-            from .triton import kda_decode_triton
-            return kda_decode_triton(q, k, v, q, beta_logit, state, state_indices=state_indices, scale=scale,
-                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                                     lower_bound=lower_bound, beta_logits=True, f_b=(fa, w_fb))
-        from ..gemv import linear
-        f = linear(fa, w_fb).view(q.shape[0], q.shape[1], -1)
     if states_at is not None and (cu_seqlens is None or states_at.dim() != 1):
         raise ValueError(f"kda_decode_step_gated: states_at needs cu_seqlens and one dimension, got "
                          f"{None if states_at is None else tuple(states_at.shape)} with cu_seqlens "

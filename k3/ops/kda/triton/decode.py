@@ -40,12 +40,9 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
                       H, K, V, slot_stride, sq, sk, sv, sg, sb, scale, lower_bound,
                       BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, BETA_SIG: tl.constexpr,
                       L2: tl.constexpr, HAS_IDX: tl.constexpr, HAS_CU: tl.constexpr, HAS_DTB: tl.constexpr,
-                      fa_ptr=None, wfb_ptr=None, sfa=0, KA=0, FB: tl.constexpr = False, BA: tl.constexpr = 16,
                       PDL: tl.constexpr = False):
     """Program (n, h, iv): tokens cu[n]..cu[n+1] of sequence n (token n alone without cu), state slot idx[n]
-    (or n), columns iv*BV..
-    FB (one token per sequence): the gate's pre-activation is f = W_fb[h·K:(h+1)·K] · fa[n] (fp32 sums over
-    BA-column chunks, rounded to o's dtype as the f_b GEMV stores it), not read from g."""
+    (or n), columns iv*BV.."""
     pdl_sync(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -69,23 +66,12 @@ def kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, o_pt
         else:
             dtb = tl.zeros([BK], tl.float32)
     offk = h * K + kc
-    if FB:
-        fb = tl.zeros([BK], tl.float32)
-        wrows = wfb_ptr + offk[:, None].to(tl.int64) * KA
-        for a0 in range(0, KA, BA):
-            ac = a0 + tl.arange(0, BA)
-            am = ac < KA
-            wv = tl.load(wrows + ac[None, :], mask=km[:, None] & am[None, :], other=0.0).to(tl.float32)
-            fb += tl.sum(wv * tl.load(fa_ptr + bos * sfa + ac, mask=am, other=0.0).to(tl.float32)[None, :], 1)
-        fb = fb.to(o_ptr.dtype.element_ty).to(tl.float32)
     # token t's inputs are loaded during token t-1's math (software prefetch: the loop is latency-bound when a
     # sequence has many tokens, as in the engine's extend steps)
     nq, nk, ng, nv, nb = _token_inputs(q_ptr, k_ptr, g_ptr, v_ptr, b_ptr, bos, eos, sq, sk, sg, sv, sb, h, V, offk,
                                        km, kc, vc, vm)
     for t in range(bos, eos):
         q, k, g, v = nq.to(tl.float32), nk.to(tl.float32), ng.to(tl.float32), nv.to(tl.float32)
-        if FB:
-            g = fb
         b = tl.sum(nb.to(tl.float32), 0)
         nq, nk, ng, nv, nb = _token_inputs(q_ptr, k_ptr, g_ptr, v_ptr, b_ptr, t + 1, eos, sq, sk, sg, sv, sb, h, V,
                                            offk, km, kc, vc, vm)
@@ -115,7 +101,7 @@ def _index(x, device):
 
 def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None, scale=None,
                       use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
-                      beta_logits=False, block_v=None, num_warps=4, f_b=None):
+                      beta_logits=False, block_v=None, num_warps=4):
     """Advance sequences by their new tokens, updating `state` IN PLACE.
 
     q, k, g: [Ttot, H, K] packed new tokens; v: [Ttot, H, V]; beta: [Ttot, H]. cu_seqlens: int [N+1]
@@ -125,18 +111,8 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
     pre-activation f and g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with beta_logits,
     beta is passed through a sigmoid. Slots not indexed are not read or written. Returns o [Ttot, H, V].
     block_v / num_warps: launch settings (columns of the state per program, warps per program).
-    f_b = (fa [T, KA], w_fb [H·K, KA]), with A_log and one token per sequence: the gate's pre-activation is
-    fa · w_fbᵀ, computed by each program for its head (the f_b projection inside this kernel); g is then unused
-    (pass q).
     """
     T, H, K, V = check_token_shapes("kda_decode_triton", q, k, v, g, beta, rows="T")
-    fa, w_fb = f_b if f_b is not None else (None, None)
-    if f_b is not None and (cu_seqlens is not None or A_log is None or fa.dim() != 2 or fa.shape[0] != T
-                            or w_fb.shape != (H * K, fa.shape[1]) or fa.stride(1) != 1 or w_fb.stride(1) != 1
-                            or fa.dtype != w_fb.dtype or fa.device != q.device or w_fb.device != q.device):
-        raise ValueError(f"kda_decode_triton: f_b needs A_log, one token per sequence, fa [{T}, KA] and w_fb "
-                         f"[{H * K}, KA] with unit column strides, one dtype, on {q.device}; got "
-                         f"{None if fa is None else tuple(fa.shape)}, {None if w_fb is None else tuple(w_fb.shape)}")
     if state_indices is not None and (state_indices.dim() != 1 or state_indices.is_floating_point()):
         raise ValueError(f"kda_decode_triton: state_indices must be an integer tensor [N] but got "
                          f"{state_indices.dtype} {tuple(state_indices.shape)}")
@@ -167,8 +143,6 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
         block_v, num_warps = 16, 1
     elif block_v is None and NARROW and q.is_cuda and N * H * triton.cdiv(V, 64) < sm_count(q.device):
         block_v, num_warps = NARROW_LAUNCH
-        if f_b is not None:  # the f_b rows in 16-column chunks: 2 warps hold them without spilling (sm_90a, Triton
-            num_warps = max(num_warps, 2)  # 3.6: 153 registers, where 1 warp spilled or needed 4-column chunks)
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     gate = A_log is not None
     grid = (N, H, triton.cdiv(V, BV))
@@ -178,7 +152,6 @@ def kda_decode_triton(q, k, v, g, beta, state, state_indices=None, cu_seqlens=No
         o, state, _index(state_indices, q.device), _index(cu_seqlens, q.device), H, K, V, state.stride(0),
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), scale, float(lower_bound),
         BK=BK, BV=BV, GATE=gate, BETA_SIG=beta_logits, L2=use_qk_l2norm_in_kernel,
-        HAS_IDX=state_indices is not None, HAS_CU=cu_seqlens is not None, HAS_DTB=has_dtb,
-        fa_ptr=fa, wfb_ptr=w_fb, sfa=0 if fa is None else fa.stride(0), KA=0 if fa is None else fa.shape[1],
-        FB=f_b is not None, num_warps=num_warps, **pdl(o))
+        HAS_IDX=state_indices is not None, HAS_CU=cu_seqlens is not None, HAS_DTB=has_dtb, num_warps=num_warps,
+        **pdl(o))
     return o
