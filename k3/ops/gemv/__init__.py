@@ -125,8 +125,8 @@ def conv_epilogue(x: torch.Tensor, w: torch.Tensor, taps: torch.Tensor, windows:
     """Whether `linear(x, w, conv=(taps, windows, slots))` runs the conv in the GEMV's epilogue: `CONV` on, the
     kernel takes x and w (`fits`), fp32 taps, contiguous window slots. A caller without it runs the product and
     `short_conv_step` itself (no copy of the conv's output back into the product)."""
-    return (CONV and x.dim() == 2 and fits(x, w, windows, slots) and taps.dtype == torch.float32
-            and windows.dim() == 3 and windows[0].is_contiguous())
+    return (CONV and x.dim() == 2 and fits(x, w) and taps.dtype == torch.float32 and windows.dim() == 3
+            and windows[0].is_contiguous() and windows.device == slots.device == x.device)
 
 
 def _linear_conv(x: torch.Tensor, w: torch.Tensor, out_dtype, conv: tuple) -> torch.Tensor:
