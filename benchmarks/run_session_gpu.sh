@@ -27,7 +27,6 @@
 #       benchmarks/fp8_linear.py (FP8 projections vs bf16: each shape, the quantisation kernel, whole layers; FP8L=1);
 #       benchmarks/probe/mla_train_attn.py (training attention: flex vs FlashAttention varlen, the max-logit kernel;
 #       ATT=1);
-#       benchmarks/probe/decode_conv.py (12 KDA layers' decode steps, the conv in the GEMV epilogue or not; DCONV=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain, under TRAIN_ENV's switches and with regional torch.compile,
 #      in the same run.
@@ -99,11 +98,6 @@ if [ "${ATT:-0}" = 1 ]; then  # training attention: flex against PyTorch's Flash
   timeout ${ATT_S:-120} python3 benchmarks/probe/mla_train_attn.py --out "$OUT/mla_train_attn.json" \
     > "$OUT/mla_train_attn.log" 2>&1 || echo "mla train attn exit $?" >> "$OUT/mla_train_attn.log"
   grep -v -i warn "$OUT/mla_train_attn.log" | tail -5
-fi
-if [ "${DCONV:-0}" = 1 ]; then  # a KDA decode step's conv in the GEMV epilogue against its own kernel, 12 layers
-  timeout ${DCONV_S:-120} python3 benchmarks/probe/decode_conv.py --out "$OUT/decode_conv.json" > "$OUT/decode_conv.log" \
-    2>&1 || echo "decode conv exit $?" >> "$OUT/decode_conv.log"
-  grep -v -i warn "$OUT/decode_conv.log" | tail -4
 fi
 if [ "${MOET:-0}" = 1 ]; then  # MoE expert tiles vs the grouped GEMMs, and their launch settings
   timeout ${MOET_S:-150} python3 benchmarks/probe/moe_tiles.py --out "$OUT/moe_tiles.json" > "$OUT/moe_tiles.log" 2>&1 \

@@ -174,8 +174,6 @@ SWITCHES = {
                           "a batch-1 step's MoE as eight kernels"),
     "kda_narrow_step_ms": ("k3.ops.kda.triton.decode", "NARROW", "a small batch's KDA step in narrow column blocks",
                            "a small batch's KDA step in 64-column blocks"),
-    "gemv_conv_step_ms": ("k3.ops.gemv", "CONV", "KDA's decode conv in its projection's epilogue",
-                          "KDA's decode conv by its own kernel"),
 }
 
 

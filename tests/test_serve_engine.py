@@ -197,37 +197,6 @@ def test_kda_backend_override_reaches_the_model(model, one_thread, monkeypatch):
     assert all(l.self_attn.backend == "auto" for l in model.language_model.model.decoder_layers if l.is_kda)
 
 
-def test_conv_in_the_gemv_epilogue_equals_the_conv_step(model, one_thread, monkeypatch):
-    """With a KDA decode step's short conv in its joined projection's epilogue (K3_GEMV_CONV=1; here the GEMV
-    kernel under the CPU interpreter, forced, for every KDA layer's decode step) the engine's greedy tokens equal
-    the default path's and its logits agree within 1e-4 (fp32). On CUDA `test_decode_graphs` covers the kernel."""
-    import k3.ops.gemv as gemv_ops
-    from k3.ops.gemv import triton as gemv_triton
-    if not gemv_triton.interpreted():
-        pytest.skip("the CPU model through the GEMV kernel needs Triton's interpreter")
-    ps = prompts(3, 20)
-    eng = tiny_engine(model, max_num_batched_tokens=20)
-    ref = eng.generate(ps, GREEDY)
-    calls = []
-    real = gemv_triton.gemv
-
-    def spy(*a, **k):
-        calls.append(k.get("conv") is not None)
-        return real(*a, **k)
-
-    monkeypatch.setattr(gemv_ops, "conv_epilogue", lambda *a: True)
-    monkeypatch.setattr("k3.model.kda.conv_epilogue", lambda *a: True)
-    monkeypatch.setattr(gemv_triton, "gemv", spy)
-    fused = tiny_engine(model, max_num_batched_tokens=20)
-    out = fused.generate(ps, GREEDY)
-    n_kda = sum(layer.is_kda for layer in model.language_model.model.decoder_layers)
-    assert all(calls) and len(calls) >= n_kda * (GREEDY.max_tokens - 1)
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
-    for a, b in zip(ref, out):
-        diff = (torch.stack(eng.recorded_logits[a.request_id]) - torch.stack(fused.recorded_logits[b.request_id]))
-        assert diff.abs().max() <= 1e-4
-
-
 def test_bad_requests_are_rejected(model):
     eng = tiny_engine(model)
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(seed=1.5),

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import K3TextConfig
 from ..ops import joined_linear as joined_linear_ops
-from ..ops.gemv import conv_epilogue, linear
+from ..ops.gemv import linear
 from ..ops.conv import short_conv, short_conv_split, short_conv_step
 from ..ops.kda import (chunk_kda, chunk_kda_gated, fused_recurrent_kda, kda_decode_step, kda_decode_step_gated,
                       kda_gate)
@@ -190,19 +190,9 @@ class KimiDeltaAttention(nn.Module):
         w = joined_weight(self, "in_proj", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                             self.f_a_proj.weight, self.b_proj.weight, self.g_proj.weight], x.dtype,
                           multiple=64)
-        split = [3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H]
-        backend = cache.pc.kda_backend or self.backend
-        conv = (w_conv, cache.conv_pool(), b.slots)
-        if b.decode and b.step_cu is None and b.step_states_at is None and conv_epilogue(x[0], w, *conv):
-            # a decode step: the short conv in the joined projection's epilogue (K3_GEMV_CONV=1)
-            qkv, fa, beta_logit, gate, _ = linear(x[0], w, conv=conv).split(split, dim=-1)
-            q, k, v = (t.reshape(N, H, K) for t in qkv.split(HK, dim=-1))
-            o = kda_decode_step_gated(q, k, v, linear(fa, self.f_b_proj.weight).view(N, H, K), beta_logit,
-                                      self.A_log[:H], self.dt_bias, cache.state_pool(), b.slots, self.lower_bound,
-                                      backend=_step_backend(backend))
-            return self._output(o, gate, residual, residual_inplace)
-        y, fa, beta_logit, gate, _ = linear(x[0], w).split(split, dim=-1)
+        y, fa, beta_logit, gate, _ = linear(x[0], w).split([3 * HK, K, H, HK, w.shape[0] - 4 * HK - K - H], dim=-1)
         f = linear(fa, self.f_b_proj.weight).view(N, H, K)
+        backend = cache.pc.kda_backend or self.backend
         if b.decode or b.graph_prefill:  # decode / extend / graph prefill: slots' conv windows and states in place
             if b.step_states_at is not None:  # the checkpoints' conv windows: the inputs before each
                 windows = y[b.ckpt_win_rows].transpose(1, 2)

@@ -7,9 +7,10 @@ boundary; None = one document per row). No backend but "reference" builds a [T, 
 Backends: "flex" (torch's flex_attention, compiled once, with a BlockMask derived from the document ids;
 CUDA for training: torch's flex has no CPU backward), "varlen" (PyTorch's FlashAttention over cu_seqlens with the
 max logit from its own kernel, CUDA; `varlen.py`), "sdpa" (one causal SDPA call per document, any device;
-reads the document bounds to the host), "reference" (dense masked SDPA, the oracle). "auto": flex on CUDA
-when T is a multiple of 128 (varlen instead with `VARLEN`, K3_ATTN_VARLEN=1: off until timed in the training step),
-else sdpa.
+reads the document bounds to the host), "reference" (dense masked SDPA, the oracle). "auto": varlen on CUDA for
+half-precision inputs where PyTorch has it (`VARLEN`; K3_ATTN_VARLEN=0: flex instead), else flex on CUDA when T is a
+multiple of 128, else sdpa. The k3-small training step (H100, 2026-12-05, three runs each on one machine): 570.0 ms
+mean with varlen against 582.8 ms with flex (docs/benchmarks.md, session 33).
 `chunk_attention` (chunk.py): one chunk of queries after cached keys whose count is a device tensor (the serving
 engine's prefill graphs).
 """
@@ -34,7 +35,7 @@ __all__ = ["doc_causal_attention", "BACKENDS", "flex_available", "reference_doc_
            "varlen_doc_attention", "varlen_available", "doc_max_logit"]
 
 BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
-VARLEN = os.environ.get("K3_ATTN_VARLEN", "0") == "1"
+VARLEN = os.environ.get("K3_ATTN_VARLEN", "1") == "1"
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,9 +4,9 @@ with QK-clip's max logit from its own kernel (`max_logit_triton.py`), which Flas
 The documents are the cu_seqlens segments cut again at every row boundary (the backends' convention: attention
 never crosses a row): both bound lists concatenated and sorted on the device, so a bound present in both gives an
 empty sequence, which FlashAttention skips (no host sync, no unique). The kernel takes one head dim, so v is
-zero-padded to q's (exact: zero value columns give zero outputs, sliced off). `probe/mla_train_attn.py` (H100,
-2026-12-05, B 8 × T 4,096, H 12, d_qk 192, d_v 128): forward 1.46 against 4.05 ms for flex, forward + backward
-5.44 against 8.18 ms (without the max logit)."""
+zero-padded to q's (exact: zero value columns give zero outputs, sliced off). `probe/mla_train_attn.py` (H200,
+2026-12-05, B 8 × T 4,096, H 12, d_qk 192, d_v 128): forward + backward 5.33 ms against 8.32 for flex without the
+max logit, 6.50 with it at the kernel's old launch (1.43 ms; 0.74 at `MAX_LOGIT_LAUNCH`). `auto`'s choice on CUDA."""
 from __future__ import annotations
 
 import functools

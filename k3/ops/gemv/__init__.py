@@ -21,7 +21,7 @@ from .._compile import eager_op
 from .._triton import device_reason
 from ..linear_ce.chunked import mm_out_dtype_available
 
-__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "conv_epilogue", "MAX_ROWS"]
+__all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "MAX_ROWS"]
 
 # rows up to which `linear` takes the kernel (x is padded to one 16-row MMA tile); 0 (or K3_GEMV_MAX_ROWS=0): never
 MAX_ROWS = int(os.environ.get("K3_GEMV_MAX_ROWS", 16))
@@ -44,9 +44,6 @@ WIDE_MAX_K, WIDE_MIN_N = 768, 12288
 # the one-row form each use alone is 1.0-1.23x as fast as norm kernel + GEMV (`benchmarks/probe/gemv_prologue.py`),
 # but the whole step gained nothing (1.31 / 1.28 ms against 1.29 / 1.25 ms in two runs of `benchmarks/serve.py`).
 PROLOGUE = os.environ.get("K3_GEMV_PROLOGUE", "0") == "1"
-# whether `linear(..., conv=)` runs the short conv in the GEMV's epilogue (K3_GEMV_CONV=1: one kernel fewer per KDA
-# layer in a decode step) or as `short_conv_step` after the product (the default until timed on a GPU)
-CONV = os.environ.get("K3_GEMV_CONV", "0") == "1"
 MAX_K = 4096  # longer rows go to cuBLAS (k3-small's dense down projection, K 6,144: 10.1 us against 11.0 on the H200)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,8 +70,7 @@ def max_rows(w: torch.Tensor | None = None) -> int:
 @eager_op
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
            add: torch.Tensor | None = None, gate: torch.Tensor | None = None, norm: tuple | None = None,
-           glu: tuple[float, float] | None = None, add_inplace: bool = False,
-           conv: tuple | None = None) -> torch.Tensor:
+           glu: tuple[float, float] | None = None, add_inplace: bool = False) -> torch.Tensor:
     """prologue(x) [..., K] @ w[N, K]^T (+ add [..., N]) in `out_dtype` (default x's dtype): the GEMV kernel for a few
     rows without autograd (`fits`), else cuBLAS (`torch.mm(..., out_dtype=)` for fp32 out of a half-precision
     product on CUDA, `torch.addmm` for an add without autograd or autocast, else `F.linear` (+ add) and a cast).
@@ -87,12 +83,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     - glu = (β, linear β): x is [..., 2K] gate ‖ up, the input SiTU-GLU(gate, up) (`k3.ops.situ.situ_glu_fused`);
     - norm = (weight, eps, group): RMSNorm of each row (group None; weight [K]) or of each `group` columns
       (a head; weight [group]) (`k3.ops.norm.rms_norm`);
-    - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one).
-    conv = (taps [C, 1, W], windows [P, C, W-1], slots [M]) with x [M, K] of one new token per row (a KDA decode
-    step's joined input projection): the first C output columns leave through `k3.ops.conv.short_conv_step`
-    against each row's window, which advances in place; with `CONV`, inside the GEMV's epilogue."""
-    if conv is not None:
-        return _linear_conv(x, w, out_dtype, conv)
+    - gate: ⊙ σ(gate) [..., K] (with a grouped norm: `rms_norm_gated`, the KDA output gate; alone: the MLA one)."""
     if fits(x, w, add, gate):
         from .triton import gemv
         if (norm is not None or glu is not None) and not (PROLOGUE and _prologue_fits(norm, w.shape[1])):
@@ -118,31 +109,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     else:
         y = F.linear(x2, w)
     return (y if out_dtype is None else y.to(out_dtype)).view(*lead, w.shape[0])
-
-
-def conv_epilogue(x: torch.Tensor, w: torch.Tensor, taps: torch.Tensor, windows: torch.Tensor,
-                  slots: torch.Tensor) -> bool:
-    """Whether `linear(x, w, conv=(taps, windows, slots))` runs the conv in the GEMV's epilogue: `CONV` on, the
-    kernel takes x and w (`fits`), fp32 taps, contiguous window slots. A caller without it runs the product and
-    `short_conv_step` itself (no copy of the conv's output back into the product)."""
-    return (CONV and x.dim() == 2 and fits(x, w) and taps.dtype == torch.float32 and windows.dim() == 3
-            and windows[0].is_contiguous() and windows.device == slots.device == x.device)
-
-
-def _linear_conv(x: torch.Tensor, w: torch.Tensor, out_dtype, conv: tuple) -> torch.Tensor:
-    """`linear(x, w, conv=...)`: the epilogue form where `conv_epilogue` holds (or the kernel is interpreted, as
-    in its tests), else the product then `short_conv_step` on its first C columns (the reference)."""
-    taps, windows, slots = conv
-    if x.dim() != 2:
-        raise ValueError(f"linear: conv needs x [M, K] (one new token per row), got {tuple(x.shape)}")
-    if conv_epilogue(x, w, taps, windows, slots):
-        from .triton import gemv
-        return gemv(x, w, out_dtype, conv=conv)
-    from ..conv import short_conv_step
-    y = linear(x, w, out_dtype)
-    C = taps.shape[0]
-    y[:, :C] = short_conv_step(y[:, :C], taps, windows, slots)
-    return y
 
 
 @eager_op

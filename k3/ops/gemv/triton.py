@@ -32,8 +32,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
                 BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, HAS_ADD: tl.constexpr,
                 HAS_GATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, MR: tl.constexpr = 16,
                 GS: tl.constexpr = 16, BM: tl.constexpr = 16,
-                t_ptr=None, st=0, NT: tl.constexpr = 0, cw_ptr=None, win_ptr=None, slot_ptr=None, s_win=0, NC=0,
-                CONV: tl.constexpr = False, W1: tl.constexpr = 3, PDL: tl.constexpr = False):
+                t_ptr=None, st=0, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program p: output columns [p·BN, (p+1)·BN) of M ≤ BM rows (the MMA tile). The input x is, as each chunk is
     loaded:
     GLU: SiTU-GLU(x[:, c], x[:, K + c]) of a [M, 2K] gate ‖ up (rounded to x's dtype, as the SiTU kernel's
@@ -42,11 +41,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     holds CH // GS of them) with weight nw [GS], in fp32, rounded once; HAS_GATE: ⊙ σ(gate) (after the norm).
     HAS_ADD: + add [M, N].
     NT > 0: output columns N − NT … N − 1 go to t_ptr [M, NT] in fp32, unrounded (the router's logits joined to
-    the projections of the same input), the others to y [M, N − NT].
-    CONV: output columns c < NC are a short conv's input (a KDA decode step's q ‖ k ‖ v, one new token per row):
-    they leave as silu(Σ_j cw[c, j]·win[c, j] + cw[c, W1]·y_c) in fp32 from y rounded to the output dtype, against
-    row m's window win_ptr[slot[m]] [NC, W1] (oldest first), which advances to (win[:, 1:], y_c) in place: the
-    `short_conv_step` kernel's work, in this kernel's epilogue (each window row belongs to one program)."""
+    the projections of the same input), the others to y [M, N − NT]."""
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
@@ -104,35 +99,11 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     om = mm[:, None] & rm[None, :]
     if HAS_ADD:
         acc += tl.load(a_ptr + m[:, None] * sa + rows[None, :], mask=om, other=0.0).to(tl.float32)
-    if CONV:
-        acc = _conv_epilogue(acc.to(y_ptr.dtype.element_ty).to(tl.float32), rows, m, mm, cw_ptr, win_ptr, slot_ptr,
-                             s_win, NC, W1)
     if NT > 0:
         tail = rows >= N - NT
         tl.store(t_ptr + m[:, None] * st + (rows - (N - NT))[None, :], acc, mask=om & tail[None, :])
         om = om & (rows < N - NT)[None, :]
     tl.store(y_ptr + m[:, None] * sy + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
-
-
-@triton.jit
-def _conv_epilogue(y, rows, m, mm, cw_ptr, win_ptr, slot_ptr, s_win, NC, W1: tl.constexpr):
-    """`gemv_kernel`'s CONV epilogue on its [BM, BN] tile y (fp32 of the rounded outputs): columns < NC convolved
-    with row m's window (taps in fp32, as `short_conv_step`), the windows advanced; the other columns as they are."""
-    cm = rows < NC
-    wm = mm[:, None] & cm[None, :]
-    base = win_ptr + tl.load(slot_ptr + m, mask=mm, other=0).to(tl.int64)[:, None] * s_win + rows[None, :] * W1
-    taps = cw_ptr + rows * (W1 + 1)
-    a = y * tl.load(taps + W1, mask=cm, other=0.0)[None, :]
-    prev = tl.load(base, mask=wm, other=0.0)
-    a += prev.to(tl.float32) * tl.load(taps, mask=cm, other=0.0)[None, :]
-    tl.debug_barrier()  # every thread has read the window before any of it is rewritten
-    for j in tl.static_range(1, W1):
-        cur = tl.load(base + j, mask=wm, other=0.0)
-        a += cur.to(tl.float32) * tl.load(taps + j, mask=cm, other=0.0)[None, :]
-        tl.debug_barrier()
-        tl.store(base + (j - 1), cur, mask=wm)
-    tl.store(base + (W1 - 1), y.to(win_ptr.dtype.element_ty), mask=wm)
-    return tl.where(cm[None, :], a * tl.sigmoid(a), y)
 
 
 def interpreted() -> bool:
@@ -154,15 +125,12 @@ def launch(n: int, k: int | None = None, rows: int = 16) -> tuple[int, int, int,
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0,
-         conv: tuple | None = None):
+         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
     """x [..., K] (≤ 64 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
-    the last t output columns unrounded (no add then). conv = (taps fp32 [C, 1, W], windows [P, C, W-1] with
-    contiguous slots, slots [M]): the first C output columns leave through the short conv against each row's
-    window, advanced in place (`short_conv_step` in the epilogue; no add or tail then)."""
+    the last t output columns unrounded (no add then)."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -187,7 +155,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         if group and (K % group or group & (group - 1) or group < 16):
             raise ValueError(f"gemv: norm groups of {group} columns must be a power of two ≥ 16 dividing K = {K}")
     beta, linear_beta = glu if glu is not None else (0.0, 0.0)
-    cw, win, slots, C, W = _conv_args(conv, M, N, add, fp32_tail, y)
     if M and N:
         BM = tile_rows(M)
         bn, ch, warps, stages = config or launch(N, K, BM)
@@ -199,31 +166,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
             IEEE=x.dtype == torch.float32 or not x.is_cuda, HAS_ADD=add is not None, HAS_GATE=gate is not None,
             NORM=0 if norm is None else (2 if group else 1), GLU=glu is not None,
             MR=1 if M == 1 and (norm is not None or glu is not None) else BM, BM=BM, GS=group or 16, t_ptr=t,
-            NT=fp32_tail, st=t.stride(0), cw_ptr=cw, win_ptr=win, slot_ptr=slots, s_win=win.stride(0), NC=C,
-            CONV=conv is not None, W1=max(W - 1, 1), num_warps=warps, num_stages=stages, **pdl(x2))
+            NT=fp32_tail, st=t.stride(0), num_warps=warps, num_stages=stages, **pdl(x2))
     if fp32_tail:
         return y.view(*x.shape[:-1], N - fp32_tail), t.view(*x.shape[:-1], fp32_tail)
     return y.view(*x.shape[:-1], N)
-
-
-def _conv_args(conv: tuple | None, M: int, N: int, add, tail: int, y: torch.Tensor) -> tuple:
-    """`gemv`'s conv operands checked: (taps [C, W] fp32 contiguous, windows, slots, C, W); placeholders without."""
-    if conv is None:
-        return y, y, y, 0, 2
-    taps, win, slots = conv
-    C, W = taps.shape[0], taps.shape[-1]
-    if taps.dtype != torch.float32 or taps.shape != (C, 1, W) or W < 2 or not 0 < C <= N:
-        raise ValueError(f"gemv: conv taps must be fp32 [C ≤ {N}, 1, W ≥ 2], got {taps.dtype} {tuple(taps.shape)}")
-    if win.dim() != 3 or tuple(win.shape[1:]) != (C, W - 1) or not win[0].is_contiguous() \
-            or not win.is_floating_point() or win.device != y.device:
-        raise ValueError(f"gemv: conv windows must be float [P, {C}, {W - 1}] with contiguous slots on {y.device}, "
-                         f"got {win.dtype} {tuple(win.shape)}")
-    if slots.shape != (M,) or slots.is_floating_point() or slots.device != y.device:
-        raise ValueError(f"gemv: conv slots must be an integer tensor [{M}] on {y.device}, got "
-                         f"{slots.dtype} {tuple(slots.shape)}")
-    if add is not None or tail:
-        raise ValueError("gemv: conv takes no add and no fp32 tail")
-    return taps.reshape(C, W).contiguous(), win, slots.contiguous(), C, W
 
 
 def _rows(t: torch.Tensor | None, M: int, width: int, name: str, default: torch.Tensor) -> torch.Tensor:
