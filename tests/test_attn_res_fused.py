@@ -569,3 +569,67 @@ def test_attn_res_norm_fused_equals_the_two_ops(D, rows_kernel, stream, one_thre
     y = attn_res_norm(leaves, f32[0], f32[1], EPS, f32[2], 1e-6, backend="triton")
     y.sum().backward()
     assert rel_rmse(ref, y.detach().cpu()) <= 1e-5 and all(t.grad is not None for t in leaves)
+
+
+def _stream(backend, sink, dtype, dev="cpu", seed=3, shape=(2, 9, 40), sites=5):
+    """A small AttnRes stream: three leaf blocks (one passed twice to one site), each mixed by several sites with
+    their own queries, plus a new partial per site; returns the leaves' and the queries' gradients. sink: the
+    blocks go through `grad_sink` (K3_ATTN_RES_SINK on), so the sites' backwards sum their gradients in place."""
+    from k3.ops import attn_res as ar
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    leaves = [(torch.randn(*shape, generator=g, dtype=torch.float64) * (1 + i)).to(dev, dtype).requires_grad_()
+              for i in range(3)]
+    queries = [torch.randn(D, generator=g, dtype=torch.float64).to(dev, dtype).requires_grad_()
+               for _ in range(sites)]
+    norm_w = (1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64)).to(dev, dtype)
+    ar.SINK = sink
+    try:
+        blocks = [ar.grad_sink(b * 1.0) for b in leaves]  # non-leaf blocks, as in the model
+        assert all((getattr(b, "_k3_grad_sink", None) is not None) == sink for b in blocks)
+        partial, loss = blocks[2] * 0.5, 0
+        for s in range(sites):
+            srcs = blocks + [partial] + ([blocks[0]] if s == 2 else [])  # a sink met twice in one call
+            h = attn_res(srcs, queries[s], norm_w, EPS, backend=backend)
+            partial = partial + torch.tanh(h)
+            loss = loss + (h * (s + 1)).sin().sum()
+        (loss + partial.square().sum()).backward()
+    finally:
+        ar.SINK = False
+    return [t.grad for t in leaves + queries]
+
+
+@pytest.mark.parametrize("backend,dtype,tol", [("torch", torch.float64, 1e-12), ("triton", torch.float32, 2e-6),
+                                               ("triton", torch.bfloat16, 1e-2)])
+def test_grad_sink_equals_autograd_sums(backend, dtype, tol, one_thread):
+    """Sources through `grad_sink` (their gradients summed inside the sites' backwards, the Triton kernel's
+    read-modify-write or the torch path's in place) against autograd's sums of the same sites' gradients: every
+    leaf's and query's gradient within rounding (fp64 torch 1e-12; Triton's interpreter fp32 2e-6, bf16 1e-2:
+    the in-place sum rounds once per site, autograd's adds likewise, in another order); a sink that a site
+    mixes twice is used once; without `SINK`, `grad_sink` returns its argument."""
+    if backend == "triton" and not CUDA:
+        from k3.ops.attn_res import _interpreted
+        if not _interpreted():
+            pytest.skip("Triton kernels need CUDA or the interpreter")
+    dev = "cuda" if backend == "triton" and CUDA else "cpu"
+    ref = _stream(backend, False, dtype, dev)
+    got = _stream(backend, True, dtype, dev)
+    for r, x in zip(ref, got):
+        assert rel_rmse(r.double(), x.double()) <= tol
+    from k3.ops.attn_res import grad_sink
+    t = torch.randn(3, requires_grad=True)
+    assert grad_sink(t) is t  # SINK off
+
+
+def test_grad_sink_accumulation_targets_are_checked(one_thread):
+    """`attn_res_bwd_triton(..., into=)` refuses a target of another shape or dtype."""
+    from k3.ops.attn_res import _interpreted
+    if not (CUDA or _interpreted()):
+        pytest.skip("Triton kernels need CUDA or the interpreter")
+    from k3.ops.attn_res.triton import attn_res_bwd_triton
+    dev = "cuda" if CUDA else "cpu"
+    flat = [torch.randn(5, 16, device=dev) for _ in range(2)]
+    stats = [torch.rand(2, 5, device=dev) for _ in range(3)]
+    with pytest.raises(ValueError, match="accumulation target"):
+        attn_res_bwd_triton(flat, torch.randn(16, device=dev), *stats, torch.randn(5, 16, device=dev),
+                            [True, True], False, into=[torch.zeros(5, 16, device=dev, dtype=torch.float64), None])
