@@ -6,7 +6,9 @@ never crosses a row): both bound lists concatenated and sorted on the device, so
 empty sequence, which FlashAttention skips (no host sync, no unique). The kernel takes one head dim, so v is
 zero-padded to q's (exact: zero value columns give zero outputs, sliced off). `probe/mla_train_attn.py` (H200,
 2026-12-05, B 8 × T 4,096, H 12, d_qk 192, d_v 128): forward + backward 5.33 ms against 8.32 for flex without the
-max logit, 6.50 with it at the kernel's old launch (1.43 ms; 0.74 at `MAX_LOGIT_LAUNCH`). `auto`'s choice on CUDA."""
+max logit, 6.50 with it at the kernel's old launch (1.43 ms; 0.74 at `MAX_LOGIT_LAUNCH`). `auto`'s choice on CUDA.
+FlashAttention-2's backward sums dq with atomic adds: gradients are not bitwise the same from run to run (flex's
+backward has no atomics; `K3_ATTN_VARLEN=0` selects it)."""
 from __future__ import annotations
 
 import functools
