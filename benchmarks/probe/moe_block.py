@@ -3,7 +3,8 @@ GEMV, the routed experts' two kernels, the shared SiTU and down projection, the 
 against `k3.ops.moe_block`'s one persistent kernel under several launch settings. Each in a CUDA graph of 16
 layers' MoEs (their own weights: ≈ 16 × 24 MB read per replay, more than L2 holds), CUDA events around replays,
 median of --reps; checks every setting's output against the composed path's (relative RMS, bf16) and prints
-µs per layer with the weight bytes' time at 4.3 TB/s.
+µs per layer with the weight bytes' time at 4.3 TB/s. --floor 1 (default): both paths again at widths 128 / 64 / 64
+(the same kernels, phases and barriers over ≈ 1 % of the bytes), the time a layer costs besides its reads.
 
     python benchmarks/probe/moe_block.py --out moe_block.json
 """
@@ -25,8 +26,12 @@ from k3.model.moe import LatentMoE  # noqa: E402
 from k3.ops import moe_block  # noqa: E402
 
 
-def layers(n: int):
+def layers(n: int, **shrink):
+    """n k3-small LatentMoE layers with random bf16 weights; `shrink`: text-config fields overridden (the
+    latency floor's tiny widths)."""
     cfg = K3Config.preset("k3-small").text_config
+    for k, v in shrink.items():
+        setattr(cfg, k, v)
     torch.manual_seed(0)
     out = []
     for _ in range(n):
@@ -51,6 +56,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--floor", type=int, default=1, help="1: also time both paths at tiny widths (the latency floor)")
     ap.add_argument("--out", default="moe_block.json")
     a = ap.parse_args()
     cfg, mods = layers(a.layers)
@@ -80,6 +86,21 @@ def main() -> int:
         return {"rel_rms": err, "barrier_timed_out": any(int(t[2]) for t in cnts)}
     settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
+    if a.floor:  # the same phases and barriers over ≈ 1 % of the bytes: what the block costs besides reading
+        tiny, tmods = layers(a.layers, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64)
+        tx = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+        touts = [None] * len(tmods)
+
+        def tiny_chain():
+            for i, m in enumerate(tmods):
+                touts[i] = m(tx, residual=tx)
+        row = {"bytes_per_layer": read_bytes(tiny)}
+        for on in (False, True):
+            moe_block.ON = on
+            row["block_us" if on else "composed_us"] = graph_us(tiny_chain, a.reps) / a.layers
+        result["rows"]["latency_floor"] = row
+        print(f"latency floor (widths 128 / 64 / 64, {row['bytes_per_layer'] / 1e3:.0f} KB per layer): composed "
+              f"{row['composed_us']:.2f} µs, block {row['block_us']:.2f} µs per layer", flush=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
