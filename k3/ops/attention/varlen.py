@@ -17,6 +17,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from ..varlen import doc_ids
+
 
 @functools.lru_cache(maxsize=None)
 def varlen_available() -> bool:
@@ -37,9 +39,9 @@ def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch
 
 
 def doc_first(bounds: torch.Tensor, tokens: int) -> torch.Tensor:
-    """int32 [tokens]: the first token of each token's document, from `doc_bounds` over that many tokens."""
-    t = torch.arange(tokens, dtype=torch.int32, device=bounds.device)
-    return bounds[torch.searchsorted(bounds, t, right=True) - 1]
+    """int32 [tokens]: the first token of each token's document, from `doc_bounds` over that many tokens (a
+    repeated bound is an empty document: `doc_ids` skips it)."""
+    return bounds[doc_ids(bounds, 1, tokens)[0]]
 
 
 # the max-logit kernel's launch (query rows, key rows per tile, warps, stages): `probe/mla_train_attn.py` (H200,
