@@ -23,8 +23,8 @@ def one_thread():
 
 
 def rel_rmse(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """‖ref − x‖₂ / ‖ref‖₂ in fp64 (fla's metric)."""
-    ref, x = ref.double(), x.double()
+    """‖ref − x‖₂ / ‖ref‖₂ in fp64 (fla's metric), on ref's device (a CPU reference against a GPU result)."""
+    ref, x = ref.double(), x.double().to(ref.device)
     return ((ref - x).norm() / ref.norm().clamp_min(1e-30)).item()
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import K3TextConfig
-from ..ops.attn_res import attn_res, attn_res_norm, grad_sink
+from ..ops.attn_res import attn_res, attn_res_norm
 from .kda import KimiDeltaAttention
 from .layers import RMSNorm, SituMLP
 from .mla import MLAttention
@@ -54,7 +54,6 @@ def run_decoder_layers(layers, blocks: list[torch.Tensor], partial: torch.Tensor
     into it: no copy of the residual stream first), but only onto a partial sum made inside this call and not
     handed out as a tap: the caller's `partial` and the taps stay as they were."""
     own = False  # whether `partial` was made here (the caller's may be held elsewhere)
-    blocks = [grad_sink(b) for b in blocks]  # each mixed by every later site (K3_ATTN_RES_SINK)
     for layer in layers:
         lc = None if cache is None else cache.layer(layer.layer_idx)
         if checkpoint:
@@ -111,7 +110,7 @@ class KimiDecoderLayer(nn.Module):
         x = self.input_layernorm(blocks[0]) if partial is None else self._mix_norm(
             blocks + [partial], self.self_attention_res_norm, self.self_attention_res_proj, self.input_layernorm)
         if self.layer_idx % block_size == 0 and partial is not None:
-            blocks = blocks + [grad_sink(partial)]
+            blocks = blocks + [partial]
             partial = None
         # each sublayer returns partial + its output (inference adds it in the output projection's epilogue)
         partial = self.self_attn(x, attention_mask, cache, cu_seqlens, residual=partial, residual_inplace=inplace)

@@ -15,23 +15,18 @@ accumulation in fp32 (fp64 for fp64 inputs), also under autocast.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from .._compile import eager_op
 from .._triton import importable, interpreted
 from ..norm import rms_norm
-from .fused import AttnResFunction, collect_grads
+from .fused import AttnResFunction
 from .reference import attn_res_reference
 
-__all__ = ["attn_res", "attn_res_norm", "attn_res_reference", "static_tables", "triton_available", "grad_sink",
-           "BACKENDS", "SINK"]
+__all__ = ["attn_res", "attn_res_norm", "attn_res_reference", "static_tables", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton", "reference")
-# whether a training forward's AttnRes sources that many sites mix (the finished blocks) sum their gradients inside
-# the sites' backwards (`grad_sink`, K3_ATTN_RES_SINK=1) or through autograd's adds (the default until timed on a GPU)
-SINK = os.environ.get("K3_ATTN_RES_SINK", "0") == "1"
 
 
 def triton_available() -> bool:
@@ -47,16 +42,6 @@ def static_tables(keep: list, device):
         return contextlib.nullcontext(keep)
     from .triton import static_tables as tables
     return tables(keep, device)
-
-
-def grad_sink(x: torch.Tensor) -> torch.Tensor:
-    """x as a source of many AttnRes sites (a finished block): with `SINK`, in a training forward (x requires
-    grad; not under torch.compile), an alias whose gradient the sites' backwards add up in place
-    (`fused.GradSink`: one read-modify-write per site instead of a new tensor plus autograd's add); else x."""
-    if SINK and torch.is_grad_enabled() and x.requires_grad and getattr(x, "_k3_grad_sink", None) is None \
-            and not torch.compiler.is_compiling():
-        return collect_grads(x)
-    return x
 
 
 def _interpreted() -> bool:

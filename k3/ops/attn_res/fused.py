@@ -66,17 +66,13 @@ def forward_torch(flat: list[torch.Tensor], w: torch.Tensor, eps: float, out_dty
 
 
 def backward_torch(flat: list[torch.Tensor], w: torch.Tensor, alpha: torch.Tensor, rstd: torch.Tensor,
-                   dh: torch.Tensor, need: list[bool], need_w: bool, chunk_rows: int | None = None,
-                   into: list[torch.Tensor | None] | None = None
+                   dh: torch.Tensor, need: list[bool], need_w: bool, chunk_rows: int | None = None
                    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """Gradients of the forward above: dv_i [R, D] in each source's dtype where need[i] (else None), and
-    dw [D] in the accumulation dtype when need_w (else None). dh: [R, D]. Same chunks as the forward.
-    into[i] ([R, D] in source i's dtype, or None): dv_i is added to it in place (in the accumulation dtype,
-    rounded once) and it is returned as dv_i."""
+    dw [D] in the accumulation dtype when need_w (else None). dh: [R, D]. Same chunks as the forward."""
     R, D = flat[0].shape
     N, acc = len(flat), w.dtype
-    into = into or [None] * N
-    dvs = [(torch.empty_like(v) if into[i] is None else into[i]) if need[i] else None for i, v in enumerate(flat)]
+    dvs = [torch.empty_like(v) if need[i] else None for i, v in enumerate(flat)]
     dw = torch.zeros(D, dtype=acc, device=w.device) if need_w else None
     step = _chunk(N, D, chunk_rows)
     for r0 in range(0, R, step):
@@ -93,66 +89,17 @@ def backward_torch(flat: list[torch.Tensor], w: torch.Tensor, alpha: torch.Tenso
             dv = (e.unsqueeze(-1) * vf).neg_().add_(a.unsqueeze(-1) * dhf).add_(c.unsqueeze(-1) * w)
             for i, g in enumerate(dvs):
                 if g is not None:
-                    g[r0:r1] = dv[i] if into[i] is None else g[r0:r1].to(acc) + dv[i]
+                    g[r0:r1] = dv[i]
     return dvs, dw
-
-
-class GradSink:
-    """Where the AttnRes backwards sum one source's gradient over every site that mixes it (`buf`, the source's
-    shape and dtype), instead of autograd adding one site's gradient to the next: a finished block is a source of
-    every later site (k3-small: 80 such sums per step). `collect_grads` makes one; `_Collect` hands `buf` on."""
-    __slots__ = ("buf", "__weakref__")
-
-    def __init__(self):
-        self.buf = None
-
-
-class _Collect(torch.autograd.Function):
-    """Identity whose backward returns its sink's sum (plus any gradient that reached the tensor by other
-    uses). Autograd runs it after every consumer's backward: all the sites have added their share by then."""
-
-    @staticmethod
-    def forward(ctx, x, sink):
-        ctx.sink = sink
-        ctx.set_materialize_grads(False)  # no zeros tensor when every use went through the sink
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        buf, ctx.sink.buf = ctx.sink.buf, None
-        return (buf if g is None else g if buf is None else g + buf), None
-
-
-def collect_grads(x: torch.Tensor) -> torch.Tensor:
-    """x as an AttnRes source whose gradient the sites' backwards sum in place (`GradSink`): an alias of x
-    carrying its sink as `_k3_grad_sink`. Only for a training forward (x requires grad); a backward must run
-    through to x's producer (as `loss.backward()` does), or the sum of a partial one would stay in the sink."""
-    sink = GradSink()
-    y = _Collect.apply(x, sink)
-    y._k3_grad_sink = sink
-    return y
-
-
-def _sinks(sources) -> tuple:
-    """Each source's `GradSink` (None without one); a sink met twice in one call is used once (the first)."""
-    seen, out = set(), []
-    for t in sources:
-        s = getattr(t, "_k3_grad_sink", None)
-        out.append(None if s is None or id(s) in seen else s)
-        if s is not None:
-            seen.add(id(s))
-    return tuple(out)
 
 
 class AttnResFunction(torch.autograd.Function):
     """h = attn_res(sources) with a hand-written backward; `impl` is "torch" or "triton" (kernels in
     `triton.py`, which need same-dtype contiguous sources). Inputs: (impl, opts, query, norm_weight, eps,
-    *sources), all sources of one shape [..., D]; opts: a dict of launch / chunk settings. A source made by
-    `collect_grads` gets its gradient added into its sink (returned to autograd as None)."""
+    *sources), all sources of one shape [..., D]; opts: a dict of launch / chunk settings."""
 
     @staticmethod
     def forward(ctx, impl, opts, query, norm_weight, eps, *sources):
-        ctx.sinks = _sinks(sources)
         shape, D = sources[0].shape, sources[0].shape[-1]
         out_dtype = sources[0].dtype
         for t in sources[1:]:
@@ -179,22 +126,17 @@ class AttnResFunction(torch.autograd.Function):
         D = ctx.D
         flat = [t.reshape(-1, D) for t in sources]
         dh = dh.reshape(-1, D)
-        sinks = [s if s is not None and need[i] else None for i, s in enumerate(ctx.sinks)]
-        into = [None if s is None or s.buf is None else s.buf.view(-1, D) for s in sinks]
         with torch.autocast(dh.device.type, enabled=False):
             w = fold_query(query, norm_weight, alpha.dtype)
             if ctx.impl == "triton":
                 from .triton import attn_res_bwd_triton
-                dvs, dw = attn_res_bwd_triton(flat, w, alpha, rstd, stats[2], dh, need, need_q or need_n, into=into,
+                dvs, dw = attn_res_bwd_triton(flat, w, alpha, rstd, stats[2], dh, need, need_q or need_n,
                                               **ctx.opts.get("bwd", {}))
             else:
                 dvs, dw = backward_torch(flat, w, alpha, rstd, dh, need, need_q or need_n,
-                                         ctx.opts.get("chunk_rows"), into=into)
+                                         ctx.opts.get("chunk_rows"))
             dq = (dw * norm_weight.reshape(-1).to(dw.dtype)).reshape(query.shape).to(query.dtype) if need_q else None
             dn = (dw * query.reshape(-1).to(dw.dtype)).reshape(norm_weight.shape).to(norm_weight.dtype) \
                 if need_n else None
         dvs = [None if g is None else g.reshape(t.shape) for g, t in zip(dvs, sources)]
-        for i, s in enumerate(sinks):  # these gradients stay in their sinks; autograd gets None for them
-            if s is not None:
-                s.buf, dvs[i] = dvs[i], None
         return (None, None, dq, dn, None, *dvs)

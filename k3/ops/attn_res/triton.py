@@ -316,11 +316,9 @@ def attn_res_rows_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, 
 @triton.jit
 def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_ptr, c_ptr, e_ptr, dwp_ptr, R, D, N,
                         BR: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr,
-                        UNROLL: tl.constexpr, HAS_DW: tl.constexpr, acc_tab=None, ACC: tl.constexpr = False):
+                        UNROLL: tl.constexpr, HAS_DW: tl.constexpr):
     """Rows [pid*BR, pid*BR + BR): dv_i [R, D] through dv_tab (entry 0: no gradient for that source) and, with
-    HAS_DW, these rows' Σ_r Σ_i c_i v_i as row pid of dwp [programs, D] fp32. c, e: [N, R] fp32 scratch.
-    ACC: where acc_tab[i] != 0, dv_i is added in fp32 to what dv_tab[i] holds (a gradient summed over AttnRes
-    sites, `GradSink`) and rounded once."""
+    HAS_DW, these rows' Σ_r Σ_i c_i v_i as row pid of dwp [programs, D] fp32. c, e: [N, R] fp32 scratch."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BR * D
     ri = tl.arange(0, BR)
@@ -367,12 +365,8 @@ def attn_res_bwd_kernel(src_tab, dv_tab, dh_ptr, w_ptr, alpha_ptr, rstd_ptr, s_p
             e_i = tl.load(e_ptr + i * R + row, mask=rmask, other=0.0)[:, None]
             dv = a_i * dh + c_i * w - e_i * v
             gp = tl.multiple_of(g.to(tl.pointer_type(dh_ptr.dtype.element_ty)), 16) + base
-            gm = tl.where(g != 0, m2, False)
-            if ACC:
-                add = tl.load(acc_tab + i) != 0
-                dv += tl.load(gp + off, mask=tl.where(add, gm, False), other=0.0,
-                              eviction_policy="evict_first").to(tl.float32)
-            tl.store(gp + off, dv.to(dh_ptr.dtype.element_ty), mask=gm, eviction_policy="evict_first")
+            tl.store(gp + off, dv.to(dh_ptr.dtype.element_ty), mask=tl.where(g != 0, m2, False),
+                     eviction_policy="evict_first")
         if HAS_DW:
             tl.store(dwp_ptr + pid.to(tl.int64) * D + dc, tl.sum(acc, 0), mask=dmask)
 
@@ -508,32 +502,21 @@ def attn_res_fwd_triton(flat: list[torch.Tensor], w: torch.Tensor, eps: float, n
 
 
 def attn_res_bwd_triton(flat: list[torch.Tensor], w: torch.Tensor, alpha: torch.Tensor, rstd: torch.Tensor,
-                        s: torch.Tensor, dh: torch.Tensor, need: list[bool], need_w: bool,
-                        into: list[torch.Tensor | None] | None = None, **launch):
+                        s: torch.Tensor, dh: torch.Tensor, need: list[bool], need_w: bool, **launch):
     """Gradients of attn_res_fwd_triton given dh [R, D] and its alpha, rstd, s: dv_i [R, D] where need[i] (else
     None) and dw fp32 [D] when need_w (else None), the sum of the programs' partial rows (deterministic).
-    into[i] (a contiguous [R, D] tensor of the sources' dtype, or None): dv_i is added to it in place and it is
-    returned as dv_i. launch: overrides of LAUNCH["bwd"] (`launch_config`)."""
+    launch: overrides of LAUNCH["bwd"] (`launch_config`)."""
     R, D = flat[0].shape
     N, dev = len(flat), flat[0].device
     cfg = launch_config("bwd", D, **launch)
     dh = dh.to(flat[0].dtype).contiguous()
-    into = into or [None] * N
-    for t in into:
-        if t is not None and (t.shape != (R, D) or t.dtype != flat[0].dtype or not t.is_contiguous()
-                              or t.device != dev):
-            raise ValueError(f"attn_res_bwd_triton: an accumulation target must be a contiguous [{R}, {D}] "
-                             f"{flat[0].dtype} tensor on {dev}, got {t.dtype} {tuple(t.shape)}")
-    dvs = [(torch.empty_like(t) if into[i] is None else into[i]) if need[i] else None for i, t in enumerate(flat)]
+    dvs = [torch.empty_like(t) if need[i] else None for i, t in enumerate(flat)]
     if R == 0:
         return dvs, (torch.zeros(D, device=dev) if need_w else None)
     G = triton.cdiv(R, cfg["block_r"])
-    acc = [int(need[i] and into[i] is not None) for i in range(N)]
-    tab = _table([t.data_ptr() for t in flat] + [0 if g is None else g.data_ptr() for g in dvs]
-                 + (acc if any(acc) else []), dev)
+    tab = _table([t.data_ptr() for t in flat] + [0 if g is None else g.data_ptr() for g in dvs], dev)
     dwp = torch.empty(G, D, dtype=torch.float32, device=dev) if need_w else None
     c, e = torch.empty(2, N, R, dtype=torch.float32, device=dev).unbind(0)
     attn_res_bwd_kernel[(G,)](tab, tab[N:], dh, w.float().contiguous(), alpha, rstd, s, c, e, dwp, R, D, N,
-                              HAS_DW=need_w, acc_tab=tab[2 * N:] if any(acc) else None, ACC=any(acc),
-                              **_consts(cfg, N))
+                              HAS_DW=need_w, **_consts(cfg, N))
     return dvs, (dwp.sum(0) if need_w else None)
