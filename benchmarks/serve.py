@@ -172,6 +172,8 @@ SWITCHES = {
                                "MLA pages per position"),
     "moe_block_step_ms": ("k3.ops.moe_block", "ON", "a batch-1 step's MoE as one persistent kernel",
                           "a batch-1 step's MoE as eight kernels"),
+    "moe_block_split_step_ms": ("k3.ops.moe_block", "SPLIT", "a batch-1 step's MoE block as four launches",
+                                "a batch-1 step's MoE block as one launch with grid barriers"),
     "kda_narrow_step_ms": ("k3.ops.kda.triton.decode", "NARROW", "a small batch's KDA step in narrow column blocks",
                            "a small batch's KDA step in 64-column blocks"),
 }

@@ -55,8 +55,11 @@ def _both(moe, x, residual, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6),
                                        pytest.param(torch.bfloat16, 1e-2, marks=[cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("residual", [True, False])
-def test_block_equals_the_composed_path(dtype, tol, residual, monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split"])
+def test_block_equals_the_composed_path(dtype, tol, residual, split, monkeypatch):
+    """split: the four phases as four launches, a program per tile (so several programs under the interpreter)."""
     dev = _device_or_skip()
+    monkeypatch.setattr(moe_block, "SPLIT", split)
     for seed in (0, 1, 2):
         moe = _moe(seed, dtype, dev)
         g = torch.Generator().manual_seed(100 + seed)
@@ -155,12 +158,14 @@ def test_cooperative_launch_keywords():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("coop", [False, True], ids=["plain-launch", "cooperative-launch"])
-def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, monkeypatch):
+@pytest.mark.parametrize("coop,split", [(False, False), (True, False), (True, True)],
+                         ids=["plain-launch", "cooperative-launch", "split"])
+def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, split, monkeypatch):
     """k3-small's MoE dimensions, bf16, every SM's programs (the barriers for real): the composed path's output
     within bf16 rounding, the same experts; a CUDA graph of the kernel replayed equals its eager run, bitwise;
-    launched plainly and as a cooperative grid."""
+    launched plainly, as a cooperative grid, and split into four launches (no barriers)."""
     monkeypatch.setitem(moe_block.LAUNCH, "coop", coop)
+    monkeypatch.setattr(moe_block, "SPLIT", split)
     from k3.config import K3Config
     from k3.model.moe import LatentMoE
     cfg = K3Config.preset("k3-small").text_config

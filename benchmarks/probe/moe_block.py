@@ -3,8 +3,9 @@ GEMV, the routed experts' two kernels, the shared SiTU and down projection, the 
 against `k3.ops.moe_block`'s one persistent kernel under several launch settings. Each in a CUDA graph of 16
 layers' MoEs (their own weights: ≈ 16 × 24 MB read per replay, more than L2 holds), CUDA events around replays,
 median of --reps; checks every setting's output against the composed path's (relative RMS, bf16) and prints
-µs per layer with the weight bytes' time at 4.3 TB/s. --floor 1 (default): both paths again at widths 128 / 64 / 64
-(the same kernels, phases and barriers over ≈ 1 % of the bytes), the time a layer costs besides its reads.
+µs per layer with the weight bytes' time at 4.3 TB/s; also the block split into four launches (`moe_block.SPLIT`).
+--floor 1 (default): the three forms again at widths 128 / 64 / 64 (the same kernels, phases and barriers over
+≈ 1 % of the bytes), the time a layer costs besides its reads.
 
     python benchmarks/probe/moe_block.py --out moe_block.json
 """
@@ -78,14 +79,23 @@ def main() -> int:
           f"composed path: {base:6.2f} µs per layer", flush=True)
     moe_block.ON = True
     default = moe_block.LAUNCH
-    tiles = [(default["bn"], default["bi"], default["bl"]), (16, 8, 8), (4, 4, 4), (8, 8, 4)]  # one compile each
+    tiles = [(default["bn"], default["bi"], default["bl"]), (16, 8, 8), (4, 4, 4)]  # one compile each
 
     def check() -> dict:
         err = max(float((o.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()) for o, r in zip(outs, ref))
         cnts = [t for m in mods for t in m.__dict__.get("_grid_counters", {}).values()]
         return {"rel_rms": err, "barrier_timed_out": any(int(t[2]) for t in cnts)}
-    settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (1, 2, 4))]
+    # the one-launch block (the default first and last: the drift over the sweep), its tiles at 2 and 4 programs
+    # per SM; then the split form: the four phases as four launches (kernel boundaries instead of grid barriers)
+    settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (2, 4))]
+    split = [dict(bn=bn, bi=bi, bl=bl) for bn, bi, bl in [*tiles, (16, 16, 8), (4, 8, 2), (8, 16, 8)]]
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
+    split0, moe_block.SPLIT = moe_block.SPLIT, True
+    print("split into four launches:")
+    rows = launch_sweep(moe_block.LAUNCH, split, chain, a.reps, a.layers, base, floor, check)
+    result["rows"].update({"split " + k: v for k, v in rows.items()})
+    moe_block.SPLIT = split0
+    result["rows"].update(launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check))
     if a.floor:  # the same phases and barriers over ≈ 1 % of the bytes: what the block costs besides reading
         tiny, tmods = layers(a.layers, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64)
         tx = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
@@ -95,12 +105,14 @@ def main() -> int:
             for i, m in enumerate(tmods):
                 touts[i] = m(tx, residual=tx)
         row = {"bytes_per_layer": read_bytes(tiny)}
-        for on in (False, True):
-            moe_block.ON = on
-            row["block_us" if on else "composed_us"] = graph_us(tiny_chain, a.reps) / a.layers
+        for name, on, sp in (("composed_us", False, False), ("block_us", True, False), ("split_us", True, True)):
+            moe_block.ON, moe_block.SPLIT = on, sp
+            row[name] = graph_us(tiny_chain, a.reps) / a.layers
+        moe_block.SPLIT = split0
         result["rows"]["latency_floor"] = row
         print(f"latency floor (widths 128 / 64 / 64, {row['bytes_per_layer'] / 1e3:.0f} KB per layer): composed "
-              f"{row['composed_us']:.2f} µs, block {row['block_us']:.2f} µs per layer", flush=True)
+              f"{row['composed_us']:.2f} µs, block {row['block_us']:.2f} µs, split block {row['split_us']:.2f} µs "
+              "per layer", flush=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

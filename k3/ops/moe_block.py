@@ -32,6 +32,10 @@ ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") =
 # H200 it costs 0.3-0.5 µs per layer). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph, 12 settings):
 # bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
 LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True}
+# SPLIT (K3_MOE_BLOCK_SPLIT; read at each call): the four phases as four launches of the same kernel, a program per
+# tile, with kernel boundaries (and programmatic dependent launch) instead of grid barriers; `per_sm` and `coop`
+# then do not apply. Off until timed: `probe/moe_block.py` and `benchmarks/serve.py` time both forms.
+SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -76,16 +80,22 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
 
     from .moe_block_triton import moe_block_kernel
     c = LAUNCH
-    G = sm_count(dev) * c["per_sm"] if x.is_cuda else 1
     nw, eps = norm if norm is not None else (x, 0.0)
-    moe_block_kernel[(G,)](
-        x, x if residual is None else residual, out, w_in, w1, w3, w2, w_shared_down, w_up, nw,
-        z if bias is None else bias, lat, gu, z, h, y, sh, idx, wt, scores, counters,
-        w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), w2.stride(0), w2.stride(1), float(scaling_factor),
-        float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
-        BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
-        BLN=triton.next_power_of_2(L), num_warps=c["warps"], **cooperative(x, c["coop"]), **pdl(x))
+    cdiv = triton.cdiv
+    # (phase, programs): one persistent launch with barriers, or one launch per phase with a program per tile
+    grids = ([(p, n) for p, n in ((1, cdiv(L + 2 * IS + E, c["bn"])), (2, K * cdiv(I, c["bi"]) + cdiv(D, c["bn"])),
+                                  (3, cdiv(L, c["bl"])), (4, cdiv(D, c["bn"])))] if SPLIT
+             else [(0, sm_count(dev) * c["per_sm"] if x.is_cuda else 1)])
+    for phase, G in grids:
+        moe_block_kernel[(G,)](
+            x, x if residual is None else residual, out, w_in, w1, w3, w2, w_shared_down, w_up, nw,
+            z if bias is None else bias, lat, gu, z, h, y, sh, idx, wt, scores, counters,
+            w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), w2.stride(0), w2.stride(1),
+            float(scaling_factor), float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
+            BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+            HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
+            BLN=triton.next_power_of_2(L), PHASE=phase, num_warps=c["warps"],
+            **cooperative(x, c["coop"] and phase == 0), **pdl(x))
     return out, idx, wt, scores
 
 

@@ -10,7 +10,10 @@ its weight loads at once (the widths are constexprs: the chunk loops unroll), as
    projection of SiTU-GLU(gate, up) plus the residual;
 3. the routed experts' down projection, weighted by the choices' weights and summed;
 4. the latent RMSNorm (each program forms the statistics itself) and the up projection plus the shared output.
-Values written in one phase are read in the next past L1 (`.cg`)."""
+Values written in one phase are read in the next past L1 (`.cg`).
+
+PHASE = p (1-4) runs phase p alone, without barriers: the split form, four launches in a row with kernel boundaries
+(and programmatic dependent launch) in place of the grid barriers, any number of programs per launch."""
 from __future__ import annotations
 
 import triton
@@ -61,20 +64,45 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                      D: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
-                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False):
+                     BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False,
+                     PHASE: tl.constexpr = 0):
     pdl_sync(PDL)
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     RIN: tl.constexpr = L + 2 * IS + E
     # 1. latent ‖ shared gate ‖ up ‖ router logits
-    for t in range(p, (RIN + BN - 1) // BN, G):
-        rows = t * BN + tl.arange(0, BN)
-        acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH)
-        tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
-        tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
-        tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
-    grid_barrier(cnt_ptr, G)
-    # 2. routed experts' gate / up (+ the choice) | shared experts' down (+ residual)
+    if PHASE == 0 or PHASE == 1:
+        for t in range(p, (RIN + BN - 1) // BN, G):
+            rows = t * BN + tl.arange(0, BN)
+            acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH)
+            tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
+            tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
+            tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
+    if PHASE == 0:
+        grid_barrier(cnt_ptr, G)
+    if PHASE == 0 or PHASE == 2:
+        _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, h_ptr, sh_ptr, idx_ptr, wt_ptr,
+                sc_ptr, s1_e, s1_r, s3_e, s3_r, scale, beta, linear_beta, G, p, dt, D, L, I, IS, E, K, BE, HAS_BIAS,
+                RENORM, HAS_RES, BN, BI, CH)
+    if PHASE == 0:
+        grid_barrier(cnt_ptr, 2 * G)
+    if PHASE == 0 or PHASE == 3:
+        _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt, L, I, K, BL, CH)
+    if PHASE == 0:
+        grid_barrier(cnt_ptr, 3 * G)
+    if PHASE == 0 or PHASE == 4:
+        _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt, D, L, HAS_NORM, BN, CH, BLN)
+    if PHASE == 0:
+        grid_done(cnt_ptr, G)
+
+
+@triton.jit
+def _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, h_ptr, sh_ptr, idx_ptr, wt_ptr, sc_ptr,
+            s1_e, s1_r, s3_e, s3_r, scale, beta, linear_beta, G, p, dt: tl.constexpr, D: tl.constexpr,
+            L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
+            HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr,
+            BI: tl.constexpr, CH: tl.constexpr):
+    """2. routed experts' gate / up (+ the choice) | shared experts' down (+ residual)."""
     NBI: tl.constexpr = (I + BI - 1) // BI
     NEXP: tl.constexpr = K * NBI
     ee = tl.arange(0, BE)
@@ -112,8 +140,12 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
             if HAS_RES:
                 sacc += tl.load(res_ptr + rs, mask=rs < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(sh_ptr + rs, sacc.to(dt), mask=rs < D)
-    grid_barrier(cnt_ptr, 2 * G)
-    # 3. routed experts' down projections, weighted and summed
+
+
+@triton.jit
+def _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt: tl.constexpr, L: tl.constexpr,
+            I: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr):
+    """3. routed experts' down projections, weighted and summed."""
     for t in range(p, (L + BL - 1) // BL, G):
         rows = t * BL + tl.arange(0, BL)
         acc = tl.zeros([BL], tl.float32)
@@ -122,8 +154,12 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
             wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
             acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH)
         tl.store(y_ptr + rows, acc.to(dt), mask=rows < L)
-    grid_barrier(cnt_ptr, 3 * G)
-    # 4. latent RMSNorm, up projection + the shared output
+
+
+@triton.jit
+def _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+            HAS_NORM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr):
+    """4. latent RMSNorm, up projection + the shared output."""
     if HAS_NORM:
         cl = tl.arange(0, BLN)
         yv = tl.load(y_ptr + cl, mask=cl < L, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -136,4 +172,3 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
         acc = tl.load(sh_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
         acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd)
         tl.store(out_ptr + rows, acc.to(dt), mask=rm)
-    grid_done(cnt_ptr, G)
