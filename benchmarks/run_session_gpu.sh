@@ -20,7 +20,8 @@
 #       benchmarks/probe/persistent_chain.py (96 decode GEMVs: graph kernels, one persistent kernel with grid
 #       barriers, its L2 prefetch ahead; PC=1, PC_ARGS for its options);
 #       benchmarks/probe/graph_branches.py (independent GEMVs of a layer side by side in the graph; GB=1);
-#       benchmarks/probe/moe_block.py (a batch-1 MoE as one persistent kernel vs the composed path; MB=1);
+#       benchmarks/probe/moe_block.py (a batch-1 MoE as one persistent kernel or four launches vs the composed path;
+#       MB=1, MB_ARGS=--split-only);
 #       benchmarks/kda_profile.py at the training shape 8 x 4096, H 12: the KDA kernels' launch settings, the
 #       column-block intra backward's among them (benchmarks/kda_train_variants.json; KIB=1);
 #       benchmarks/joined_proj.py (a KDA / MLA / MoE layer's training step, projections joined and separate; JP=1);
@@ -145,7 +146,7 @@ if [ "${GB:-0}" = 1 ]; then  # independent kernels of a layer on two streams of 
   grep -v -i warn "$OUT/graph_branches.log" | tail -4
 fi
 if [ "${MB:-0}" = 1 ]; then  # a batch-1 step's MoE as one persistent kernel, launch settings, vs the composed path
-  timeout ${MB_S:-150} python3 benchmarks/probe/moe_block.py --out "$OUT/moe_block.json" > "$OUT/moe_block.log" 2>&1 \
+  timeout ${MB_S:-150} python3 benchmarks/probe/moe_block.py ${MB_ARGS:-} --out "$OUT/moe_block.json" > "$OUT/moe_block.log" 2>&1 \
     || echo "moe block exit $?" >> "$OUT/moe_block.log"
   grep -v -i warn "$OUT/moe_block.log" | tail -16
 fi

@@ -3,7 +3,7 @@ GEMV, the routed experts' two kernels, the shared SiTU and down projection, the 
 against `k3.ops.moe_block`'s one persistent kernel under several launch settings. Each in a CUDA graph of 16
 layers' MoEs (their own weights: ≈ 16 × 24 MB read per replay, more than L2 holds), CUDA events around replays,
 median of --reps; checks every setting's output against the composed path's (relative RMS, bf16) and prints
-µs per layer with the weight bytes' time at 4.3 TB/s; also the block split into four launches (`moe_block.SPLIT`).
+µs per layer with the weight bytes' time at 4.3 TB/s; also the block split into four launches (`moe_block.SPLIT`, its tiles swept).
 --floor 1 (default): the three forms again at widths 128 / 64 / 64 (the same kernels, phases and barriers over
 ≈ 1 % of the bytes), the time a layer costs besides its reads.
 
@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--floor", type=int, default=1, help="1: also time both paths at tiny widths (the latency floor)")
+    ap.add_argument("--split-only", action="store_true", help="of the one-launch settings, only the default")
     ap.add_argument("--out", default="moe_block.json")
     a = ap.parse_args()
     cfg, mods = layers(a.layers)
@@ -88,11 +89,15 @@ def main() -> int:
     # the one-launch block (the default first and last: the drift over the sweep), its tiles at 2 and 4 programs
     # per SM; then the split form: the four phases as four launches (kernel boundaries instead of grid barriers)
     settings = [dict(bn=bn, bi=bi, bl=bl, per_sm=ps) for (bn, bi, bl), ps in itertools.product(tiles, (2, 4))]
-    split = [dict(bn=bn, bi=bi, bl=bl) for bn, bi, bl in [*tiles, (16, 16, 8), (4, 8, 2), (8, 16, 8)]]
+    split = [{}, *(dict(bn=bn, bi=bi, bl=bl) for bn, bi, bl in [(8, 8, 4), (2, 4, 4), (4, 4, 2), (4, 2, 4)]),
+             *(dict(bn=bn, bi=bi, bl=bl, warps=2) for bn, bi, bl in [(4, 4, 4), (2, 4, 4), (2, 2, 2)]),
+             dict(ch=512), dict(warps=8, ch=512)]
+    if a.split_only:
+        settings = []
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
     split0, moe_block.SPLIT = moe_block.SPLIT, True
     print("split into four launches:")
-    rows = launch_sweep(moe_block.LAUNCH, split, chain, a.reps, a.layers, base, floor, check)
+    rows = launch_sweep(moe_block.LAUNCH_SPLIT, split, chain, a.reps, a.layers, base, floor, check)
     result["rows"].update({"split " + k: v for k, v in rows.items()})
     moe_block.SPLIT = split0
     result["rows"].update(launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check))

@@ -1,4 +1,4 @@
-"""Exit 0 when `probe/moe_block.py`'s JSON shows the split MoE block (four launches, default tiles) faster than the
+"""Exit 0 when `probe/moe_block.py`'s JSON shows the split MoE block (four launches, `LAUNCH_SPLIT`'s default tiles) faster than the
 one-launch block by more than --margin µs per layer, else 1: a device call runs `benchmarks/serve.py` (which times
 both forms in one run) only then.
 
@@ -19,7 +19,7 @@ def main() -> int:
     rows = json.load(open(a.json))["rows"]
     timed = {k: v["us_per_unit"] for k, v in rows.items() if "us_per_unit" in v}
     one = [v for k, v in timed.items() if k.startswith("bn8 bi8 bl4 ")]
-    split = [v for k, v in timed.items() if k.startswith("split bn8 bi8 bl4 ")]
+    split = [v for k, v in timed.items() if k.startswith("split bn4 bi4 bl4 ch256 warps4")]
     if not one or not split:
         print(f"gate: missing rows (one-launch {len(one)}, split {len(split)})")
         return 1

@@ -33,9 +33,11 @@ ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") =
 # bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
 LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True}
 # SPLIT (K3_MOE_BLOCK_SPLIT; read at each call): the four phases as four launches of the same kernel, a program per
-# tile, with kernel boundaries (and programmatic dependent launch) instead of grid barriers; `per_sm` and `coop`
-# then do not apply. Off until timed: `probe/moe_block.py` and `benchmarks/serve.py` time both forms.
+# tile, with kernel boundaries (and programmatic dependent launch) instead of grid barriers, under LAUNCH_SPLIT's
+# tiles. `probe/moe_block.py` (H100, 2026-12-05, 16 layers in a graph): 23.48 µs per layer at tiles 4 / 4 / 4
+# against 25.57 for the one launch (its latency floor 9.35 against 14.63 µs). Off until `serve.py` times it.
 SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "0") == "1"
+LAUNCH_SPLIT = {"bn": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -79,7 +81,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
     import triton
 
     from .moe_block_triton import moe_block_kernel
-    c = LAUNCH
+    c = LAUNCH_SPLIT if SPLIT else LAUNCH
     nw, eps = norm if norm is not None else (x, 0.0)
     cdiv = triton.cdiv
     # (phase, programs): one persistent launch with barriers, or one launch per phase with a program per tile
@@ -95,7 +97,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
             BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
             HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
             BLN=triton.next_power_of_2(L), PHASE=phase, num_warps=c["warps"],
-            **cooperative(x, c["coop"] and phase == 0), **pdl(x))
+            **cooperative(x, phase == 0 and c["coop"]), **pdl(x))
     return out, idx, wt, scores
 
 
