@@ -88,6 +88,7 @@ def test_block_leaves_its_counters_at_zero_and_takes_one_row_only(monkeypatch):
     dev = _device_or_skip()
     moe = _moe(4, torch.float32, dev)
     monkeypatch.setattr(moe_block, "ON", True)
+    monkeypatch.setattr(moe_block, "SPLIT", False)  # the one launch: the form with barriers and counters
     D = moe.routed_expert_up_proj.weight.shape[0]
     with torch.no_grad():
         moe(torch.randn(1, D, device=dev))

@@ -1,10 +1,13 @@
 """A batch-1 decode step's whole LatentMoE (joined input projection, routing, routed experts, shared experts,
-latent norm, up projection, residual) as ONE persistent kernel (`moe_block_triton.py`).
+latent norm, up projection, residual) as one kernel in four phases (`moe_block_triton.py`): by default four
+launches of it, one per phase (`SPLIT`), else one persistent launch whose phases meet at grid barriers.
 
 Why: at batch 1 the MoE of a k3-small layer is eight short kernels (the joined GEMV, the routed experts' two, the
 shared experts' SiTU and down projection, the latent norm, the up projection) whose time is mostly each kernel's
-fixed cost, not the ≈ 24 MB they read. One kernel whose programs stay resident and meet at three grid barriers
-(`k3.ops._triton_jit.grid_barrier`) pays that cost once.
+fixed cost, not the ≈ 24 MB they read. Four phases are the fewest the data dependences allow. As one persistent
+launch, programs meeting at three grid barriers (`k3.ops._triton_jit.grid_barrier`), a layer costs 14.6 µs besides
+its reads on an H100; as four launches chained by programmatic dependent launch, 8.7-9.4 µs (the latency floor of
+`probe/moe_block.py`: every width shrunk to ≈ 1 % of the bytes).
 
 `moe_block_decode` is the one dispatch point; its reference is the composed path it replaces (`LatentMoE.forward`'s
 joined inference branch: `linear_fp32_tail`, `experts_decode_routed`, `SituMLP.down`, `linear` with the norm),
@@ -12,10 +15,11 @@ which `tests/test_moe_block.py` compares against. The values differ from that pa
 sums (and the shared SiTU-GLU's exact tanh where the separate kernel may use the hardware's on a GPU).
 
 `ON` (K3_MOE_BLOCK; read at each call) is on by default where CUDA is: on the H200 (2026-12-05) `benchmarks/serve.py`
-took the batch-1 step from 1.09 to 1.04 ms with it, and `probe/moe_block.py` timed 23.2 against 25.7 µs per layer.
-Its launch is cooperative (`LAUNCH["coop"]`), so the driver guarantees the programs' co-residency the barriers need
-or refuses. On a CPU (K3_MOE_BLOCK=1 or the tests) the kernel runs under Triton's interpreter with one program (the
-interpreter runs programs one after another, so a grid barrier among several could only time out).
+took the batch-1 step from 1.09 to 1.04 ms with it (the one launch), and `probe/moe_block.py` timed 23.2 against
+25.7 µs per layer. The one launch is cooperative (`LAUNCH["coop"]`), so the driver guarantees the programs'
+co-residency the barriers need or refuses. On a CPU (K3_MOE_BLOCK=1 or the tests) the kernel runs under Triton's
+interpreter: split, with a program per tile; as one launch, with one program (the interpreter runs programs one
+after another, so a grid barrier among several could only time out).
 """
 from __future__ import annotations
 
@@ -32,11 +36,12 @@ ON = os.environ.get("K3_MOE_BLOCK", "1" if torch.cuda.is_available() else "0") =
 # H200 it costs 0.3-0.5 µs per layer). `probe/moe_block.py` (H200, 2026-12-05, 16 layers in a graph, 12 settings):
 # bn 8, bi 8, bl 4, 4 per SM 23.2 µs per layer against 25.7 for the composed path; the other settings 25.5-54.5
 LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop": True}
-# SPLIT (K3_MOE_BLOCK_SPLIT; read at each call): the four phases as four launches of the same kernel, a program per
-# tile, with kernel boundaries (and programmatic dependent launch) instead of grid barriers, under LAUNCH_SPLIT's
-# tiles. `probe/moe_block.py` (H100, 2026-12-05, 16 layers in a graph): 23.48 µs per layer at tiles 4 / 4 / 4
-# against 25.57 for the one launch (its latency floor 9.35 against 14.63 µs). Off until `serve.py` times it.
-SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "0") == "1"
+# SPLIT (K3_MOE_BLOCK_SPLIT, default on; read at each call): the four phases as four launches of the same kernel, a
+# program per tile, with kernel boundaries (and programmatic dependent launch) instead of grid barriers, under
+# LAUNCH_SPLIT's tiles. `probe/moe_block.py` (H100, 2026-12-05, 16 layers in a graph, two runs): 23.48 / 23.71 µs
+# per layer at tiles 4 / 4 / 4 against 25.57 / 25.70 for the one launch (latency floor 9.35 / 8.72 against
+# 14.63 / 14.67 µs); `serve.py`'s batch-1 step 1.14 against 1.15 ms in the same run.
+SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "1") == "1"
 LAUNCH_SPLIT = {"bn": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
