@@ -5,7 +5,8 @@ layers' MoEs (their own weights: ≈ 16 × 24 MB read per replay, more than L2 h
 median of --reps; checks every setting's output against the composed path's (relative RMS, bf16) and prints
 µs per layer with the weight bytes' time at 4.3 TB/s; also the block split into four launches (`moe_block.SPLIT`, its tiles swept).
 --floor 1 (default): the three forms again at widths 128 / 64 / 64 (the same kernels, phases and barriers over
-≈ 1 % of the bytes), the time a layer costs besides its reads.
+≈ 1 % of the bytes), the time a layer costs besides its reads. --phases 1 (default): the split form's phases
+timed as prefixes (1, 1-2, 1-3, 1-4), each phase's µs and the rate its weights stream at, full width and tiny.
 
     python benchmarks/probe/moe_block.py --out moe_block.json
 """
@@ -52,6 +53,33 @@ def read_bytes(cfg) -> int:
     return 2 * ((L + 2 * IS + E) * D + K * 3 * I * L + D * IS + D * L)
 
 
+def phase_bytes(cfg) -> list[int]:
+    """Weight bytes of the split form's four phases at one row (they sum to `read_bytes`)."""
+    D, L, I = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    IS, E, K = cfg.num_shared_experts * cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_token
+    return [2 * (L + 2 * IS + E) * D, 2 * (K * 2 * I * L + D * IS), 2 * K * L * I, 2 * D * L]
+
+
+def phase_times(chain, reps: int, layers: int, cfg) -> dict:
+    """µs per layer of the split form run up to phase p (p = 1..4) and each phase's difference from the prefix
+    before it, with the rate its weight bytes then stream at."""
+    split0, phases0 = moe_block.SPLIT, moe_block.PHASES
+    out, prev = {}, 0.0
+    try:
+        moe_block.SPLIT = True
+        for p, nbytes in zip(range(1, 5), phase_bytes(cfg)):
+            moe_block.PHASES = p
+            t = graph_us(chain, reps) / layers
+            out[f"phases 1-{p}"] = {"us_per_layer": t, "phase_us": t - prev, "phase_bytes": nbytes,
+                                    "tb_per_s": nbytes / max(t - prev, 1e-3) / 1e6}
+            print(f"split, phases 1-{p}: {t:6.2f} µs per layer; phase {p} {t - prev:5.2f} µs for "
+                  f"{nbytes / 1e6:4.1f} MB ({nbytes / max(t - prev, 1e-3) / 1e6:4.2f} TB/s)", flush=True)
+            prev = t
+    finally:
+        moe_block.SPLIT, moe_block.PHASES = split0, phases0
+    return out
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -59,6 +87,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--floor", type=int, default=1, help="1: also time both paths at tiny widths (the latency floor)")
     ap.add_argument("--split-only", action="store_true", help="of the one-launch settings, only the default")
+    ap.add_argument("--phases", type=int, default=1, help="1: also time the split form's phases (prefixes)")
     ap.add_argument("--out", default="moe_block.json")
     a = ap.parse_args()
     cfg, mods = layers(a.layers)
@@ -101,6 +130,8 @@ def main() -> int:
     result["rows"].update({"split " + k: v for k, v in rows.items()})
     moe_block.SPLIT = split0
     result["rows"].update(launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check))
+    if a.phases:  # the split form's phases 1, 1-2, 1-3, 1-4: each phase's time and its bytes' share of it
+        result["rows"]["phases"] = phase_times(chain, a.reps, a.layers, cfg)
     if a.floor:  # the same phases and barriers over ≈ 1 % of the bytes: what the block costs besides reading
         tiny, tmods = layers(a.layers, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64)
         tx = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
@@ -118,6 +149,8 @@ def main() -> int:
         print(f"latency floor (widths 128 / 64 / 64, {row['bytes_per_layer'] / 1e3:.0f} KB per layer): composed "
               f"{row['composed_us']:.2f} µs, block {row['block_us']:.2f} µs, split block {row['split_us']:.2f} µs "
               "per layer", flush=True)
+        if a.phases:
+            result["rows"]["latency_floor_phases"] = phase_times(tiny_chain, a.reps, a.layers, tiny)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

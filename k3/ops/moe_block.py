@@ -43,6 +43,10 @@ LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop":
 # 14.63 / 14.67 µs); `serve.py`'s batch-1 step 1.14 against 1.15 ms in the same run.
 SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "1") == "1"
 LAUNCH_SPLIT = {"bn": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
+# the split form launches phases 1..PHASES: fewer only for `probe/moe_block.py --phases`, which times the prefixes
+# 1, 1-2, 1-3 and 1-4 (each phase reads what the ones before it wrote, so only prefixes are safe; the output of a
+# shorter prefix is incomplete)
+PHASES = 4
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -91,7 +95,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
     cdiv = triton.cdiv
     # (phase, programs): one persistent launch with barriers, or one launch per phase with a program per tile
     grids = ([(p, n) for p, n in ((1, cdiv(L + 2 * IS + E, c["bn"])), (2, K * cdiv(I, c["bi"]) + cdiv(D, c["bn"])),
-                                  (3, cdiv(L, c["bl"])), (4, cdiv(D, c["bn"])))] if SPLIT
+                                  (3, cdiv(L, c["bl"])), (4, cdiv(D, c["bn"])))][:PHASES] if SPLIT
              else [(0, sm_count(dev) * c["per_sm"] if x.is_cuda else 1)])
     for phase, G in grids:
         moe_block_kernel[(G,)](
