@@ -3,7 +3,8 @@ GEMV, the routed experts' two kernels, the shared SiTU and down projection, the 
 against `k3.ops.moe_block`'s one persistent kernel under several launch settings. Each in a CUDA graph of 16
 layers' MoEs (their own weights: ≈ 16 × 24 MB read per replay, more than L2 holds), CUDA events around replays,
 median of --reps; checks every setting's output against the composed path's (relative RMS, bf16) and prints
-µs per layer with the weight bytes' time at 4.3 TB/s; also the block split into four launches (`moe_block.SPLIT`, its tiles swept).
+µs per layer with the weight bytes' time at 4.3 TB/s; also the block split into four launches (`moe_block.SPLIT`,
+its tiles swept).
 --floor 1 (default): the three forms again at widths 128 / 64 / 64 (the same kernels, phases and barriers over
 ≈ 1 % of the bytes), the time a layer costs besides its reads. --phases 1 (default): the split form's phases
 timed as prefixes (1, 1-2, 1-3, 1-4), each phase's µs and the rate its weights stream at, full width and tiny.

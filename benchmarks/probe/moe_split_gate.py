@@ -1,6 +1,6 @@
-"""Exit 0 when `probe/moe_block.py`'s JSON shows the split MoE block (four launches, `LAUNCH_SPLIT`'s default tiles) faster than the
-one-launch block by more than --margin µs per layer, else 1: a device call runs `benchmarks/serve.py` (which times
-both forms in one run) only then.
+"""Exit 0 when `probe/moe_block.py`'s JSON shows the split MoE block (four launches, `LAUNCH_SPLIT`'s default
+tiles) faster than the one-launch block by more than --margin µs per layer, else 1: a device call runs
+`benchmarks/serve.py` (which times both forms in one run) only then.
 
     python benchmarks/probe/moe_split_gate.py moe_block.json --margin 1.0
 """
