@@ -84,6 +84,19 @@ def test_block_without_norm_or_bias_and_other_top_k(monkeypatch):
         assert torch.equal(ia.cpu(), ib.cpu()) and rel_rmse(yb, ya) <= 2e-6, over
 
 
+def test_split_block_with_other_tiles_per_phase(monkeypatch):
+    """The split form with different row tiles in each phase (phase 1's last tile ragged: k3-tiny's 328 joined
+    input rows in tiles of 16) equals the composed path in fp32."""
+    dev = _device_or_skip()
+    monkeypatch.setattr(moe_block, "SPLIT", True)
+    for k, v in dict(bn1=16, bn2=2, bn4=8, bi=8, bl=2).items():
+        monkeypatch.setitem(moe_block.LAUNCH_SPLIT, k, v)
+    moe = _moe(5, torch.float32, dev)
+    x = torch.randn(1, moe.routed_expert_up_proj.weight.shape[0], generator=torch.Generator().manual_seed(5)).to(dev)
+    (ya, ia, _), (yb, ib, _) = _both(moe, x, None, monkeypatch)
+    assert torch.equal(ia.cpu(), ib.cpu()) and rel_rmse(yb, ya) <= 2e-6
+
+
 def test_block_leaves_its_counters_at_zero_and_takes_one_row_only(monkeypatch):
     dev = _device_or_skip()
     moe = _moe(4, torch.float32, dev)

@@ -19,7 +19,7 @@ def main() -> int:
     rows = json.load(open(a.json))["rows"]
     timed = {k: v["us_per_unit"] for k, v in rows.items() if "us_per_unit" in v}
     one = [v for k, v in timed.items() if k.startswith("bn8 bi8 bl4 ")]
-    split = [v for k, v in timed.items() if k.startswith("split bn4 bi4 bl4 ch256 warps4")]
+    split = [v for k, v in timed.items() if k.startswith("split bn14 bn24 bn44 bi4 bl4 ch256 warps4")]
     if not one or not split:
         print(f"gate: missing rows (one-launch {len(one)}, split {len(split)})")
         return 1

@@ -42,7 +42,9 @@ LAUNCH = {"bn": 8, "bi": 8, "bl": 4, "ch": 256, "warps": 4, "per_sm": 4, "coop":
 # per layer at tiles 4 / 4 / 4 against 25.57 / 25.70 for the one launch (latency floor 9.35 / 8.72 against
 # 14.63 / 14.67 µs); `serve.py`'s batch-1 step 1.14 against 1.15 ms in the same run.
 SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "1") == "1"
-LAUNCH_SPLIT = {"bn": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
+# Its tiles per phase: rows of the joined input (bn1), of the shared experts' down projection (bn2) and of the up
+# projection (bn4); the experts' gate / up rows (bi) and down rows (bl)
+LAUNCH_SPLIT = {"bn1": 4, "bn2": 4, "bn4": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
 # the split form launches phases 1..PHASES: fewer only for `probe/moe_block.py --phases`, which times the prefixes
 # 1, 1-2, 1-3 and 1-4 (each phase reads what the ones before it wrote, so only prefixes are safe; the output of a
 # shorter prefix is incomplete)
@@ -93,18 +95,21 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
     c = LAUNCH_SPLIT if SPLIT else LAUNCH
     nw, eps = norm if norm is not None else (x, 0.0)
     cdiv = triton.cdiv
-    # (phase, programs): one persistent launch with barriers, or one launch per phase with a program per tile
-    grids = ([(p, n) for p, n in ((1, cdiv(L + 2 * IS + E, c["bn"])), (2, K * cdiv(I, c["bi"]) + cdiv(D, c["bn"])),
-                                  (3, cdiv(L, c["bl"])), (4, cdiv(D, c["bn"])))][:PHASES] if SPLIT
-             else [(0, sm_count(dev) * c["per_sm"] if x.is_cuda else 1)])
-    for phase, G in grids:
+    # (phase, programs, BN): one persistent launch with barriers, or one launch per phase with a program per tile
+    if SPLIT:
+        bn1, bn2, bn4 = c["bn1"], c["bn2"], c["bn4"]
+        grids = [(1, cdiv(L + 2 * IS + E, bn1), bn1), (2, K * cdiv(I, c["bi"]) + cdiv(D, bn2), bn2),
+                 (3, cdiv(L, c["bl"]), bn2), (4, cdiv(D, bn4), bn4)][:PHASES]
+    else:
+        grids = [(0, sm_count(dev) * c["per_sm"] if x.is_cuda else 1, c["bn"])]
+    for phase, G, bn in grids:
         moe_block_kernel[(G,)](
             x, x if residual is None else residual, out, w_in, w1, w3, w2, w_shared_down, w_up, nw,
             z if bias is None else bias, lat, gu, z, h, y, sh, idx, wt, scores, counters,
             w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), w2.stride(0), w2.stride(1),
             float(scaling_factor), float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
             BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-            HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=c["bn"], BI=c["bi"], BL=c["bl"], CH=c["ch"],
+            HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=bn, BI=c["bi"], BL=c["bl"], CH=c["ch"],
             BLN=triton.next_power_of_2(L), PHASE=phase, num_warps=c["warps"],
             **cooperative(x, phase == 0 and c["coop"]), **pdl(x))
     return out, idx, wt, scores
