@@ -64,6 +64,59 @@ def test_gemv_fp32_tail_matches_fp64(M, N, tail, dtype):
         assert a.dtype == b.dtype and rel_rmse(a.double(), b.cpu()) <= (1e-6 if a.dtype == torch.float32 else 8e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,row", [(37, 70, (4, 32, 4)), (130, 300, (8, 128, 2)), (96, 33, (4, 256, 4))])
+def test_gemv_row_form_matches_fp64(N, K, row, dtype):
+    """The one-row form (`gemv_row_kernel`): ragged row tiles and column chunks (a chunk wider than K included),
+    with and without an accumulator and an fp32 tail; fp32 sums of exact products, within 1e-6 of fp64 before the
+    output's rounding. `ROW` on takes it for one plain row; a prologue or several rows with it are refused."""
+    g = rng(N * 7 + K)
+    x = torch.randn(1, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    add = torch.randn(1, N, generator=g).to(dtype)
+    ref = F.linear(x.double(), w.double())
+    xd, wd, ad = x.to(DEV), w.to(DEV), add.to(DEV)
+    with torch.no_grad():
+        for out in (None, torch.float32):
+            y = gemv_triton.gemv(xd, wd, out, row=row)
+            assert y.dtype == (out or dtype) and y.shape == (1, N)
+            assert rel_rmse(ref, y.cpu()) <= (1e-6 if y.dtype == torch.float32 else 8e-3)
+        y = gemv_triton.gemv(xd, wd, torch.float32, add=ad, row=row)
+        assert rel_rmse(ref + add.double(), y.cpu()) <= 1e-6
+        y, t = gemv_triton.gemv(xd, wd, fp32_tail=5, row=row)
+        assert t.dtype == torch.float32 and rel_rmse(ref[:, -5:], t.cpu()) <= 1e-6
+        assert y.shape == (1, N - 5) and rel_rmse(ref[:, :-5], y.cpu()) <= (1e-6 if dtype == torch.float32 else 8e-3)
+        with pytest.raises(ValueError, match="one-row form"):
+            gemv_triton.gemv(torch.cat([xd, xd]), wd, row=row)
+        with pytest.raises(ValueError, match="one-row form"):
+            gemv_triton.gemv(xd, wd, gate=xd, row=row)
+
+
+def test_gemv_row_switch(monkeypatch):
+    """With `ROW` on, one plain row within `ROW_LAUNCH`'s widths takes the row kernel (its launch recorded), and the
+    result equals an explicit row launch bitwise; several rows, a prologue or a wider output keep the MMA form."""
+    launched = []
+    real = gemv_triton.gemv_row_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+    monkeypatch.setattr(gemv_triton, "gemv_row_kernel", Spy())
+    monkeypatch.setattr(gemv_triton, "ROW", True)
+    monkeypatch.setattr(gemv_triton, "ROW_LAUNCH", ((64, (4, 64, 4)),))
+    g = rng(3)
+    x, w = torch.randn(1, 48, generator=g).to(DEV), torch.randn(40, 48, generator=g).to(DEV)
+    with torch.no_grad():
+        a = gemv_triton.gemv(x, w)
+        b = gemv_triton.gemv(x, w, row=(4, 64, 4))
+        assert len(launched) == 2 and torch.equal(a, b)
+        gemv_triton.gemv(torch.cat([x, x]), w)
+        gemv_triton.gemv(x, w, gate=x)
+        gemv_triton.gemv(x, torch.randn(80, 48, generator=g).to(DEV))  # wider than ROW_LAUNCH's 64
+    assert len(launched) == 2
+
+
 def test_gemv_reads_strided_weights_and_keeps_leading_dims():
     """A weight that is a row slice of a wider matrix (row stride > K) and x [B, T, K] → [B, T, N]."""
     g = rng(7)
@@ -137,6 +190,32 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
         assert gemv.fits(x, w)
         assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
         assert rel_rmse(F.linear(x, w).double(), gemv.linear(x, w)) <= 8e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("N,K", [(6336, 1536), (512, 1536), (320, 1536), (1536, 1024), (1536, 128), (12288, 1536)])
+def test_cuda_row_form_bf16(N, K, monkeypatch):
+    """The one-row form at k3-small's decode shapes in bf16 (`ROW` on, its default launch): fp32 output within 1e-5
+    of fp64, bf16 within one rounding of cuBLAS; a CUDA graph of it replays bitwise equal to eager."""
+    monkeypatch.setattr(gemv_triton, "ROW", True)
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    with torch.no_grad():
+        assert gemv_triton.row_launch(N) is not None
+        ref = F.linear(x.double(), w.double())
+        assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
+        eager = gemv.linear(x, w)
+        assert rel_rmse(F.linear(x, w).double(), eager) <= 8e-3
+        graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(graph):
+            out = gemv.linear(x, w)
+        torch.cuda.current_stream().wait_stream(s)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 def test_linear_with_an_accumulator_matches_addmm():

@@ -61,23 +61,24 @@ def phase_bytes(cfg) -> list[int]:
     return [2 * (L + 2 * IS + E) * D, 2 * (K * 2 * I * L + D * IS), 2 * K * L * I, 2 * D * L]
 
 
-def phase_times(chain, reps: int, layers: int, cfg) -> dict:
-    """µs per layer of the split form run up to phase p (p = 1..4) and each phase's difference from the prefix
-    before it, with the rate its weight bytes then stream at."""
-    split0, phases0 = moe_block.SPLIT, moe_block.PHASES
+def phase_times(chain, reps: int, layers: int, cfg, x2d: bool) -> dict:
+    """µs per layer of the split form (with `X2D` = x2d) run up to phase p (p = 1..4) and each phase's difference
+    from the prefix before it, with the rate its weight bytes then stream at."""
+    split0, phases0, x2d0 = moe_block.SPLIT, moe_block.PHASES, moe_block.X2D
     out, prev = {}, 0.0
     try:
-        moe_block.SPLIT = True
+        moe_block.SPLIT, moe_block.X2D = True, x2d
         for p, nbytes in zip(range(1, 5), phase_bytes(cfg)):
             moe_block.PHASES = p
             t = graph_us(chain, reps) / layers
             out[f"phases 1-{p}"] = {"us_per_layer": t, "phase_us": t - prev, "phase_bytes": nbytes,
                                     "tb_per_s": nbytes / max(t - prev, 1e-3) / 1e6}
-            print(f"split, phases 1-{p}: {t:6.2f} µs per layer; phase {p} {t - prev:5.2f} µs for "
-                  f"{nbytes / 1e6:4.1f} MB ({nbytes / max(t - prev, 1e-3) / 1e6:4.2f} TB/s)", flush=True)
+            print(f"split{' X2D' if x2d else ''}, phases 1-{p}: {t:6.2f} µs per layer; phase {p} "
+                  f"{t - prev:5.2f} µs for {nbytes / 1e6:4.1f} MB ({nbytes / max(t - prev, 1e-3) / 1e6:4.2f} TB/s)",
+                  flush=True)
             prev = t
     finally:
-        moe_block.SPLIT, moe_block.PHASES = split0, phases0
+        moe_block.SPLIT, moe_block.PHASES, moe_block.X2D = split0, phases0, x2d0
     return out
 
 
@@ -89,6 +90,7 @@ def main() -> int:
     ap.add_argument("--floor", type=int, default=1, help="1: also time both paths at tiny widths (the latency floor)")
     ap.add_argument("--split-only", action="store_true", help="of the one-launch settings, only the default")
     ap.add_argument("--phases", type=int, default=1, help="1: also time the split form's phases (prefixes)")
+    ap.add_argument("--x2d-one", type=int, default=1, help="1: also time the one launch with X2D")
     ap.add_argument("--out", default="moe_block.json")
     a = ap.parse_args()
     cfg, mods = layers(a.layers)
@@ -122,18 +124,27 @@ def main() -> int:
     # the split form's tiles one phase at a time around its defaults (session 34 on an H100, all phases together:
     # 4 / 4 / 4 23.71 µs, 8 / 8 / 4 25.08, 2 / 4 / 4 31.08, 4 / 4 / 2 26.18, 4 / 2 / 4 29.08; 2 warps or CH 512 slower)
     split = [{}, dict(bn1=8), dict(bn1=2), dict(bn2=8), dict(bn2=2), dict(bn4=8), dict(bn4=2), dict(bi=8),
-             dict(bl=8), dict(bn1=8, bn2=8, bn4=8, bi=8), {}]
+             dict(bl=8), dict(bn1=8, bn2=8, bn4=8, bi=8)]
     if a.split_only:
         settings = []
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
-    split0, moe_block.SPLIT = moe_block.SPLIT, True
-    print("split into four launches:")
-    rows = launch_sweep(moe_block.LAUNCH_SPLIT, split, chain, a.reps, a.layers, base, floor, check)
-    result["rows"].update({"split " + k: v for k, v in rows.items()})
-    moe_block.SPLIT = split0
+    split0, x2d0, moe_block.SPLIT = moe_block.SPLIT, moe_block.X2D, True
+    for x2d in (False, True):  # X2D: each projection's input read as a tile in the weights' layout
+        moe_block.X2D = x2d
+        print(f"split into four launches{', inputs as tiles (X2D)' if x2d else ''}:")
+        rows = launch_sweep(moe_block.LAUNCH_SPLIT, split, chain, a.reps, a.layers, base, floor, check)
+        result["rows"].update({f"split{' x2d' if x2d else ''} " + k: v for k, v in rows.items()})
+    moe_block.SPLIT, moe_block.X2D = split0, x2d0
+    if a.x2d_one:  # the one launch with X2D too
+        moe_block.X2D = True
+        print("one launch, inputs as tiles (X2D):")
+        rows = launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check)
+        result["rows"].update({"x2d " + k: v for k, v in rows.items()})
+        moe_block.X2D = x2d0
     result["rows"].update(launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check))
     if a.phases:  # the split form's phases 1, 1-2, 1-3, 1-4: each phase's time and its bytes' share of it
-        result["rows"]["phases"] = phase_times(chain, a.reps, a.layers, cfg)
+        for x2d in (False, True):
+            result["rows"][f"phases{' x2d' if x2d else ''}"] = phase_times(chain, a.reps, a.layers, cfg, x2d)
     if a.floor:  # the same phases and barriers over ≈ 1 % of the bytes: what the block costs besides reading
         tiny, tmods = layers(a.layers, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64)
         tx = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
@@ -152,7 +163,9 @@ def main() -> int:
               f"{row['composed_us']:.2f} µs, block {row['block_us']:.2f} µs, split block {row['split_us']:.2f} µs "
               "per layer", flush=True)
         if a.phases:
-            result["rows"]["latency_floor_phases"] = phase_times(tiny_chain, a.reps, a.layers, tiny)
+            for x2d in (False, True):
+                result["rows"][f"latency_floor_phases{' x2d' if x2d else ''}"] = phase_times(
+                    tiny_chain, a.reps, a.layers, tiny, x2d)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

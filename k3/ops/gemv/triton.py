@@ -9,6 +9,8 @@ head, bf16 activations elsewhere).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,14 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 # 2026-12-03): within 6 % of the best of 7 settings on the shapes `linear` gives these tiles
 LAUNCH_WIDE = ((65536, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
 MAX_TILE_ROWS = 64
+# The one-row form (`gemv_row_kernel`; ROW, K3_GEMV_ROW=1, read at each call; off until timed): one row of x without
+# a prologue, BN rows of W per program summed on the CUDA cores, the input width a constexpr so that the chunk loop
+# unrolls and every load is issued at once -- the MoE block's phases' form, whose kernels cost 2.2 µs each besides
+# their reads against ≈ 3 µs for these MMA GEMVs (`probe/moe_block.py`, `probe/gemv.py`, H100, sessions 32-34). Its
+# 4-row tiles give 4x the programs of the 16-row MMA tiles (a 512-row projection: 128 programs on 132 SMs, not 32).
+# ROW_LAUNCH: (BN, CH, warps) by output width; wider outputs (the head) keep the MMA form.
+ROW = os.environ.get("K3_GEMV_ROW", "0") == "1"
+ROW_LAUNCH = ((16384, (4, 256, 4)),)
 
 
 @triton.jit
@@ -106,6 +116,40 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, a_ptr, g_ptr, nw_ptr, M, N, K, sx, sw, sy, 
     tl.store(y_ptr + m[:, None] * sy + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
 
 
+@triton.jit
+def gemv_row_kernel(x_ptr, w_ptr, y_ptr, a_ptr, t_ptr, N, sw, K: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
+                    HAS_ADD: tl.constexpr, NT: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """One row: program p writes outputs [p·BN, (p+1)·BN) = W[rows] · x (+ add) in fp32, summed over K in CH-column
+    chunks on the CUDA cores (exact fp32 products); NT > 0: outputs N − NT … N − 1 to t_ptr in fp32, unrounded, the
+    others rounded to y's dtype (as `gemv_kernel`)."""
+    pdl_sync(PDL)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = rows < N
+    r64 = rows[:, None].to(tl.int64) * sw
+    acc = tl.zeros([BN], tl.float32)
+    zero = tl.zeros([BN, 1], tl.int32)
+    for c0 in tl.static_range(0, K, CH):
+        cols = c0 + tl.arange(0, CH)
+        cm = cols < K
+        # x read as a [BN, CH] tile (the same row for every output row: L1 hits) in W's layout, not as [CH]
+        # broadcast: that would go through shared memory with a barrier per chunk, which waits for x's load and so
+        # serialises the chunks' weight loads behind one cache round trip each
+        x = tl.load(x_ptr + (zero + cols[None, :]), mask=(zero == 0) & cm[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + r64 + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x, 1)
+    if HAS_ADD:
+        acc += tl.load(a_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    if NT > 0:
+        tl.store(t_ptr + (rows - (N - NT)), acc, mask=rm & (rows >= N - NT))
+        rm = rm & (rows < N - NT)
+    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rm)
+
+
+def row_launch(n: int) -> tuple[int, int, int] | None:
+    """(BN, CH, warps) of the one-row form for an output width n, or None where the MMA form stays."""
+    return next((c for limit, c in ROW_LAUNCH if n <= limit), None)
+
+
 def interpreted() -> bool:
     """True when the kernel was bound to Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return _interpreted(gemv_kernel)
@@ -125,12 +169,14 @@ def launch(n: int, k: int | None = None, rows: int = 16) -> tuple[int, int, int,
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0):
+         norm: tuple | None = None, glu: tuple[float, float] | None = None, fp32_tail: int = 0,
+         row: tuple[int, int, int] | None = None):
     """x [..., K] (≤ 64 rows), w [N, K] (unit column stride) → prologue(x) w^T (+ add) [..., N] in `out_dtype`
     (x's dtype by default), fp32 accumulation. Prologue (see `k3.ops.gemv.linear`): glu (β, linear β) with x
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
-    the last t output columns unrounded (no add then)."""
+    the last t output columns unrounded (no add then). One row without a prologue takes `gemv_row_kernel` with
+    `ROW` on (launch `row_launch(N)`) or when `row` (BN, CH, warps) is given."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -155,7 +201,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         if group and (K % group or group & (group - 1) or group < 16):
             raise ValueError(f"gemv: norm groups of {group} columns must be a power of two ≥ 16 dividing K = {K}")
     beta, linear_beta = glu if glu is not None else (0.0, 0.0)
-    if M and N:
+    plain_row = M == 1 and norm is None and glu is None and gate is None and config is None
+    if row is not None and not plain_row:
+        raise ValueError(f"gemv: the one-row form takes one row without a prologue or config, got {M} rows"
+                         f"{', a prologue' if norm is not None or glu is not None or gate is not None else ''}")
+    row = row or (row_launch(N) if ROW and plain_row else None)
+    if row is not None and N:
+        bn, ch, warps = row
+        gemv_row_kernel[(triton.cdiv(N, bn),)](
+            x2, w, y, a, t, N, w.stride(0), K=K, BN=bn, CH=min(ch, triton.next_power_of_2(K)),
+            HAS_ADD=add is not None, NT=fp32_tail, num_warps=warps, **pdl(x2))
+    elif M and N:
         BM = tile_rows(M)
         bn, ch, warps, stages = config or launch(N, K, BM)
         if group:  # whole groups per chunk (a chunk of one 128-column head took 2.8x as long: 12 serial chunks)
