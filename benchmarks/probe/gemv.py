@@ -2,7 +2,8 @@
 against the GEMV kernel (`k3.ops.gemv`) in several launch settings, at every weight shape of a k3-small decode
 step and 1 / 4 / 16 rows (`--rows 32 64`: the wide tiles of a prefix hit's tail or a decode batch). Each path runs
 `R` calls in one CUDA graph over enough weight copies that the L2 cache (50 MB) holds none of them from the call
-before; µs per call (median of 50 replays) and the weight bytes per call as a bandwidth.
+before; µs per call (median of 50 replays) and the weight bytes per call as a bandwidth. At one row also the
+one-row CUDA-core form (`gemv_row_kernel`) in several launch settings ("gemv row ...").
 
     python benchmarks/probe/gemv.py --out gemv.json
 """
@@ -29,7 +30,12 @@ SHAPES = {  # (N, K) of k3-small's projections in a decode step
     "dense gate_up": (12288, 1536), "dense down": (1536, 6144),
 }
 CONFIGS = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3),
-           (128, 128, 8, 3)]
+           (128, 128, 8, 3),
+           # 4 stages of 512 columns: every chunk of a K = 1,536 row in flight at once (with 3 stages the third
+           # chunk's loads wait for the first chunk to land: the sm_90a code's LDGDEPBAR / DEPBAR order)
+           (16, 512, 4, 4), (32, 512, 4, 4)]
+# the one-row form (`gemv_row_kernel`, `ROW`): (BN, CH, warps), at one row on the shapes it takes (≤ 16,384 outputs)
+ROW_CONFIGS = [(4, 256, 4), (8, 256, 4), (2, 256, 2), (4, 512, 4), (8, 512, 8)]
 # for 17-64 rows (MMA tiles of 32 / 64 rows): narrower chunks (the x tile and the weight chunk per stage in shared
 # memory)
 CONFIGS_WIDE = [(16, 128, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3),
@@ -60,6 +66,9 @@ def main():
                     paths = {"cublas": lambda w: F.linear(x, w)}
                 for c in CONFIGS if M <= 16 else CONFIGS_WIDE:
                     paths[f"gemv {c}"] = lambda w, c=c: gemv.gemv(x, w, out, config=c)
+                if M == 1 and gemv.row_launch(N) is not None:
+                    for c in ROW_CONFIGS:
+                        paths[f"gemv row {c}"] = lambda w, c=c: gemv.gemv(x, w, out, row=c)
                 r = dict(shape=name, N=N, K=K, M=M, mb=nbytes / 1e6)
                 for p, fn in paths.items():
                     try:
