@@ -1,7 +1,8 @@
 """`moe_block_decode`'s kernel (see `moe_block.py`): a batch-1 decode step's whole LatentMoE in one launch of G
 persistent programs (all resident: at most the SMs × the programs that fit on each), four phases apart by grid
-barriers. Each phase shares its row tiles out over the programs (tile t to program t mod G); every tile issues all
-its weight loads at once (the widths are constexprs: the chunk loops unroll), as `moe_decode`'s kernels do.
+barriers. Each phase shares its row tiles out over the programs (tile t to program t mod G). The widths are
+constexprs, so the chunk loops unroll; whether a tile's weight loads then go out at once depends on how it reads
+its input (`X2D` below: without it the sm_90a code waits for each chunk's input before that chunk's weight loads).
 
 1. the joined input projection (latent down ‖ shared gate ‖ up ‖ router): latent and gate ‖ up rounded to the
    activation dtype, the router's logits kept in fp32;
