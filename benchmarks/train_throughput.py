@@ -155,8 +155,9 @@ def bench(cfg, args, device) -> dict:
             opt.zero_grad(set_to_none=True)
         t = mark("optimizer", t, sync)
         with rf("phase:qk-clip+qb"):
-            clip.step()
-            bal.step()
+            if args.stats != "off":
+                clip.step(sync=args.stats == "sync")
+                bal.step(sync=args.stats == "sync")
         mark("qk-clip+qb", t, sync)
         return out.loss
 
@@ -202,7 +203,7 @@ def bench(cfg, args, device) -> dict:
     tps = tokens / (med / 1e3)
     peak_flops = PEAK_BF16.get(args.gpu_name, None)
     res = {"label": args.label, "batch": args.batch, "seq_len": args.seq_len, "grad_ckpt": args.grad_ckpt,
-           "compile": args.compile, "fp8": args.fp8,
+           "compile": args.compile, "fp8": args.fp8, "stats": args.stats,
            "step_ms": med, "step_ms_all": times, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
            "mfu": (f["total"] * tps / peak_flops) if peak_flops else None,
            "mfu_with_mtp_head": ((f["total"] + f["mtp_head"]) * tps / peak_flops) if peak_flops else None,
@@ -242,6 +243,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional compile)")
     ap.add_argument("--clip", choices=("fold", "torch"), default="fold",
                     help="gradient clipping: folded into the optimizer step (as k3 train) or clip_grad_norm_ first")
+    ap.add_argument("--stats", choices=("sync", "async", "off"), default=os.environ.get("K3_BENCH_STATS", "sync"),
+                    help="QK-clip and QB after the step: as k3 train (sync: each reads its statistics back, one "
+                         "host sync each), without the reads (async), or not at all (off: what they cost, an upper "
+                         "bound); default from K3_BENCH_STATS")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
     ap.add_argument("--trace", default=None, help="with --profile: also write a Chrome trace (CPU ops with shapes)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
