@@ -1,6 +1,7 @@
 """Register / spill report of the Triton KDA kernels compiled for sm_90a, without a GPU (ptxas -v).
 
     python scripts/kda_regs.py            # every kernel at D = 128, bf16 inputs
+    python scripts/kda_regs.py --barriers # and where each kernel's CTA-wide barriers come from (source lines)
 Numbers come from the local Triton's code generation: to match the GPU machine, run it with that Triton
 (`pip download triton==3.6.0`, `pip install --no-deps --target /tmp/t36 ...`, `PYTHONPATH=/tmp/t36:.`).
 """
@@ -59,9 +60,10 @@ def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as fh:
             fh.write(k.asm["ptx"])
-        txt = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin], capture_output=True,
-                             text=True).stderr
+        txt = subprocess.run([PTXAS, "-v", "-lineinfo", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                             capture_output=True, text=True).stderr
         sass = _sass(cubin)
+        bars = barrier_lines(cubin)
     regs = re.search(r"Used (\d+) registers", txt)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
     smem = k.metadata.shared
@@ -71,7 +73,29 @@ def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
     if sass is not None:  # static SASS counts: all instructions, and the local-memory (spill) loads and stores
         ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
         out.update(instrs=len(ops), local=sum(o.split(".")[0] in ("LDL", "STL") for o in ops))
+    if bars is not None:  # CTA-wide barriers: each a round trip through shared memory (a layout conversion, a
+        out.update(bars=sum(bars.values()), bar_lines=bars)  # cross-warp reduction), by source line
     return out
+
+
+def barrier_lines(cubin: str) -> dict[str, int] | None:
+    """{"file:line": count} of the BAR instructions in a cubin built with `-lineinfo` (`nvdisasm -g`), or None where
+    the bundled nvdisasm is missing or fails. In Triton kernels most barriers are layout conversions through shared
+    memory: where tiles of two layouts meet, a dot's operands, a reduction over warps."""
+    tool = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
+    if not (os.path.exists(cubin) and os.path.exists(tool)):
+        return None
+    r = subprocess.run([tool, "-g", "-c", cubin], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    cur, out = "?", {}
+    for line in r.stdout.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            cur = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+        elif re.search(r"\bBAR(\.SYNC)?\b", line):
+            out[cur] = out.get(cur, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _sass(cubin: str) -> str | None:
@@ -127,8 +151,13 @@ def kernels():
 
 
 def main():
+    lines = "--barriers" in sys.argv[1:]  # also each kernel's barriers by source line
     for name, fn, types, consts, warps, opts in kernels():
-        print(f"{name:34s} warps={warps} {report(fn, types, consts, warps, **opts)}", flush=True)
+        r = report(fn, types, consts, warps, **opts)
+        where = r.pop("bar_lines", None)
+        print(f"{name:34s} warps={warps} {r}", flush=True)
+        if lines and where:
+            print("    barriers by line: " + ", ".join(f"{k} {v}" for k, v in where.items()), flush=True)
 
 
 if __name__ == "__main__":
