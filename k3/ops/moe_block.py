@@ -46,7 +46,7 @@ SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "1") == "1"
 # projection (bn4); the experts' gate / up rows (bi) and down rows (bl)
 LAUNCH_SPLIT = {"bn1": 4, "bn2": 4, "bn4": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
 # X2D (K3_MOE_BLOCK_X2D; read at each call; off until timed): both forms read each projection's input as a tile in
-# the weights' layout (`moe_block_triton._dot_rows`). As a vector broadcast over the rows, the sm_90a code (Triton
+# the weights' layout (`moe_block_triton.dot_rows`). As a vector broadcast over the rows, the sm_90a code (Triton
 # 3.6) passes it through shared memory with two barriers per 256-column chunk, and the barrier waits for the input's
 # load, so the chunks' weight loads go out one cache round trip apart; as a tile, the 12 loads of the joined input
 # projection's program go out back to back (SASS, no GPU timing yet).

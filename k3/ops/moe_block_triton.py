@@ -15,7 +15,7 @@ Values written in one phase are read in the next past L1 (`.cg`).
 
 PHASE = p (1-4) runs phase p alone, without barriers: the split form, four launches in a row with kernel boundaries
 (and programmatic dependent launch) in place of the grid barriers, any number of programs per launch.
-X2D: each projection reads its input as a tile in the weights' layout (`_dot_rows`), so the chunks' loads are not
+X2D: each projection reads its input as a tile in the weights' layout (`dot_rows`), so the chunks' loads are not
 serialised behind shared-memory barriers."""
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ from .situ.triton import situ_glu_value
 
 
 @triton.jit
-def _dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU: tl.constexpr = False,
+def dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU: tl.constexpr = False,
               beta=0.0, linear_beta=0.0, NORM: tl.constexpr = False, nw_ptr=None, rstd=1.0, X2D: tl.constexpr = False):
-    """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0). GLU: x[c] is
+    """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0); shared with
+    `k3.ops.gemv`'s one-row kernel. GLU: x[c] is
     SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection); NORM: x[c] · rstd · nw[c]
     rounded to W's dtype (an RMSNorm whose statistics the caller formed). The chunk loop unrolls; sums on the CUDA
     cores.
-    X2D: x is read as a [rows, CH] tile in W's layout (every row the same x: L1 hits) instead of a [CH] vector
+    X2D: x is read as a [rows, CH] tile in W's layout (every row the same x: cache hits) instead of a [CH] vector
     broadcast over the rows. The broadcast converts x's layout through shared memory with two barriers per chunk
     (sm_90a SASS, Triton 3.6), and a barrier waits for x's load, so each chunk's weight loads are issued only after
     a cache round trip for the chunk's x: the chunks' reads do not overlap."""
@@ -59,7 +60,7 @@ def _dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU:
 @triton.jit
 def _x_chunk(x_ptr, cols, cm, K: tl.constexpr, GLU: tl.constexpr, beta, linear_beta, NORM: tl.constexpr, nw_ptr,
              rstd, wdt: tl.constexpr):
-    """x[cols] in fp32 as `_dot_rows` multiplies it (read past L1: another program wrote it before a barrier);
+    """x[cols] in fp32 as `dot_rows` multiplies it (read past L1: another program wrote it before a barrier);
     cols and cm a [CH] vector or a [rows, CH] tile of column indices and their mask."""
     x = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
     if GLU:
@@ -87,7 +88,7 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
     if PHASE == 0 or PHASE == 1:
         for t in range(p, (RIN + BN - 1) // BN, G):
             rows = t * BN + tl.arange(0, BN)
-            acc = _dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, X2D=X2D)
+            acc = dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, X2D=X2D)
             tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
             tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
             tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
@@ -143,13 +144,13 @@ def _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, 
                 if k == 0:
                     tl.store(sc_ptr + ee, sc, mask=em)
             e64 = e.to(tl.int64)
-            g = _dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH, X2D=X2D)
-            u = _dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH, X2D=X2D)
+            g = dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH, X2D=X2D)
+            u = dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH, X2D=X2D)
             h = situ_glu_value(g, u, beta, linear_beta)
             tl.store(h_ptr + k * I + ri, h.to(dt), mask=ri < I)
         else:
             rs = (t - NEXP) * BN + tl.arange(0, BN)
-            sacc = _dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta, X2D=X2D)
+            sacc = dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta, X2D=X2D)
             if HAS_RES:
                 sacc += tl.load(res_ptr + rs, mask=rs < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(sh_ptr + rs, sacc.to(dt), mask=rs < D)
@@ -165,7 +166,7 @@ def _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt: tl.cons
         for kk in tl.static_range(K):
             e = tl.load(idx_ptr + kk, cache_modifier=".cg")
             wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
-            acc += wk * _dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH, X2D=X2D)
+            acc += wk * dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH, X2D=X2D)
         tl.store(y_ptr + rows, acc.to(dt), mask=rows < L)
 
 
@@ -183,5 +184,5 @@ def _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt: tl.constexpr
         rows = t * BN + tl.arange(0, BN)
         rm = rows < D
         acc = tl.load(sh_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += _dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd, X2D=X2D)
+        acc += dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd, X2D=X2D)
         tl.store(out_ptr + rows, acc.to(dt), mask=rm)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .._triton import interpreted as _interpreted, pdl
 from .._triton_jit import pdl_sync
+from ..moe_block_triton import dot_rows
 from ..situ.triton import situ_glu_value
 
 # (BN, CH, warps, stages) by output width, from `benchmarks/probe/gemv.py` on the H200 (2026-12-03): 16 rows per
@@ -125,18 +126,9 @@ def gemv_row_kernel(x_ptr, w_ptr, y_ptr, a_ptr, t_ptr, N, sw, K: tl.constexpr, B
     pdl_sync(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = rows < N
-    r64 = rows[:, None].to(tl.int64) * sw
-    acc = tl.zeros([BN], tl.float32)
-    zero = tl.zeros([BN, 1], tl.int32)
-    for c0 in tl.static_range(0, K, CH):
-        cols = c0 + tl.arange(0, CH)
-        cm = cols < K
-        # x read as a [BN, CH] tile (the same row for every output row: L1 hits) in W's layout, not as [CH]
-        # broadcast: that would go through shared memory with a barrier per chunk, which waits for x's load and so
-        # serialises the chunks' weight loads behind one cache round trip each
-        x = tl.load(x_ptr + (zero + cols[None, :]), mask=(zero == 0) & cm[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + r64 + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x, 1)
+    # x read as a [BN, CH] tile in W's layout (X2D), not a [CH] vector broadcast through shared memory behind a
+    # barrier per chunk that waits for x's load and so serialises the chunks' weight loads
+    acc = dot_rows(w_ptr, rows, N, sw, x_ptr, K, CH, X2D=True)
     if HAS_ADD:
         acc += tl.load(a_ptr + rows, mask=rm, other=0.0).to(tl.float32)
     if NT > 0:
