@@ -72,7 +72,10 @@ def report(fn, types, consts, num_warps=4, aligned=ALIGNED_INTS, **opts):
                smem=smem)
     if sass is not None:  # static SASS counts: all instructions, and the local-memory (spill) loads and stores
         ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-        out.update(instrs=len(ops), local=sum(o.split(".")[0] in ("LDL", "STL") for o in ops))
+        base = [o.split(".")[0] for o in ops]
+        out.update(instrs=len(ops), local=sum(o in ("LDL", "STL") for o in base),
+                   shared=sum(o in ("STS", "STSM", "LDS", "LDSM") for o in base),
+                   global_loads=sum(o in ("LDG", "LDGSTS") for o in base))
     if bars is not None:  # CTA-wide barriers: each a round trip through shared memory (a layout conversion, a
         out.update(bars=sum(bars.values()), bar_lines=bars)  # cross-warp reduction), by source line
     return out
