@@ -83,6 +83,35 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert not (run / "checkpoints" / "step_0000003").exists()
 
 
+def test_rows_carry_each_steps_clip_and_balance_statistics(tmp_path):
+    """The trainer leaves QK-clip's and QB's statistics on the device and reads them with the next step's one
+    sync: each train row must still hold its own step's values (recorded here by a synced read of the same
+    tensors), including the last step's and those of the steps before a checkpoint."""
+    run = tmp_path / "run"
+    tr = Trainer(tiny(run, steps=5, eval_every=0, save_every=2, qk_clip_tau=1e-3))
+    seen: dict = {"clip": [], "bal": []}
+    clip_step, bal_step = tr.qkclip.step, tr.balance.step
+
+    def clip_spy(sync=True):
+        out = clip_step(sync=sync)
+        seen["clip"].append({k: (v.item() if torch.is_tensor(v) else v) for k, v in out.items()})
+        return out
+
+    def bal_spy(sync=True):
+        out = bal_step(sync=sync)
+        seen["bal"].append([float(v) for v in out.values()])
+        return out
+    tr.qkclip.step, tr.balance.step = clip_spy, bal_spy
+    tr.fit()
+    rows = [r for r in read_log(run / "log.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r, c, b in zip(rows, seen["clip"], seen["bal"], strict=True):
+        assert r["max_logit"] == pytest.approx(c["max_logit"], rel=1e-6) and r["clipped_heads"] == c["clipped_heads"]
+        assert r["maxvio_mean"] == pytest.approx(sum(b) / len(b), rel=1e-9)
+        assert r["maxvio_max"] == pytest.approx(max(b), rel=1e-9)
+    assert any(r["clipped_heads"] > 0 for r in rows)  # a tiny τ clips: the counts are not all the trivial 0
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import k3.io.checkpoint as io

@@ -264,7 +264,7 @@ class BalanceController:
         host read for the maxvio values and the histogram range check (raised before any bias is written).
         sync=False skips the read: the values stay 0-dim device tensors; on CUDA the range check is copied to the
         host asynchronously and raised by the next `step()` (on CPU, where reading costs nothing, at once)."""
-        self._raise_pending()
+        self.raise_pending()
         names = [n for n in self.layers if n in self.loads]
         if not names:
             return {}
@@ -357,7 +357,8 @@ class BalanceController:
         else:
             self._check_range(names, bad.reshape(-1).tolist())
 
-    def _raise_pending(self) -> None:
+    def raise_pending(self) -> None:
+        """Raise the range error a `step(sync=False)` deferred, if its copy showed one."""
         if self._pending is not None:
             names, host, ev = self._pending
             self._pending = None

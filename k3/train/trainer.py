@@ -533,6 +533,7 @@ class Trainer:
             log.write("val", 0, loss=first_val)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last = {}
+        stats = _StepStats(self.rank == 0)
         try:
             while self.step < end:
                 idx = self._stage_for(self.step)
@@ -575,7 +576,8 @@ class Trainer:
                     gnorm, gscale = grad_clip_scale(params, max_norm)
                 else:
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                lv, gv, mv = torch.stack([tot_loss, gnorm.to(tot_loss), tot_mtp]).tolist()  # one host sync
+                # the step's one host sync: its losses and norm, and the previous step's statistics
+                lv, gv, mv = stats.read([tot_loss, gnorm.to(tot_loss), tot_mtp], log)
                 if not (math.isfinite(lv) and math.isfinite(gv)):
                     raise TrainingDiverged(
                         f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(lv) else 'gradient norm'} "
@@ -584,8 +586,9 @@ class Trainer:
                 self.opt.step() if gscale is None else self.opt.step(grad_scale=gscale)
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
-                clip = self.qkclip.step() if self.qkclip else {}
-                bal = self.balance.step() if self.balance else {}
+                sync = self.pipe is not None  # else the statistics stay on the device until the next read
+                clip = self.qkclip.step(sync=sync) if self.qkclip else {}
+                bal = self.balance.step(sync=sync) if self.balance else {}
                 if self.pipe is not None:  # each stage saw its own layers: the whole model's statistics
                     clip, bal = self._merge_stage_stats(clip, bal)
                 self.step += 1
@@ -594,14 +597,14 @@ class Trainer:
                 last = {"loss": lv, "mtp_loss": mv, "grad_norm": gv,
                         "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps, "seq_len": stage.seq_len,
                         "step_time_s": dt}
-                last.update({k: v for k, v in (clip or {}).items() if isinstance(v, (int, float))})
-                vio = [v for v in (bal or {}).values() if isinstance(v, (int, float))]
-                if vio:  # per-MoE-layer maxvio of this step's loads
-                    last.update(maxvio_mean=sum(vio) / len(vio), maxvio_max=max(vio))
-                if self.rank == 0:
-                    log.write("train", self.step, **last)
+                stats.hold(self.step, last, clip, bal)  # the train row is written once they are read
                 bar.update(1)
                 bar.set_postfix(loss=f"{lv:.3f}", tok_s=f"{tps:,.0f}", seq=stage.seq_len, refresh=False)
+                if self.step >= end or any(n and self.step % n == 0
+                                           for n in (cfg.eval_every, cfg.sample_every, cfg.save_every)):
+                    stats.flush(log)  # the log holds every row up to a checkpoint, an evaluation, the end
+                    if self.balance:
+                        self.balance.raise_pending()  # a deferred range check of the step just ended
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     v = self.evaluate()
                     if v is not None and self.rank == 0:
@@ -625,6 +628,7 @@ class Trainer:
                 if text is not None:
                     log.write("sample", self.step, text=text)
         finally:
+            stats.flush(log, quiet=True)  # a step's row is not lost to an error raised after it
             bar.close()
             log.close()
         summary = {"step": self.step, "finished": finished, "resumed": resumed, **last}
@@ -654,6 +658,65 @@ def _suspend_context_parallel(model) -> list:
 def _resume_context_parallel(saved: list) -> None:
     for m, cp in saved:
         m.context_parallel = cp
+
+
+class _StepStats:
+    """A step's QK-clip and balancing statistics, read with the next step's one host sync instead of a sync of
+    their own after the optimizer (where the GPU would idle while the host reads them and launches on). The step's
+    train row (a dict the trainer also returns) is completed and written when they arrive."""
+
+    KEYS = ("max_logit", "clipped_heads", "maxvio_mean", "maxvio_max")
+
+    def __init__(self, write: bool):
+        self.write = write
+        self.pending = None  # (step, row, {key: 0-dim tensor or number})
+
+    def hold(self, step: int, row: dict, clip: dict, bal: dict) -> None:
+        vals = {k: clip[k] for k in ("max_logit", "clipped_heads") if clip.get(k) is not None}
+        vio = [v for v in (bal or {}).values() if v is not None]
+        if vio:  # per-MoE-layer maxvio of this step's loads
+            if all(torch.is_tensor(v) for v in vio):
+                t = torch.stack([v.reshape(()).to(vio[0].device, torch.float64) for v in vio])
+                vals.update(maxvio_mean=t.mean(), maxvio_max=t.amax())
+            else:
+                vio = [float(v) for v in vio]
+                vals.update(maxvio_mean=sum(vio) / len(vio), maxvio_max=max(vio))
+        self.pending = (step, row, vals)
+
+    def read(self, now: list[torch.Tensor], log) -> list[float]:
+        """`now`'s values (0-dim tensors of one device) and the pending row's statistics in one host read; the
+        pending row is written."""
+        held = [] if self.pending is None else [k for k, v in self.pending[2].items() if torch.is_tensor(v)]
+        dev = now[0].device  # fp64: the read values are the tensors' own (a loss's fp32 value exactly)
+        vals = torch.stack([t.to(dev, torch.float64) for t in now + [self.pending[2][k] for k in held]]).tolist()
+        if self.pending is not None:
+            self._write(dict(zip(held, vals[len(now):])), log)
+        return vals[:len(now)]
+
+    def flush(self, log, quiet: bool = False) -> None:
+        if self.pending is None:
+            return
+        try:
+            held = [k for k, v in self.pending[2].items() if torch.is_tensor(v)]
+            t = [self.pending[2][k] for k in held]
+            self._write(dict(zip(held, torch.stack([v.to(t[0].device, torch.float64) for v in t]).tolist()))
+                        if held else {}, log)
+        except Exception:
+            if not quiet:
+                raise
+            self.pending = None
+
+    def _write(self, read: dict, log) -> None:
+        step, row, vals = self.pending
+        self.pending = None
+        vals = {**vals, **read}
+        if vals.get("max_logit") == float("-inf"):  # no MLA layer saw a training forward
+            vals.pop("max_logit")
+        if "clipped_heads" in vals:
+            vals["clipped_heads"] = int(vals["clipped_heads"])
+        row.update({k: vals[k] for k in self.KEYS if k in vals})
+        if self.write:
+            log.write("train", step, **row)
 
 
 class _NullLog:
