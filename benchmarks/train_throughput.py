@@ -124,17 +124,17 @@ def bench(cfg, args, device) -> dict:
         ctx += c / 3
 
     phases: dict[str, list[float]] = {}
+    host: dict[str, list[float]] = {}  # the timed steps' host time to issue each phase (no sync)
     cuda = device.type == "cuda"
 
     def mark(name, t0, sync):
-        """Phase wall time with a device sync (only in the phase-timing steps, where the sync is the point)."""
-        if sync:
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            phases.setdefault(name, []).append((t - t0) * 1e3)
-            return t
-        return t0
+        """Phase wall time with a device sync (the phase-timing steps, where the sync is the point); without, the
+        host's time to issue the phase: a phase whose issue time nears its GPU time is host-bound."""
+        if sync and cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        (phases if sync else host).setdefault(name, []).append((t - t0) * 1e3)
+        return t
 
     def step(i, sync=False):
         ids, cu = batches[i % len(batches)]
@@ -180,6 +180,7 @@ def bench(cfg, args, device) -> dict:
             if i >= args.warmup:
                 times.append(ms)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        syncs = sync_audit(lambda: step(0), cuda) if args.sync_audit else None
         for i in range(args.phase_steps):  # synced phase times (separate steps: the syncs cost a little)
             step(i, sync=True)
     except torch.OutOfMemoryError as e:
@@ -209,11 +210,37 @@ def bench(cfg, args, device) -> dict:
            "mfu_with_mtp_head": ((f["total"] + f["mtp_head"]) * tps / peak_flops) if peak_flops else None,
            "flops_per_token": f, "mean_ctx": ctx,
            "peak_mem_gib": peak,
-           "phases_ms": {k: statistics.median(v) for k, v in phases.items()}, "top_kernels": kernels}
+           "phases_ms": {k: statistics.median(v) for k, v in phases.items()},
+           "host_issue_ms": {k: statistics.median(v[args.warmup:args.warmup + args.steps] or v)
+                             for k, v in host.items()},
+           "syncs": syncs, "top_kernels": kernels}
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def sync_audit(run_step, cuda: bool) -> dict | None:
+    """The host syncs of one step by the Python line that asked for them (CUDA's sync debug mode, "warn": each
+    synchronizing call warns from its caller's frame); None off CUDA."""
+    if not cuda:
+        return None
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return dict(sorted(where.items(), key=lambda kv: -kv[1]))
 
 
 def top_kernels(prof, n: int) -> dict:
@@ -243,10 +270,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional compile)")
     ap.add_argument("--clip", choices=("fold", "torch"), default="fold",
                     help="gradient clipping: folded into the optimizer step (as k3 train) or clip_grad_norm_ first")
-    ap.add_argument("--stats", choices=("sync", "async", "off"), default=os.environ.get("K3_BENCH_STATS", "sync"),
-                    help="QK-clip and QB after the step: as k3 train (sync: each reads its statistics back, one "
-                         "host sync each), without the reads (async), or not at all (off: what they cost, an upper "
-                         "bound); default from K3_BENCH_STATS")
+    ap.add_argument("--stats", choices=("sync", "async", "off"), default=os.environ.get("K3_BENCH_STATS", "async"),
+                    help="QK-clip and QB after the step: as k3 train (async: their statistics stay on the device, "
+                         "the trainer reads them with the next step's one sync), each reading its statistics back "
+                         "(sync: one host sync each, k3 train before 2026-12-05), or not at all (off: what they "
+                         "cost, an upper bound); default from K3_BENCH_STATS")
+    ap.add_argument("--sync-audit", action="store_true",
+                    help="list one step's host syncs by source line (CUDA sync debug mode)")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
     ap.add_argument("--trace", default=None, help="with --profile: also write a Chrome trace (CPU ops with shapes)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
@@ -283,6 +313,11 @@ def main() -> None:
     print(f"step {r['step_ms']:.1f} ms  {r['tokens_per_s']:,.0f} tokens/s  {r['model_tflops']:.1f} TFLOP/s  MFU {mfu}"
           f"  peak {mem}")
     print("phases (ms, synced): " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
+    print("host time to issue each phase (ms, timed steps): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in r["host_issue_ms"].items()))
+    if r["syncs"] is not None:
+        print(f"host syncs in one step: {sum(r['syncs'].values())}"
+              + "".join(f"\n  {n:4d}  {k}" for k, n in r["syncs"].items()))
     f = r["flops_per_token"]
     print(f"FLOPs/token: 6·N_act {f['dense']:.3e} (N_act {f['n_act']:,}) + MLA {f['mla']:.3e} + KDA {f['kda']:.3e}")
     if r["mfu_with_mtp_head"]:

@@ -68,6 +68,48 @@ def test_bad_cu_seqlens_named():
         model(ids, cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32))
 
 
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Counts the host reads (tolist / item / int / bool) of one tensor."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.t, self.n = t, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__bool__", "__index__") and args \
+                and args[0] is self.t:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_cu_seqlens_is_read_once_per_batch_not_per_layer():
+    """The entry check and every KDA layer's chunk tables (Triton path, interpreted here) share one read of the
+    batch's cu_seqlens: on a GPU each read drains the queue mid-forward (12 KDA layers in k3-small). An in-place
+    write to the tensor is seen (its version counter moves); with K3_CU_MEMO=0 each consumer reads again."""
+    from k3.ops import varlen
+    model = make_tiny(seed=1)
+    kda = [m for m in model.modules() if type(m).__name__ == "KimiDeltaAttention"]
+    assert len(kda) >= 2
+    for m in kda:
+        m.backend = "triton"
+    ids = torch.randint(0, 4000, (2, 24), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor(CU, dtype=torch.int32)
+    with _Reads(cu) as r:
+        model(ids, labels=ids, cu_seqlens=cu)
+    assert r.n == 1
+    cu[1:-1].copy_(torch.tensor(CU[1:-1][::-1], dtype=torch.int32))  # a bad layout written in place
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(ids, labels=ids, cu_seqlens=cu)
+    cu.copy_(torch.tensor(CU, dtype=torch.int32))
+    old, varlen.MEMO = varlen.MEMO, False
+    try:
+        with _Reads(cu) as r:
+            model(ids, labels=ids, cu_seqlens=cu)
+    finally:
+        varlen.MEMO = old
+    assert r.n > len(kda)  # the entry check and each KDA layer (and any attention path) read it themselves
+
+
 def test_mla_records_max_logit_per_head():
     model = make_tiny(seed=5).double()
     mla = next(m for m in model.modules() if type(m).__name__ == "MLAttention")

@@ -3,14 +3,14 @@
 Each document is attended alone with `is_causal=True`, so no mask tensor exists at all. PyTorch's CPU
 flash kernel (memory linear in T) is only chosen when the query/key and value head dims are equal, so the
 narrower of the two is zero-padded (exact: zero key columns add nothing to a score, zero value columns give
-zero outputs, sliced off). The document bounds are read to the host (one sync per call)."""
+zero outputs, sliced off). The document bounds are read to the host (once per cu_seqlens tensor: `varlen.host_bounds`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens
+from ..varlen import check_cu_seqlens, host_bounds
 
 
 def doc_segments(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[int, int]]:
@@ -19,7 +19,7 @@ def doc_segments(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[
     bounds = {r * T for r in range(B + 1)}
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B * T)
-        bounds |= set(cu_seqlens.tolist())
+        bounds |= set(host_bounds(cu_seqlens))
     b = sorted(bounds)
     return [(s, e) for s, e in zip(b[:-1], b[1:]) if e > s]
 
