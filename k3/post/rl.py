@@ -410,10 +410,10 @@ class RLTrainer(PostTrainMixin, Trainer):
                 self.opt.step()
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
-                if self.qkclip:
-                    self.qkclip.step()
-                if self.balance:
-                    self.balance.step()
+                if self.qkclip:  # their statistics are not logged here: no host read of them
+                    self.qkclip.step(sync=False)
+                if self.balance:  # (a QB histogram range error is raised by the next step, or below at the end)
+                    self.balance.step(sync=False)
                 self.step += 1
                 self.runner.version += 1
                 self.engine.update_weights(self.model)
@@ -438,6 +438,8 @@ class RLTrainer(PostTrainMixin, Trainer):
                                   f"{v['reward']:.3f}")
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
+            if self.balance:
+                self.balance.raise_pending()  # the last step's deferred range check
             if not cfg.save_every or self.step % cfg.save_every != 0:
                 self.save()
             finished = self.step >= cfg.steps
