@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import median_ms  # noqa: E402
+from timing import median_ms, sync_sites  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model import K3ForConditionalGeneration  # noqa: E402
@@ -57,17 +56,8 @@ def count_launches(fn, cuda: bool) -> int:
 
 def count_syncs(fn, cuda: bool) -> int | None:
     """Host syncs of one call of fn (CUDA sync debug mode warnings); None on CPU."""
-    if not cuda:
-        return None
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(x.message) for x in w)
+    sites = sync_sites(fn, cuda)
+    return None if sites is None else sum(sites.values())
 
 
 def measure(fn, args, cuda, before=None) -> dict:

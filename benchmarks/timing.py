@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -77,3 +79,25 @@ def launch_sweep(launch: dict, settings: list[dict], fn, reps: int, per: int, ba
         launch.clear()
         launch.update(default)
     return rows
+
+
+def sync_sites(fn, cuda: bool) -> dict[str, int] | None:
+    """The host syncs of one call of fn by the Python line that asked for them, most first (CUDA's sync debug mode,
+    "warn": each synchronizing call warns from its caller's frame); None off CUDA."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return dict(sorted(where.items(), key=lambda kv: -kv[1]))

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from k3.config import K3Config  # noqa: E402
 from k3.info import model_info  # noqa: E402
@@ -42,6 +43,7 @@ from k3.model import K3ForConditionalGeneration  # noqa: E402
 from k3.train.balance import BalanceController  # noqa: E402
 from k3.train.optim import OptimConfig, build_optimizer, grad_clip_scale  # noqa: E402
 from k3.train.qkclip import QKClip  # noqa: E402
+from timing import sync_sites  # noqa: E402
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}
 
@@ -180,7 +182,7 @@ def bench(cfg, args, device) -> dict:
             if i >= args.warmup:
                 times.append(ms)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        syncs = sync_audit(lambda: step(0), cuda) if args.sync_audit else None
+        syncs = sync_sites(lambda: step(0), cuda) if args.sync_audit else None
         for i in range(args.phase_steps):  # synced phase times (separate steps: the syncs cost a little)
             step(i, sync=True)
     except torch.OutOfMemoryError as e:
@@ -218,29 +220,6 @@ def bench(cfg, args, device) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return res
-
-
-def sync_audit(run_step, cuda: bool) -> dict | None:
-    """The host syncs of one step by the Python line that asked for them (CUDA's sync debug mode, "warn": each
-    synchronizing call warns from its caller's frame); None off CUDA."""
-    if not cuda:
-        return None
-    import warnings
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run_step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    where: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            where[key] = where.get(key, 0) + 1
-    return dict(sorted(where.items(), key=lambda kv: -kv[1]))
 
 
 def top_kernels(prof, n: int) -> dict:
