@@ -85,7 +85,8 @@ class _Reads(torch.overrides.TorchFunctionMode):
 def test_cu_seqlens_is_read_once_per_batch_not_per_layer():
     """The entry check and every KDA layer's chunk tables (Triton path, interpreted here) share one read of the
     batch's cu_seqlens: on a GPU each read drains the queue mid-forward (12 KDA layers in k3-small). An in-place
-    write to the tensor is seen (its version counter moves); with K3_CU_MEMO=0 each consumer reads again."""
+    write to the tensor is seen (its version counter moves); with K3_CU_MEMO=0 each consumer reads again; a tensor
+    moved by `bounds_to` (the trainer's batches) is not read at all."""
     from k3.ops import varlen
     model = make_tiny(seed=1)
     kda = [m for m in model.modules() if type(m).__name__ == "KimiDeltaAttention"]
@@ -108,6 +109,10 @@ def test_cu_seqlens_is_read_once_per_batch_not_per_layer():
     finally:
         varlen.MEMO = old
     assert r.n > len(kda)  # the entry check and each KDA layer (and any attention path) read it themselves
+    moved = varlen.bounds_to(cu, "cpu")  # what `k3 train` does with a host batch: values kept, no read at all
+    with _Reads(moved) as r:
+        model(ids, labels=ids, cu_seqlens=moved)
+    assert r.n == 0
 
 
 def test_mla_records_max_logit_per_head():

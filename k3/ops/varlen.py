@@ -28,6 +28,16 @@ def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     return vals
 
 
+def bounds_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """Host cu_seqlens moved to `device` with its values remembered for `host_bounds`: a forward on the copy reads
+    nothing back (a trainer building its batches on the host passes them so; the entry check then costs no sync)."""
+    vals = tuple(cu_seqlens.tolist())  # cu_seqlens is on the host: no sync
+    out = cu_seqlens.to(device)
+    if MEMO:
+        _HOST[out] = (out._version, vals)
+    return out
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
     """ValueError naming the fault unless cu_seqlens is an integer [N+1] from 0 to `total`, non-decreasing (one
     host read of its values, shared through `host_bounds`)."""

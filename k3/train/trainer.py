@@ -256,14 +256,14 @@ class Trainer:
         """This rank's next micro-batch (`_rows`), collated on the device (its cp share under cp)."""
         from ..data.packing import collate
         b = collate(self._rows(rows))
-        return self._cp_shard({k: v.to(self.device) for k, v in b.items()})
+        return self._cp_shard({k: _to_device(k, v, self.device) for k, v in b.items()})
 
     def _pipeline_batch(self, rows: int) -> dict:
         """Under pp: this rank's grad_accum micro-batches of one step as one batch of whole rows, in order (the
         pipeline cuts it into the micro-batches again, and into cp shards itself)."""
         from ..data.packing import collate
         b = collate([r for _ in range(self.cfg.grad_accum) for r in self._rows(rows)])
-        return {k: v.to(self.device) for k, v in b.items()}
+        return {k: _to_device(k, v, self.device) for k, v in b.items()}
 
     def _cp_shard(self, b: dict) -> dict:
         """Under context parallelism: this cp rank's share of a whole micro-batch (`k3.parallel.cp.shard_batch`:
@@ -639,6 +639,15 @@ class Trainer:
                            plot=str(plot_run(self.run_dir)), params=self.num_params)
             atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _to_device(key: str, t: torch.Tensor, device) -> torch.Tensor:
+    """A collated batch's tensor on the device; cu_seqlens with its host values kept (`varlen.bounds_to`), so the
+    forward's checks and KDA chunk tables read nothing back from the GPU."""
+    if key == "cu_seqlens":
+        from ..ops.varlen import bounds_to
+        return bounds_to(t, device)
+    return t.to(device)
 
 
 def _group_key(g: dict) -> tuple:
