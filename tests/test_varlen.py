@@ -115,6 +115,25 @@ def test_cu_seqlens_is_read_once_per_batch_not_per_layer():
     assert r.n == 0
 
 
+def test_cu_seqlens_written_behind_torchs_back_is_read_again():
+    """A write the version counter does not see (here through a NumPy view; on a GPU, a kernel's) between two
+    forwards must not leave the KDA layers with the old layout: the values are kept for one forward only."""
+    model = make_tiny(seed=2)
+    for m in model.modules():
+        if type(m).__name__ == "KimiDeltaAttention":
+            m.backend = "triton"
+    ids = torch.randint(0, 4000, (2, 24), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor(CU, dtype=torch.int32)
+    model(ids, labels=ids, cu_seqlens=cu)
+    other = [0, 9, 12, 24, 40, 44, 48]
+    v = cu._version
+    cu.numpy()[:] = other
+    assert cu._version == v  # unseen by torch
+    got = model(ids, labels=ids, cu_seqlens=cu).logits
+    want = model(ids, labels=ids, cu_seqlens=torch.tensor(other, dtype=torch.int32)).logits
+    assert torch.equal(got, want)
+
+
 def test_mla_records_max_logit_per_head():
     model = make_tiny(seed=5).double()
     mla = next(m for m in model.modules() if type(m).__name__ == "MLAttention")

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import K3Config, K3TextConfig
 from ..ops.linear_ce import autocast_cast, linear_cross_entropy
-from ..ops.varlen import check_cu_seqlens, doc_ids
+from ..ops.varlen import check_cu_seqlens, doc_ids, remembers_cu_seqlens
 from .cache import K3Cache
 from .decoder import KimiLinearModel
 from .kda import KimiDeltaAttention
@@ -95,6 +95,7 @@ class KimiLinearForCausalLM(nn.Module):
         # comes from `targets` / `num_targets` (`k3.parallel.cp.shard_batch`).
         self.context_parallel = None
 
+    @remembers_cu_seqlens
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 past_key_values: K3Cache | None = None, use_cache: bool = False, logits_to_keep: int = 0,

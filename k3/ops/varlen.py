@@ -3,35 +3,63 @@ every row boundary is also a document boundary) → per-token document ids and i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# whether `host_bounds` keeps each device tensor's values (K3_CU_MEMO=0: read them at every call, as before)
+# whether `remembered` / `bounds_to` keep a cu_seqlens' host values (K3_CU_MEMO=0: every consumer reads them)
 MEMO = os.environ.get("K3_CU_MEMO", "1") == "1"
 _HOST: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (its version counter when read, its values)
 
 
 def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """cu_seqlens' values as Python ints, read from the device once per tensor: the model's entry check and every
-    KDA layer's chunk tables (12 in k3-small) ask for the same tensor, and each device read waits for the GPU to
-    drain its queue mid-forward. Kept while the tensor lives and is not written in place (its version counter,
-    which views share)."""
-    if not MEMO:
-        return tuple(cu_seqlens.tolist())
+    """cu_seqlens' values as Python ints: from what `remembered` or `bounds_to` kept for this tensor (while its
+    version counter, which views share, has not moved), else read (on a GPU, a sync: the host waits for the queue
+    to drain, mid-forward when a layer asks)."""
     hit = _HOST.get(cu_seqlens)
     if hit is not None and hit[0] == cu_seqlens._version:
         return hit[1]
-    vals = tuple(cu_seqlens.tolist())
-    _HOST[cu_seqlens] = (cu_seqlens._version, vals)
-    return vals
+    return tuple(cu_seqlens.tolist())
+
+
+@contextlib.contextmanager
+def remembered(cu_seqlens: torch.Tensor | None):
+    """Within: `host_bounds(cu_seqlens)` answers from one read made on entry. The model's forward runs its entry
+    check and every layer inside, so the 12 KDA layers of k3-small build their chunk tables without a device read
+    each. Scoped because a write the version counter does not see (a kernel's, a NumPy view's) could change the
+    values between forwards; a tensor already kept (`bounds_to`, an outer scope) stays kept."""
+    if not isinstance(cu_seqlens, torch.Tensor) or not MEMO:  # (anything else fails the entry check)
+        yield
+        return
+    hit = _HOST.get(cu_seqlens)
+    if hit is not None and hit[0] == cu_seqlens._version:
+        yield
+        return
+    _HOST[cu_seqlens] = (cu_seqlens._version, tuple(cu_seqlens.tolist()))
+    try:
+        yield
+    finally:
+        _HOST.pop(cu_seqlens, None)
+
+
+def remembers_cu_seqlens(forward):
+    """A forward that takes `cu_seqlens` by keyword, run inside `remembered(cu_seqlens)`: its checks, every layer
+    and the MTP layers share one host read."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        with remembered(kwargs.get("cu_seqlens")):
+            return forward(self, *args, **kwargs)
+    return wrapper
 
 
 def bounds_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
-    """Host cu_seqlens moved to `device` with its values remembered for `host_bounds`: a forward on the copy reads
-    nothing back (a trainer building its batches on the host passes them so; the entry check then costs no sync)."""
-    vals = tuple(cu_seqlens.tolist())  # cu_seqlens is on the host: no sync
+    """Host cu_seqlens moved to `device`, its values kept for `host_bounds` while the copy lives (the caller's
+    promise: the copy is written only through torch ops, which move its version). A forward on it reads nothing
+    back; `k3 train` moves its batches so."""
+    vals = tuple(cu_seqlens.tolist())  # on the host: no sync
     out = cu_seqlens.to(device)
     if MEMO:
         _HOST[out] = (out._version, vals)
@@ -39,8 +67,8 @@ def bounds_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
-    """ValueError naming the fault unless cu_seqlens is an integer [N+1] from 0 to `total`, non-decreasing (one
-    host read of its values, shared through `host_bounds`)."""
+    """ValueError naming the fault unless cu_seqlens is an integer [N+1] from 0 to `total`, non-decreasing (its
+    values through `host_bounds`: one host read, or none inside `remembered` or after `bounds_to`)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be a 1-D tensor [N+1] with N ≥ 1, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:

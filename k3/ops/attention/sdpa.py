@@ -3,7 +3,7 @@
 Each document is attended alone with `is_causal=True`, so no mask tensor exists at all. PyTorch's CPU
 flash kernel (memory linear in T) is only chosen when the query/key and value head dims are equal, so the
 narrower of the two is zero-padded (exact: zero key columns add nothing to a score, zero value columns give
-zero outputs, sliced off). The document bounds are read to the host (once per cu_seqlens tensor: `varlen.host_bounds`)."""
+zero outputs, sliced off). The document bounds are read to the host (`varlen.host_bounds`: once per forward)."""
 
 from __future__ import annotations
 

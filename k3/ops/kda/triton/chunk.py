@@ -128,7 +128,7 @@ def _layout(cu_seqlens, B, T, device, bt=C):
     if cu_seqlens is None:
         cu_host = tuple(b * T for b in range(B + 1))
     else:
-        cu_host = host_bounds(cu_seqlens)  # one device read per batch for all the KDA layers
+        cu_host = host_bounds(cu_seqlens)  # inside the model's forward: its one read (`varlen.remembered`)
         if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
             raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {list(cu_host)}")
     return _layout_tables(cu_host, str(torch.device(device)), bt)
