@@ -10,6 +10,11 @@ Resume is exact: a checkpoint holds the weights, optimizer, schedule, QK-clip an
 data position and every RNG, so stopping at step N and resuming reproduces an uninterrupted run (bitwise on
 CPU). A non-finite loss stops the run, naming the step, and keeps the last good checkpoint.
 
+One host read per step (on a GPU, the only point where the host waits for it): the losses and gradient norm
+before the optimizer, with the previous step's QK-clip / balancing statistics, whose log row is written then (or
+before a checkpoint, an evaluation, a sample or the end). Batches carry `cu_seqlens` with its host values
+(`k3.ops.varlen.bounds_to`), so the forward reads nothing back.
+
 Under torchrun the run has a layout (`--dp-shard/--ep/--cp/--pp`, `TrainConfig.layout`) and a `DeviceMesh`
 (`k3.parallel.mesh`): MoonEP over `ep`, then FSDP2 over `fsdp` (bf16 parameters / fp32 reduction on GPU).
 Data is layout-independent: every rank reads the same global stream of rows, cut into micro-batches of
