@@ -29,12 +29,11 @@ from .situ.triton import situ_glu_value
 
 @triton.jit
 def dot_rows(w_ptr, rows, N, ld, x_ptr, K: tl.constexpr, CH: tl.constexpr, GLU: tl.constexpr = False,
-              beta=0.0, linear_beta=0.0, NORM: tl.constexpr = False, nw_ptr=None, rstd=1.0, X2D: tl.constexpr = False):
-    """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0); shared with
-    `k3.ops.gemv`'s one-row kernel. GLU: x[c] is
-    SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection); NORM: x[c] · rstd · nw[c]
-    rounded to W's dtype (an RMSNorm whose statistics the caller formed). The chunk loop unrolls; sums on the CUDA
-    cores.
+             beta=0.0, linear_beta=0.0, NORM: tl.constexpr = False, nw_ptr=None, rstd=1.0, X2D: tl.constexpr = False):
+    """fp32 Σ_c W[rows, c] · x[c] over K columns (W row stride ld; rows ≥ N give 0); shared with `k3.ops.gemv`'s
+    one-row kernel. GLU: x[c] is SiTU-GLU(x[c], x[K + c]) rounded to W's dtype (the input of a down projection);
+    NORM: x[c] · rstd · nw[c] rounded to W's dtype (an RMSNorm whose statistics the caller formed). The chunk loop
+    unrolls; sums on the CUDA cores.
     X2D: x is read as a [rows, CH] tile in W's layout (every row the same x: cache hits) instead of a [CH] vector
     broadcast over the rows. The broadcast converts x's layout through shared memory with two barriers per chunk
     (sm_90a SASS, Triton 3.6), and a barrier waits for x's load, so each chunk's weight loads are issued only after

@@ -46,8 +46,9 @@ def remembered(cu_seqlens: torch.Tensor | None):
 
 
 def remembers_cu_seqlens(forward):
-    """A forward that takes `cu_seqlens` by keyword, run inside `remembered(cu_seqlens)`: its checks, every layer
-    and the MTP layers share one host read."""
+    """A forward run inside `remembered(cu_seqlens)` when cu_seqlens comes by keyword (as `K3ForConditionalGeneration`,
+    the trainer and the benchmarks pass it): its checks, every layer and the MTP layers share one host read. Passed
+    by position, each consumer reads it (correct, as before this existed)."""
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
         with remembered(kwargs.get("cu_seqlens")):
@@ -66,9 +67,9 @@ def bounds_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     return out
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
-    """ValueError naming the fault unless cu_seqlens is an integer [N+1] from 0 to `total`, non-decreasing (its
-    values through `host_bounds`: one host read, or none inside `remembered` or after `bounds_to`)."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> tuple[int, ...]:
+    """cu_seqlens' values (`host_bounds`: one host read, or none inside `remembered` or after `bounds_to`); a
+    ValueError naming the fault unless it is an integer [N+1] from 0 to `total`, non-decreasing."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be a 1-D tensor [N+1] with N ≥ 1, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
@@ -78,6 +79,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {cu[0]}..{cu[-1]}")
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {list(cu)}")
+    return cu
 
 
 def doc_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:

@@ -683,47 +683,39 @@ class _StepStats:
 
     def __init__(self, write: bool):
         self.write = write
-        self.pending = None  # (step, row, {key: 0-dim tensor or number})
+        self.pending = None  # (step, row, {key: 0-dim tensor})
 
     def hold(self, step: int, row: dict, clip: dict, bal: dict) -> None:
-        vals = {k: clip[k] for k in ("max_logit", "clipped_heads") if clip.get(k) is not None}
-        vio = [v for v in (bal or {}).values() if v is not None]
+        """Keep this step's row and statistics (device tensors, or numbers where they were read already)."""
+        vals = {k: torch.as_tensor(clip[k], dtype=torch.float64) for k in ("max_logit", "clipped_heads")
+                if clip.get(k) is not None}
+        vio = [torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in (bal or {}).values() if v is not None]
         if vio:  # per-MoE-layer maxvio of this step's loads
-            if all(torch.is_tensor(v) for v in vio):
-                t = torch.stack([v.reshape(()).to(vio[0].device, torch.float64) for v in vio])
-                vals.update(maxvio_mean=t.mean(), maxvio_max=t.amax())
-            else:
-                vio = [float(v) for v in vio]
-                vals.update(maxvio_mean=sum(vio) / len(vio), maxvio_max=max(vio))
+            t = torch.stack([v.to(vio[0].device) for v in vio])
+            vals.update(maxvio_mean=t.mean(), maxvio_max=t.amax())
         self.pending = (step, row, vals)
 
     def read(self, now: list[torch.Tensor], log) -> list[float]:
-        """`now`'s values (0-dim tensors of one device) and the pending row's statistics in one host read; the
-        pending row is written."""
-        held = [] if self.pending is None else [k for k, v in self.pending[2].items() if torch.is_tensor(v)]
-        dev = now[0].device  # fp64: the read values are the tensors' own (a loss's fp32 value exactly)
-        vals = torch.stack([t.to(dev, torch.float64) for t in now + [self.pending[2][k] for k in held]]).tolist()
+        """`now`'s values (0-dim tensors) and the pending row's statistics in one host read; the pending row is
+        written."""
+        held = list(self.pending[2]) if self.pending is not None else []
+        vals = _host_values(now + [self.pending[2][k] for k in held])
         if self.pending is not None:
             self._write(dict(zip(held, vals[len(now):])), log)
         return vals[:len(now)]
 
     def flush(self, log, quiet: bool = False) -> None:
-        if self.pending is None:
-            return
+        """Write the pending row (a host read of its statistics); quiet: drop it on an error (a broken device)."""
         try:
-            held = [k for k, v in self.pending[2].items() if torch.is_tensor(v)]
-            t = [self.pending[2][k] for k in held]
-            self._write(dict(zip(held, torch.stack([v.to(t[0].device, torch.float64) for v in t]).tolist()))
-                        if held else {}, log)
+            self.read([], log)
         except Exception:
+            self.pending = None
             if not quiet:
                 raise
-            self.pending = None
 
-    def _write(self, read: dict, log) -> None:
-        step, row, vals = self.pending
+    def _write(self, vals: dict, log) -> None:
+        step, row, _ = self.pending
         self.pending = None
-        vals = {**vals, **read}
         if vals.get("max_logit") == float("-inf"):  # no MLA layer saw a training forward
             vals.pop("max_logit")
         if "clipped_heads" in vals:
@@ -731,6 +723,13 @@ class _StepStats:
         row.update({k: vals[k] for k in self.KEYS if k in vals})
         if self.write:
             log.write("train", step, **row)
+
+
+def _host_values(ts: list[torch.Tensor]) -> list[float]:
+    """0-dim tensors' values in one read, in fp64 (a loss's fp32 value exactly)."""
+    if not ts:
+        return []
+    return torch.stack([t.to(ts[0].device, torch.float64) for t in ts]).tolist()
 
 
 class _NullLog:

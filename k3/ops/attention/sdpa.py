@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens, host_bounds
+from ..varlen import check_cu_seqlens
 
 
 def doc_segments(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[int, int]]:
@@ -18,8 +18,7 @@ def doc_segments(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[
     row boundary (attention never crosses a row, as in the dense reference)."""
     bounds = {r * T for r in range(B + 1)}
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, B * T)
-        bounds |= set(host_bounds(cu_seqlens))
+        bounds |= set(check_cu_seqlens(cu_seqlens, B * T))
     b = sorted(bounds)
     return [(s, e) for s, e in zip(b[:-1], b[1:]) if e > s]
 
