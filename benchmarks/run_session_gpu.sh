@@ -30,7 +30,8 @@
 #       ATT=1);
 #   3. benchmarks/serve.py (decode, prefill, TTFT, engine vs generate);
 #   4. benchmarks/train_throughput.py at 8 x 4096, plain, under TRAIN_ENV's switches and with regional torch.compile,
-#      in the same run.
+#      in the same run; TRACE=1 then profiles one plain step and prints probe/trace_breakdown.py's GPU time by phase
+#      and op, and where the GPU idles (TRACE_ARGS, e.g. "--top 30 --gap 10").
 # At most 8 files come back from one device call: with many steps on, delete the probes' JSON from $OUT at the end.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
@@ -174,6 +175,13 @@ if [ "${TRAIN:-1}" = 1 ]; then
       || echo "exit $?" >> "$OUT/train_env$i.log"
     echo "== $E"; tail -n 12 "$OUT/train_env$i.log"
   done
+  if [ "${TRACE:-0}" = 1 ]; then
+    timeout ${TRACE_S:-150} python3 benchmarks/train_throughput.py --warmup 2 --steps 3 --phase-steps 1 --batch 8 \
+      --profile --trace /tmp/step_trace.json.gz --label trace > "$OUT/train_trace.log" 2>&1 \
+      && python3 benchmarks/probe/trace_breakdown.py /tmp/step_trace.json.gz ${TRACE_ARGS:---top 30} \
+      > "$OUT/trace_breakdown.log" 2>&1 || echo "trace exit $?" >> "$OUT/train_trace.log"
+    tail -n 3 "$OUT/train_trace.log"; grep -A 40 "GPU idle" "$OUT/trace_breakdown.log"
+  fi
   if [ "${COMPILE:-1}" = 1 ]; then
     timeout ${COMPILE_S:-200} $TT --compile --label compile --out "$OUT/train_compile.json" > "$OUT/train_compile.log" 2>&1 \
       || echo "exit $?" >> "$OUT/train_compile.log"

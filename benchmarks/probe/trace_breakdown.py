@@ -4,7 +4,9 @@ Reads the Chrome trace that `train_throughput.py --profile --trace F` writes (pl
 (kernel, memcpy, memset) is tied to its launching runtime call by the correlation id, then to the innermost
 CPU op that encloses that call on the same thread (the op with its shapes) and to the outermost one (in the
 backward: the autograd node), and to the `phase:*` range that encloses it in time.
-Usage: python benchmarks/probe/trace_breakdown.py trace.json.gz [--top 40]
+It also lists where the GPU idles: every gap of more than --gap µs between one GPU event's end and the next one's
+start, by phase and by the CPU op whose launch ended the gap (the op the GPU waited for), with its count and total.
+Usage: python benchmarks/probe/trace_breakdown.py trace.json.gz [--top 40] [--gap 10]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--gap", type=float, default=10.0, help="idle gaps listed: those longer than this many µs")
     args = ap.parse_args()
     ev = [e for e in load(args.trace) if e.get("ph") == "X"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -102,6 +105,32 @@ def main() -> None:
     print(f"\ntop (phase, outer op, inner op, shapes, kernel) groups")
     for (ph, outer, inner, shapes, kn), (ms, n) in sorted(by_op.items(), key=lambda x: -x[1][0])[:args.top * 2]:
         print(f"  {ms:8.2f} {n:5d}  {ph:9s} {outer[:40]:40s} {inner[:28]:28s} {shapes} | {kn}")
+    idle_gaps(gpu, stacks, phase_of, args.gap, args.top)
+
+
+def idle_gaps(gpu: list[dict], stacks: dict[int, list[dict]], phase_of, min_us: float, top: int) -> None:
+    """The GPU's idle time between events (longer than min_us), by phase and by the op that ended the wait."""
+    order = sorted(range(len(gpu)), key=lambda i: gpu[i]["ts"])
+    by_phase = collections.Counter()
+    by_op = collections.defaultdict(lambda: [0.0, 0])
+    end = None
+    for i in order:
+        if end is not None and gpu[i]["ts"] - end > min_us:
+            ms = (gpu[i]["ts"] - end) / 1e3
+            ph = phase_of(i)
+            st = stacks.get(i, [])
+            key = (ph, short(st[0]["name"])[:40] if st else "-", short(st[-1]["name"])[:40] if st else "-")
+            by_phase[ph] += ms
+            by_op[key][0] += ms
+            by_op[key][1] += 1
+        e = gpu[i]["ts"] + gpu[i]["dur"]
+        end = e if end is None else max(end, e)
+    print(f"\nGPU idle in gaps over {min_us:g} µs: {sum(by_phase.values()):.1f} ms")
+    for ph, ms in by_phase.most_common():
+        print(f"  {ph:14s} {ms:8.1f} ms")
+    print("  by the op whose launch ended the gap (ms, gaps)")
+    for (ph, outer, inner), (ms, n) in sorted(by_op.items(), key=lambda x: -x[1][0])[:top]:
+        print(f"  {ms:8.2f} {n:5d}  {ph:9s} {outer:40s} {inner}")
 
 
 if __name__ == "__main__":
