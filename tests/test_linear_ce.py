@@ -118,6 +118,26 @@ def test_default_chunk_size():
     assert default_chunk_size(10 ** 10, torch.float32) == 1
 
 
+def test_even_chunks():
+    """Rows split into equal chunks near the budget: no short tail chunk (each chunk is a pass of the fp32 dW
+    accumulator), the fewest chunks that fit `most` (+ 128 rows of slack at GPU sizes), 128-row multiples there."""
+    from k3.ops.linear_ce.chunked import even_chunks
+    assert even_chunks(32768, 6528) == 6656  # k3-small at 8 x 4,096: five chunks, not five and a 128-row tail
+    for most in (6528, 256, 3, 100):
+        slack = 128 if most % 128 == 0 else 0
+        for n in (1, 2, most - 1, most, most + 1, most + slack, most + slack + 1, 5 * most + 7, 32768, 65536):
+            if n < 1:
+                continue
+            size = even_chunks(n, most)
+            parts = -(-n // size)
+            assert size <= max(most + slack, 1), (n, most, size)
+            assert parts == max(1, -(-n // (most + slack))), (n, most, size)  # the fewest chunks
+            tail = n - (parts - 1) * size
+            assert tail > size - parts * (128 if slack else 1), (n, most, size)  # chunks of (nearly) equal size
+            if slack and n > most + slack:
+                assert size % 128 == 0
+
+
 # ---- Triton row kernel -----------------------------------------------------------------------------
 @pytest.mark.skipif(not triton_available(), reason="triton not importable")
 @pytest.mark.parametrize("block_v", [128, None])  # 3 steps with a masked tail, or one masked block

@@ -6,6 +6,8 @@ import torch
 from conftest import make_tiny, rel_rmse
 from k3.model.k3 import lm_loss
 
+# the Triton KDA path's tests: compiled on a GPU, interpreted on a CPU-only host (conftest.py)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CU = [0, 5, 17, 24, 30, 31, 48]  # B=2, T=24: row boundary at 24; a 1-token and a 5-token document
 # A .double() model still runs KDA's gates, beta and output norm in fp32 (by design), so packed vs alone agree to
 # fp32 rounding, not fp64's: observed rel-RMSE ≈ 0.6 fp32 eps (7.4e-8) at 1 and 2 threads; the bar is 8 eps.
@@ -88,13 +90,13 @@ def test_cu_seqlens_is_read_once_per_batch_not_per_layer():
     write to the tensor is seen (its version counter moves); with K3_CU_MEMO=0 each consumer reads again; a tensor
     moved by `bounds_to` (the trainer's batches) is not read at all."""
     from k3.ops import varlen
-    model = make_tiny(seed=1)
+    model = make_tiny(seed=1).to(DEV)
     kda = [m for m in model.modules() if type(m).__name__ == "KimiDeltaAttention"]
     assert len(kda) >= 2
     for m in kda:
         m.backend = "triton"
-    ids = torch.randint(0, 4000, (2, 24), generator=torch.Generator().manual_seed(2))
-    cu = torch.tensor(CU, dtype=torch.int32)
+    ids = torch.randint(0, 4000, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEV)
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
     with _Reads(cu) as r:
         model(ids, labels=ids, cu_seqlens=cu)
     assert r.n == 1
@@ -109,28 +111,29 @@ def test_cu_seqlens_is_read_once_per_batch_not_per_layer():
     finally:
         varlen.MEMO = old
     assert r.n > len(kda)  # the entry check and each KDA layer (and any attention path) read it themselves
-    moved = varlen.bounds_to(cu, "cpu")  # what `k3 train` does with a host batch: values kept, no read at all
+    moved = varlen.bounds_to(cu.cpu(), DEV)  # what `k3 train` does with a host batch: values kept, no read at all
     with _Reads(moved) as r:
         model(ids, labels=ids, cu_seqlens=moved)
     assert r.n == 0
 
 
 def test_cu_seqlens_written_behind_torchs_back_is_read_again():
-    """A write the version counter does not see (here through a NumPy view; on a GPU, a kernel's) between two
-    forwards must not leave the KDA layers with the old layout: the values are kept for one forward only."""
-    model = make_tiny(seed=2)
+    """A write the version counter does not see (here through a DLPack alias, which has its own counter; in
+    practice a kernel's or a NumPy view's) between two forwards must not leave the KDA layers with the old layout:
+    the values are kept for one forward only."""
+    model = make_tiny(seed=2).to(DEV)
     for m in model.modules():
         if type(m).__name__ == "KimiDeltaAttention":
             m.backend = "triton"
-    ids = torch.randint(0, 4000, (2, 24), generator=torch.Generator().manual_seed(3))
-    cu = torch.tensor(CU, dtype=torch.int32)
+    ids = torch.randint(0, 4000, (2, 24), generator=torch.Generator().manual_seed(3)).to(DEV)
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
     model(ids, labels=ids, cu_seqlens=cu)
     other = [0, 9, 12, 24, 40, 44, 48]
     v = cu._version
-    cu.numpy()[:] = other
-    assert cu._version == v  # unseen by torch
+    torch.from_dlpack(cu).copy_(torch.tensor(other, dtype=torch.int32))
+    assert cu._version == v and cu.tolist() == other  # written, unseen by cu's version counter
     got = model(ids, labels=ids, cu_seqlens=cu).logits
-    want = model(ids, labels=ids, cu_seqlens=torch.tensor(other, dtype=torch.int32)).logits
+    want = model(ids, labels=ids, cu_seqlens=torch.tensor(other, dtype=torch.int32, device=DEV)).logits
     assert torch.equal(got, want)
 
 
