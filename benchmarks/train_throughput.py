@@ -139,12 +139,16 @@ def bench(cfg, args, device) -> dict:
         (phases if sync else host).setdefault(name, []).append((t - t0) * 1e3)
         return t
 
-    def step(i, sync=False):
+    def step(i, sync=False, host_prof=None):
         ids, cu = batches[i % len(batches)]
         rf = torch.profiler.record_function  # phase ranges for --trace (no cost outside a profiler)
         t = time.perf_counter()
+        if host_prof is not None:
+            host_prof.enable()
         with rf("phase:forward"), amp:
             out = model(ids, labels=ids, cu_seqlens=cu)
+        if host_prof is not None:
+            host_prof.disable()
         t = mark("forward", t, sync)
         with rf("phase:backward"):
             (out.loss + 0.1 * out.mtp_loss).backward()
@@ -184,6 +188,7 @@ def bench(cfg, args, device) -> dict:
                 times.append(ms)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
         syncs = sync_sites(lambda: step(0), cuda) if args.sync_audit else None
+        host_fwd = host_profile(lambda prof: step(0, host_prof=prof), args.host_profile) if args.host_profile else None
         for i in range(args.phase_steps):  # synced phase times (separate steps: the syncs cost a little)
             step(i, sync=True)
     except torch.OutOfMemoryError as e:
@@ -216,11 +221,27 @@ def bench(cfg, args, device) -> dict:
            "phases_ms": {k: statistics.median(v) for k, v in phases.items()},
            "host_issue_ms": {k: statistics.median(v[args.warmup:args.warmup + args.steps] or v)
                              for k, v in host.items()},
-           "syncs": syncs, "top_kernels": kernels}
+           "syncs": syncs, "top_kernels": kernels, "host_forward_profile": host_fwd}
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def host_profile(run, n: int) -> str:
+    """The host's Python time in one training forward (cProfile around the model call; the GPU runs as usual),
+    as pstats text: the top n functions by own time, then by cumulative time. Where the forward's layer stack
+    issues kernels more slowly than the GPU runs them, this is what to cut."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    run(prof)
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf).strip_dirs()
+    st.sort_stats("tottime").print_stats(n)
+    st.sort_stats("cumulative").print_stats(n)
+    return buf.getvalue()
 
 
 def top_kernels(prof, n: int) -> dict:
@@ -257,6 +278,8 @@ def main() -> None:
                          "cost, an upper bound); default from K3_BENCH_STATS")
     ap.add_argument("--sync-audit", action="store_true",
                     help="list one step's host syncs by source line (CUDA sync debug mode)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="cProfile the host side of one training forward and print its top N functions")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel table of one step")
     ap.add_argument("--trace", default=None, help="with --profile: also write a Chrome trace (CPU ops with shapes)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
@@ -274,7 +297,8 @@ def main() -> None:
     cfg = K3Config.preset(args.preset)
     cfg.vision_config = None
     r = bench(cfg, args, device)
-    print(json.dumps({k: v for k, v in r.items() if k not in ("flops_per_token", "top_kernels", "step_ms_all")}),
+    print(json.dumps({k: v for k, v in r.items()
+                      if k not in ("flops_per_token", "top_kernels", "step_ms_all", "host_forward_profile")}),
           flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": [r]}, indent=2))
@@ -295,6 +319,8 @@ def main() -> None:
     print("phases (ms, synced): " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
     print("host time to issue each phase (ms, timed steps): "
           + ", ".join(f"{k} {v:.1f}" for k, v in r["host_issue_ms"].items()))
+    if r.get("host_forward_profile"):
+        print("host profile of one forward (cProfile):\n" + r["host_forward_profile"])
     if r["syncs"] is not None:
         print(f"host syncs in one step: {sum(r['syncs'].values())}"
               + "".join(f"\n  {n:4d}  {k}" for k, n in r["syncs"].items()))
