@@ -173,6 +173,8 @@ def bench(cfg, args, device) -> dict:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         for i in range(args.warmup + args.steps):
+            if cuda and i == args.warmup:
+                alloc0 = allocator_counts()
             if cuda:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
@@ -187,6 +189,7 @@ def bench(cfg, args, device) -> dict:
             if i >= args.warmup:
                 times.append(ms)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        alloc = ({k: v - alloc0[k] for k, v in allocator_counts().items()} if cuda and args.steps else None)
         syncs = sync_sites(lambda: step(0), cuda) if args.sync_audit else None
         host_fwd = host_profile(lambda prof: step(0, host_prof=prof), args.host_profile) if args.host_profile else None
         for i in range(args.phase_steps):  # synced phase times (separate steps: the syncs cost a little)
@@ -221,11 +224,20 @@ def bench(cfg, args, device) -> dict:
            "phases_ms": {k: statistics.median(v) for k, v in phases.items()},
            "host_issue_ms": {k: statistics.median(v[args.warmup:args.warmup + args.steps] or v)
                              for k, v in host.items()},
-           "syncs": syncs, "top_kernels": kernels, "host_forward_profile": host_fwd}
+           "syncs": syncs, "allocator": alloc, "top_kernels": kernels, "host_forward_profile": host_fwd}
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's counters that mean device-wide waits: cudaMalloc / cudaFree calls (a cudaFree
+    synchronises the device) and the retries that free the cache to satisfy an allocation. Over the timed steps
+    they should not move; if they do, the host stalls inside the forward where no sync shows in the audit."""
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                            "num_sync_all_streams")}
 
 
 def host_profile(run, n: int) -> str:
@@ -319,6 +331,8 @@ def main() -> None:
     print("phases (ms, synced): " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
     print("host time to issue each phase (ms, timed steps): "
           + ", ".join(f"{k} {v:.1f}" for k, v in r["host_issue_ms"].items()))
+    if r.get("allocator"):
+        print("allocator over the timed steps: " + ", ".join(f"{k} {v}" for k, v in r["allocator"].items()))
     if r.get("host_forward_profile"):
         print("host profile of one forward (cProfile):\n" + r["host_forward_profile"])
     if r["syncs"] is not None:
