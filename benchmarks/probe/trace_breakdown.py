@@ -105,14 +105,22 @@ def main() -> None:
     print(f"\ntop (phase, outer op, inner op, shapes, kernel) groups")
     for (ph, outer, inner, shapes, kn), (ms, n) in sorted(by_op.items(), key=lambda x: -x[1][0])[:args.top * 2]:
         print(f"  {ms:8.2f} {n:5d}  {ph:9s} {outer[:40]:40s} {inner[:28]:28s} {shapes} | {kn}")
-    idle_gaps(gpu, stacks, phase_of, args.gap, args.top)
+    by_phase, by_op = idle_gaps(gpu, stacks, phase_of, args.gap)
+    print(f"\nGPU idle in gaps over {args.gap:g} µs: {sum(by_phase.values()):.1f} ms")
+    for ph, ms in by_phase.most_common():
+        print(f"  {ph:14s} {ms:8.1f} ms")
+    print("  by the op whose launch ended the gap (ms, gaps)")
+    for (ph, outer, inner), (ms, n) in sorted(by_op.items(), key=lambda x: -x[1][0])[:args.top]:
+        print(f"  {ms:8.2f} {n:5d}  {ph:9s} {outer:40s} {inner}")
 
 
-def idle_gaps(gpu: list[dict], stacks: dict[int, list[dict]], phase_of, min_us: float, top: int) -> None:
-    """The GPU's idle time between events (longer than min_us), by phase and by the op that ended the wait."""
+def idle_gaps(gpu: list[dict], stacks: dict[int, list[dict]], phase_of, min_us: float):
+    """The GPU's idle time between events (gaps longer than min_us, in ms): by phase, and by (phase, outer op,
+    inner op) of the event that ended the gap (the op the GPU waited for) as [ms, gaps]. Overlapping events (two
+    streams) count as busy from the first start to the last end."""
     order = sorted(range(len(gpu)), key=lambda i: gpu[i]["ts"])
-    by_phase = collections.Counter()
-    by_op = collections.defaultdict(lambda: [0.0, 0])
+    by_phase: collections.Counter = collections.Counter()
+    by_op: dict = collections.defaultdict(lambda: [0.0, 0])
     end = None
     for i in order:
         if end is not None and gpu[i]["ts"] - end > min_us:
@@ -125,12 +133,7 @@ def idle_gaps(gpu: list[dict], stacks: dict[int, list[dict]], phase_of, min_us: 
             by_op[key][1] += 1
         e = gpu[i]["ts"] + gpu[i]["dur"]
         end = e if end is None else max(end, e)
-    print(f"\nGPU idle in gaps over {min_us:g} µs: {sum(by_phase.values()):.1f} ms")
-    for ph, ms in by_phase.most_common():
-        print(f"  {ph:14s} {ms:8.1f} ms")
-    print("  by the op whose launch ended the gap (ms, gaps)")
-    for (ph, outer, inner), (ms, n) in sorted(by_op.items(), key=lambda x: -x[1][0])[:top]:
-        print(f"  {ms:8.2f} {n:5d}  {ph:9s} {outer:40s} {inner}")
+    return by_phase, dict(by_op)
 
 
 if __name__ == "__main__":
