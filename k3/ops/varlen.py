@@ -15,14 +15,18 @@ MEMO = os.environ.get("K3_CU_MEMO", "1") == "1"
 _HOST: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (its version counter when read, its values)
 
 
-def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """cu_seqlens' values as Python ints: from what `remembered` or `bounds_to` kept for this tensor (while its
-    version counter, which views share, has not moved), else read (on a GPU, a sync: the host waits for the queue
-    to drain, mid-forward when a layer asks)."""
+def _kept(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
+    """The values `remembered` or `bounds_to` kept for this tensor, while its version counter (which views share)
+    has not moved; else None."""
     hit = _HOST.get(cu_seqlens)
-    if hit is not None and hit[0] == cu_seqlens._version:
-        return hit[1]
-    return tuple(cu_seqlens.tolist())
+    return hit[1] if hit is not None and hit[0] == cu_seqlens._version else None
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """cu_seqlens' values as Python ints: kept ones (`_kept`), else read (on a GPU, a sync: the host waits for the
+    queue to drain, mid-forward when a layer asks)."""
+    kept = _kept(cu_seqlens)
+    return kept if kept is not None else tuple(cu_seqlens.tolist())
 
 
 @contextlib.contextmanager
@@ -31,12 +35,8 @@ def remembered(cu_seqlens: torch.Tensor | None):
     check and every layer inside, so the 12 KDA layers of k3-small build their chunk tables without a device read
     each. Scoped because a write the version counter does not see (a kernel's, a NumPy view's) could change the
     values between forwards; a tensor already kept (`bounds_to`, an outer scope) stays kept."""
-    if not isinstance(cu_seqlens, torch.Tensor) or not MEMO:  # (anything else fails the entry check)
-        yield
-        return
-    hit = _HOST.get(cu_seqlens)
-    if hit is not None and hit[0] == cu_seqlens._version:
-        yield
+    if not isinstance(cu_seqlens, torch.Tensor) or not MEMO or _kept(cu_seqlens) is not None:
+        yield  # (a non-tensor fails the entry check)
         return
     _HOST[cu_seqlens] = (cu_seqlens._version, tuple(cu_seqlens.tolist()))
     try:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..varlen import check_cu_seqlens
+
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (oracles, gradcheck)."""
@@ -63,10 +65,8 @@ def varlen_index(cu_seqlens: torch.Tensor, T: int, multiple: int, device):
 
     L is the longest sequence rounded up to `multiple`; padding slots point at token 0 and are masked.
     """
-    cu = cu_seqlens.detach().to("cpu", torch.long)
+    cu = torch.tensor(check_cu_seqlens(cu_seqlens, T), dtype=torch.long)
     lens = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((lens < 0).any()):
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu.tolist()}")
     L = -(-max(int(lens.max()), 1) // multiple) * multiple
     pos = torch.arange(L)
     valid = pos[None, :] < lens[:, None]

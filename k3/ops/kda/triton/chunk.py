@@ -18,7 +18,7 @@ import torch
 import triton
 
 from ..._host import to_device
-from ...varlen import host_bounds
+from ...varlen import check_cu_seqlens
 from ..states_at import chunk_slots
 from .combine import combine_segments, combine_segments_torch
 from .intra import C, kda_intra_bwd_kernel, kda_intra_fwd_kernel
@@ -128,9 +128,7 @@ def _layout(cu_seqlens, B, T, device, bt=C):
     if cu_seqlens is None:
         cu_host = tuple(b * T for b in range(B + 1))
     else:
-        cu_host = host_bounds(cu_seqlens)  # inside the model's forward: its one read (`varlen.remembered`)
-        if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {list(cu_host)}")
+        cu_host = check_cu_seqlens(cu_seqlens, T)  # inside the model's forward: its one read (`varlen.remembered`)
     return _layout_tables(cu_host, str(torch.device(device)), bt)
 
 
