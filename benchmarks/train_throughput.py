@@ -2,7 +2,8 @@
 
 One optimizer step = forward + backward (LM + MTP loss) + Per-Head Muon/AdamW step + QK-clip + QB update,
 on packed random documents (cu_seqlens), bf16 autocast over fp32 master weights — what `k3 train` does.
-Timed with CUDA events after warm-up, median of the timed steps.
+Timed with CUDA events after warm-up, median of the timed steps (each from an empty queue: a sync after every
+step), then on a GPU the same steps back to back with no sync between them ("steady", as `k3 train` runs).
 
 MFU = achieved model FLOP/s ÷ peak bf16 dense FLOP/s (H200: 989 TFLOP/s). Model FLOPs per token (the count behind
 the MFU targets; the MTP layers' second pass through lm_head, 6·D·V per token, is reported separately):
@@ -190,6 +191,7 @@ def bench(cfg, args, device) -> dict:
                 times.append(ms)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
         alloc = ({k: v - alloc0[k] for k, v in allocator_counts().items()} if cuda and args.steps else None)
+        steady = steady_steps(step, args.steps) if cuda and args.steady else None
         syncs = sync_sites(lambda: step(0), cuda) if args.sync_audit else None
         host_fwd = host_profile(lambda prof: step(0, host_prof=prof), args.host_profile) if args.host_profile else None
         for i in range(args.phase_steps):  # synced phase times (separate steps: the syncs cost a little)
@@ -216,7 +218,8 @@ def bench(cfg, args, device) -> dict:
     peak_flops = PEAK_BF16.get(args.gpu_name, None)
     res = {"label": args.label, "batch": args.batch, "seq_len": args.seq_len, "grad_ckpt": args.grad_ckpt,
            "compile": args.compile, "fp8": args.fp8, "stats": args.stats,
-           "step_ms": med, "step_ms_all": times, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
+           "step_ms": med, "step_ms_all": times, "steady_step_ms": steady,
+           "steady_mfu": (f["total"] * tokens / (steady / 1e3) / peak_flops) if steady and peak_flops else None, "tokens_per_s": tps, "model_tflops": f["total"] * tps / 1e12,
            "mfu": (f["total"] * tps / peak_flops) if peak_flops else None,
            "mfu_with_mtp_head": ((f["total"] + f["mtp_head"]) * tps / peak_flops) if peak_flops else None,
            "flops_per_token": f, "mean_ctx": ctx,
@@ -229,6 +232,21 @@ def bench(cfg, args, device) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def steady_steps(step, n: int) -> float | None:
+    """Median step time with no host sync between steps, as `k3 train` runs: an event at each step boundary, one
+    sync after the last. The host issues step i+1 while the GPU still runs step i, so a forward whose host issue
+    outruns its GPU work (the layer stack) no longer idles the GPU whenever the previous step left enough queued."""
+    if n < 1:
+        return None
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    ev[0].record()
+    for i in range(n):
+        step(i)
+        ev[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:]))
 
 
 def allocator_counts() -> dict[str, int]:
@@ -277,6 +295,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--phase-steps", type=int, default=2, help="extra synced steps for the per-phase breakdown")
+    ap.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time --steps steps back to back without a sync between them (as k3 train runs)")
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument("--fp8", action="store_true", default=os.environ.get("K3_FP8", "0") == "1",
                     help="projections as row-wise FP8 GEMMs (k3.ops.fp8; default from K3_FP8=1)")
@@ -328,6 +348,11 @@ def main() -> None:
     mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] else "-"
     print(f"step {r['step_ms']:.1f} ms  {r['tokens_per_s']:,.0f} tokens/s  {r['model_tflops']:.1f} TFLOP/s  MFU {mfu}"
           f"  peak {mem}")
+    if r.get("steady_step_ms"):
+        sm = f"{100 * r['steady_mfu']:.1f} %" if r["steady_mfu"] else "-"
+        print(f"steady step {r['steady_step_ms']:.1f} ms  "
+              f"{args.batch * args.seq_len / (r['steady_step_ms'] / 1e3):,.0f} tokens/s  MFU {sm}  "
+              "(no sync between steps, as k3 train runs)")
     print("phases (ms, synced): " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
     print("host time to issue each phase (ms, timed steps): "
           + ", ".join(f"{k} {v:.1f}" for k, v in r["host_issue_ms"].items()))
