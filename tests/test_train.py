@@ -65,9 +65,12 @@ def test_resume_is_bitwise_exact(uninterrupted, tmp_path):
     assert all(a[k] == b[k] for k in a), (a, b)  # bitwise equal floats
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("save_every", [1, 2])
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, save_every):
+    """A step's loss is read one step late (the loop never waits for the GPU), but always before a checkpoint is
+    written: with a checkpoint after every step, step 3's must not be written either."""
     run = tmp_path / "run"
-    tr = Trainer(tiny(run, save_every=2, eval_every=0))
+    tr = Trainer(tiny(run, save_every=save_every, eval_every=0))
     calls = {"n": 0}
 
     def poison(mod, inp, out):
@@ -81,6 +84,28 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         tr.fit()
     assert latest_checkpoint(run).name == "step_0000002"
     assert not (run / "checkpoints" / "step_0000003").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_steps_issue_without_a_host_sync(tmp_path):
+    """On a GPU the loop's steps never wait for the device (their losses are read a step late, batches go through
+    pinned memory): the synchronizing calls CUDA's debug mode reports over a run do not grow with its steps."""
+    import warnings
+
+    def syncs(steps: int) -> int:
+        tr = Trainer(tiny(tmp_path / f"run{steps}", steps=steps, eval_every=0, save_every=0, curriculum="none",
+                          device="cuda"))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                tr.fit()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in seen)
+
+    assert syncs(3) == syncs(8)
 
 
 def test_rows_carry_each_steps_clip_and_balance_statistics(tmp_path):

@@ -61,7 +61,11 @@ def bounds_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     promise: the copy is written only through torch ops, which move its version). A forward on it reads nothing
     back; `k3 train` moves its batches so."""
     vals = tuple(cu_seqlens.tolist())  # on the host: no sync
-    out = cu_seqlens.to(device)
+    device = torch.device(device)
+    if device.type == "cuda" and cu_seqlens.device.type == "cpu":  # pinned, non-blocking: no wait for the stream
+        out = cu_seqlens.pin_memory().to(device, non_blocking=True)
+    else:
+        out = cu_seqlens.to(device)
     if MEMO:
         _HOST[out] = (out._version, vals)
     return out

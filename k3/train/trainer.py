@@ -538,7 +538,7 @@ class Trainer:
             log.write("val", 0, loss=first_val)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last = {}
-        stats = _StepStats(self.rank == 0)
+        stats = _StepStats(self.rank == 0, self.run_dir)
         try:
             while self.step < end:
                 idx = self._stage_for(self.step)
@@ -581,13 +581,8 @@ class Trainer:
                     gnorm, gscale = grad_clip_scale(params, max_norm)
                 else:
                     gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                # the step's one host sync: its losses and norm, and the previous step's statistics
-                lv, gv, mv = stats.read([tot_loss, gnorm.to(tot_loss), tot_mtp], log)
-                if not (math.isfinite(lv) and math.isfinite(gv)):
-                    raise TrainingDiverged(
-                        f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(lv) else 'gradient norm'} "
-                        f"(loss={lv}, grad_norm={gv}); the last good checkpoint is kept "
-                        f"({latest_checkpoint(self.run_dir) or 'none written yet'})")
+                # no host read here: the losses and norm are checked one step later (`_StepStats`), so the host
+                # issues the optimizer and the next step while the GPU still runs this one
                 self.opt.step() if gscale is None else self.opt.step(grad_scale=gscale)
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -599,12 +594,14 @@ class Trainer:
                 self.step += 1
                 dt = time.perf_counter() - t0
                 tps = ntok * self.batch_world / dt
-                last = {"loss": lv, "mtp_loss": mv, "grad_norm": gv,
-                        "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps, "seq_len": stage.seq_len,
-                        "step_time_s": dt}
-                stats.hold(self.step, last, clip, bal)  # the train row is written once they are read
+                last = {"lr": self.sched.get_last_lr()[0], "tokens_per_s": tps, "seq_len": stage.seq_len,
+                        "step_time_s": dt}  # + the losses, norm and statistics, once read
+                # reads the previous step's values (long computed: no wait) and keeps this one's
+                stats.hold(self.step, last, {"loss": tot_loss, "grad_norm": gnorm, "mtp_loss": tot_mtp}, clip, bal, log)
                 bar.update(1)
-                bar.set_postfix(loss=f"{lv:.3f}", tok_s=f"{tps:,.0f}", seq=stage.seq_len, refresh=False)
+                if stats.shown:
+                    bar.set_postfix(loss=f"{stats.shown['loss']:.3f}", tok_s=f"{tps:,.0f}", seq=stage.seq_len,
+                                    refresh=False)
                 if self.step >= end or any(n and self.step % n == 0
                                            for n in (cfg.eval_every, cfg.sample_every, cfg.save_every)):
                     stats.flush(log)  # the log holds every row up to a checkpoint, an evaluation, the end
@@ -648,10 +645,15 @@ class Trainer:
 
 def _to_device(key: str, t: torch.Tensor, device) -> torch.Tensor:
     """A collated batch's tensor on the device; cu_seqlens with its host values kept (`varlen.bounds_to`), so the
-    forward's checks and KDA chunk tables read nothing back from the GPU."""
+    forward's checks and KDA chunk tables read nothing back from the GPU. To a GPU through pinned memory without
+    blocking: a copy from pageable memory waits for the stream to drain, which would stall the host at every
+    batch while the GPU still runs the previous step."""
     if key == "cu_seqlens":
         from ..ops.varlen import bounds_to
         return bounds_to(t, device)
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
@@ -675,61 +677,74 @@ def _resume_context_parallel(saved: list) -> None:
 
 
 class _StepStats:
-    """A step's QK-clip and balancing statistics, read with the next step's one host sync instead of a sync of
-    their own after the optimizer (where the GPU would idle while the host reads them and launches on). The step's
-    train row (a dict the trainer also returns) is completed and written when they arrive."""
+    """A step's losses, gradient norm, and QK-clip and balancing statistics, read one step late. They stay on the
+    device, copied (non-blocking) into pinned host memory behind an event, and are read when the next step has been
+    issued, or at a flush (before a checkpoint, an evaluation, the end), when they have long been computed: the
+    loop never waits for the GPU, so the host issues step i+1 while the GPU still runs step i. A non-finite loss or
+    gradient norm raises `TrainingDiverged` when read, before any later checkpoint is written, so the last one on
+    disk is good. The step's train row (a dict the trainer also returns) is completed and written then."""
 
-    KEYS = ("max_logit", "clipped_heads", "maxvio_mean", "maxvio_max")
+    KEYS = ("loss", "grad_norm", "mtp_loss", "max_logit", "clipped_heads", "maxvio_mean", "maxvio_max")
 
-    def __init__(self, write: bool):
-        self.write = write
-        self.pending = None  # (step, row, {key: 0-dim tensor})
+    def __init__(self, write: bool, run_dir: Path):
+        self.write, self.run_dir = write, run_dir
+        self.pending = None  # (step, row, keys, host values, event or None)
+        self.shown: dict = {}  # the latest values read (the progress bar's)
 
-    def hold(self, step: int, row: dict, clip: dict, bal: dict) -> None:
-        """Keep this step's row and statistics (device tensors, or numbers where they were read already)."""
-        vals = {k: torch.as_tensor(clip[k], dtype=torch.float64) for k in ("max_logit", "clipped_heads")
-                if clip.get(k) is not None}
-        vio = [torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in (bal or {}).values() if v is not None]
+    def hold(self, step: int, row: dict, now: dict, clip: dict, bal: dict, log) -> None:
+        """Read the pending step's values (`flush`), then keep this step's: `now` (0-dim device tensors: losses,
+        norm) and the statistics (device tensors, or numbers where they were read already)."""
+        self.flush(log)
+        vals = {k: v for k, v in now.items() if v is not None}
+        vals.update({k: clip[k] for k in ("max_logit", "clipped_heads") if clip.get(k) is not None})
+        vio = [torch.as_tensor(v).reshape(()) for v in (bal or {}).values() if v is not None]
         if vio:  # per-MoE-layer maxvio of this step's loads
-            t = torch.stack([v.to(vio[0].device) for v in vio])
+            t = torch.stack([v.to(vio[0].device, torch.float64) for v in vio])
             vals.update(maxvio_mean=t.mean(), maxvio_max=t.amax())
-        self.pending = (step, row, vals)
-
-    def read(self, now: list[torch.Tensor], log) -> list[float]:
-        """`now`'s values (0-dim tensors) and the pending row's statistics in one host read; the pending row is
-        written."""
-        held = list(self.pending[2]) if self.pending is not None else []
-        vals = _host_values(now + [self.pending[2][k] for k in held])
-        if self.pending is not None:
-            self._write(dict(zip(held, vals[len(now):])), log)
-        return vals[:len(now)]
+        ts = [torch.as_tensor(v) for v in vals.values()]
+        dev = next((t.device for t in ts if t.device.type != "cpu"), torch.device("cpu"))
+        both = torch.stack([t.to(dev, torch.float64).reshape(()) for t in ts])  # fp64: a loss's fp32 value exactly
+        ev = None
+        if dev.type == "cuda":
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        else:
+            host = both
+        self.pending = (step, row, list(vals), host, ev)
 
     def flush(self, log, quiet: bool = False) -> None:
-        """Write the pending row (a host read of its statistics); quiet: drop it on an error (a broken device)."""
-        try:
-            self.read([], log)
-        except Exception:
-            self.pending = None
-            if not quiet:
-                raise
-
-    def _write(self, vals: dict, log) -> None:
-        step, row, _ = self.pending
+        """Read and write the pending row (a wait for its event, if the GPU is still short of it); quiet: drop it on
+        an error (a broken device, or the divergence being raised already)."""
+        if self.pending is None:
+            return
+        step, row, keys, host, ev = self.pending
         self.pending = None
+        try:
+            if ev is not None:
+                ev.synchronize()
+            vals = dict(zip(keys, host.tolist()))
+        except Exception:
+            if quiet:
+                return
+            raise
+        lv, gv = vals.get("loss", 0.0), vals.get("grad_norm", 0.0)
+        if not (math.isfinite(lv) and math.isfinite(gv)):
+            if quiet:
+                return
+            raise TrainingDiverged(
+                f"step {step}: non-finite {'loss' if not math.isfinite(lv) else 'gradient norm'} "
+                f"(loss={lv}, grad_norm={gv}); the last good checkpoint is kept "
+                f"({latest_checkpoint(self.run_dir) or 'none written yet'})")
         if vals.get("max_logit") == float("-inf"):  # no MLA layer saw a training forward
             vals.pop("max_logit")
         if "clipped_heads" in vals:
             vals["clipped_heads"] = int(vals["clipped_heads"])
         row.update({k: vals[k] for k in self.KEYS if k in vals})
+        self.shown = row
         if self.write:
             log.write("train", step, **row)
-
-
-def _host_values(ts: list[torch.Tensor]) -> list[float]:
-    """0-dim tensors' values in one read, in fp64 (a loss's fp32 value exactly)."""
-    if not ts:
-        return []
-    return torch.stack([t.to(ts[0].device, torch.float64) for t in ts]).tolist()
 
 
 class _NullLog:
