@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 import warnings
 from pathlib import Path
 
 import torch
+
+_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def median_ms(fn, warmup: int, reps: int, cuda: bool = True, before=None) -> float:
@@ -83,21 +86,30 @@ def launch_sweep(launch: dict, settings: list[dict], fn, reps: int, per: int, ba
 
 def sync_sites(fn, cuda: bool) -> dict[str, int] | None:
     """The host syncs of one call of fn by the Python line that asked for them, most first (CUDA's sync debug mode,
-    "warn": each synchronizing call warns from its caller's frame); None off CUDA."""
+    "warn": each synchronizing call warns from its caller's frame); None off CUDA. Where that line is in torch, the
+    key also names the innermost frame of this repository's code on the stack (` <- k3/...py:line`)."""
     if not cuda:
         return None
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    where: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):  # runs inside the warning's call
+        if "synchroniz" not in str(message):
+            return
+        key = f"{Path(filename).name}:{lineno}"
+        if "/torch/" in filename:
+            ours = [f for f in traceback.extract_stack()[:-1] if _ROOT in f.filename and "/.venv/" not in f.filename]
+            if ours:
+                key += f" <- {Path(ours[-1].filename).relative_to(_ROOT)}:{ours[-1].lineno}"
+        where[key] = where.get(key, 0) + 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    where: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            where[key] = where.get(key, 0) + 1
     return dict(sorted(where.items(), key=lambda kv: -kv[1]))
