@@ -10,6 +10,6 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     prefill). The caching host allocator keeps the pinned block until the copy has run. Non-CUDA: a plain `.to`.
     The staging copy is contiguous: `pin_memory` keeps the source's strides, so an expanded view (stride 0) would
     fail its own copy ("more than one element of the written-to tensor refers to a single memory location")."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":  # (a device tensor: a plain `.to`)
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)

@@ -10,6 +10,8 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._host import to_device
+
 # whether `remembered` / `bounds_to` keep a cu_seqlens' host values (K3_CU_MEMO=0: every consumer reads them)
 MEMO = os.environ.get("K3_CU_MEMO", "1") == "1"
 _HOST: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (its version counter when read, its values)
@@ -61,11 +63,7 @@ def bounds_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     promise: the copy is written only through torch ops, which move its version). A forward on it reads nothing
     back; `k3 train` moves its batches so."""
     vals = tuple(cu_seqlens.tolist())  # on the host: no sync
-    device = torch.device(device)
-    if device.type == "cuda" and cu_seqlens.device.type == "cpu":  # pinned, non-blocking: no wait for the stream
-        out = cu_seqlens.pin_memory().to(device, non_blocking=True)
-    else:
-        out = cu_seqlens.to(device)
+    out = to_device(cu_seqlens, device)  # through pinned memory: no wait for the stream
     if MEMO:
         _HOST[out] = (out._version, vals)
     return out

@@ -651,10 +651,8 @@ def _to_device(key: str, t: torch.Tensor, device) -> torch.Tensor:
     if key == "cu_seqlens":
         from ..ops.varlen import bounds_to
         return bounds_to(t, device)
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    from ..ops._host import to_device
+    return to_device(t, device)
 
 
 def _group_key(g: dict) -> tuple:
