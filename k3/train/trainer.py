@@ -739,7 +739,9 @@ class _StepStats:
             vals.pop("max_logit")
         if "clipped_heads" in vals:
             vals["clipped_heads"] = int(vals["clipped_heads"])
-        row.update({k: vals[k] for k in self.KEYS if k in vals})
+        rest = dict(row)  # the row reads loss first, as before the values were read late
+        row.clear()
+        row.update({k: vals[k] for k in self.KEYS if k in vals}, **rest)
         self.shown = row
         if self.write:
             log.write("train", step, **row)
