@@ -106,8 +106,9 @@ def test_training_steps_issue_without_a_host_sync(tmp_path):
                 torch.cuda.set_sync_debug_mode("default")
         return collections.Counter(f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message))
 
+    syncs(2)  # the process's one-time syncs (first launches, lazy initialisation) land here
     few, more = syncs(3), syncs(8)
-    assert sum(few.values()) == sum(more.values()), f"syncs that grow with the steps: {more - few}"
+    assert not more - few and sum(more.values()) <= sum(few.values()), f"syncs that grow: {more - few}"
 
 
 def test_rows_carry_each_steps_clip_and_balance_statistics(tmp_path):
