@@ -104,7 +104,8 @@ def test_training_steps_issue_without_a_host_sync(tmp_path):
                 tr.fit()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        return collections.Counter(f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message))
+        return collections.Counter(f"{w.filename}:{w.lineno}" for w in seen
+                                   if "synchronizing CUDA operation" in str(w.message))
 
     syncs(2)  # the process's one-time syncs (first launches, lazy initialisation) land here
     few, more = syncs(3), syncs(8)
