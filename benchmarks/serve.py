@@ -174,8 +174,6 @@ SWITCHES = {
                           "a batch-1 step's MoE as eight kernels"),
     "moe_block_split_step_ms": ("k3.ops.moe_block", "SPLIT", "a batch-1 step's MoE block as four launches",
                                 "a batch-1 step's MoE block as one launch with grid barriers"),
-    "moe_block_x2d_step_ms": ("k3.ops.moe_block", "X2D", "the MoE block's inputs read as tiles",
-                              "the MoE block's inputs read as vectors"),
     "gemv_row_step_ms": ("k3.ops.gemv.triton", "ROW", "one-row projections by the CUDA-core row kernel",
                          "one-row projections by the MMA GEMV kernel"),
     "kda_narrow_step_ms": ("k3.ops.kda.triton.decode", "NARROW", "a small batch's KDA step in narrow column blocks",

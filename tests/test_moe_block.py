@@ -57,11 +57,9 @@ def _both(moe, x, residual, monkeypatch):
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split"])
 def test_block_equals_the_composed_path(dtype, tol, residual, split, monkeypatch):
-    """split: the four phases as four launches, a program per tile (so several programs under the interpreter);
-    the one launch with its inputs read as tiles (`x2d`)."""
+    """split: the four phases as four launches, a program per tile (so several programs under the interpreter)."""
     dev = _device_or_skip()
     monkeypatch.setattr(moe_block, "SPLIT", split)
-    monkeypatch.setattr(moe_block, "X2D", not split)
     for seed in (0, 1, 2):
         moe = _moe(seed, dtype, dev)
         g = torch.Generator().manual_seed(100 + seed)
@@ -86,13 +84,11 @@ def test_block_without_norm_or_bias_and_other_top_k(monkeypatch):
         assert torch.equal(ia.cpu(), ib.cpu()) and rel_rmse(yb, ya) <= 2e-6, over
 
 
-@pytest.mark.parametrize("x2d", [False, True], ids=["x-vector", "x-tile"])
-def test_split_block_with_other_tiles_per_phase(x2d, monkeypatch):
+def test_split_block_with_other_tiles_per_phase(monkeypatch):
     """The split form with different row tiles in each phase (phase 1's last tile ragged: k3-tiny's 328 joined
-    input rows in tiles of 16) equals the composed path in fp32; also with the inputs read as tiles (`x2d`)."""
+    input rows in tiles of 16) equals the composed path in fp32."""
     dev = _device_or_skip()
     monkeypatch.setattr(moe_block, "SPLIT", True)
-    monkeypatch.setattr(moe_block, "X2D", x2d)
     for k, v in dict(bn1=16, bn2=2, bn4=8, bi=8, bl=2).items():
         monkeypatch.setitem(moe_block.LAUNCH_SPLIT, k, v)
     moe = _moe(5, torch.float32, dev)
@@ -176,15 +172,13 @@ def test_cooperative_launch_keywords():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("coop,split,x2d", [(False, False, False), (True, False, False), (True, True, False),
-                                            (True, False, True), (True, True, True)],
-                         ids=["plain-launch", "cooperative-launch", "split", "cooperative-x2d", "split-x2d"])
-def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, split, x2d, monkeypatch):
+@pytest.mark.parametrize("coop,split", [(False, False), (True, False), (True, True)],
+                         ids=["plain-launch", "cooperative-launch", "split"])
+def test_cuda_block_at_k3_small_width_and_in_a_graph(coop, split, monkeypatch):
     """k3-small's MoE dimensions, bf16, every SM's programs (the barriers for real): the composed path's output
     within bf16 rounding, the same experts; a CUDA graph of the kernel replayed equals its eager run, bitwise;
-    launched plainly, as a cooperative grid, and split into four launches (no barriers); inputs read as tiles."""
+    launched plainly, as a cooperative grid, and split into four launches (no barriers)."""
     monkeypatch.setitem(moe_block.LAUNCH, "coop", coop)
-    monkeypatch.setattr(moe_block, "X2D", x2d)
     monkeypatch.setattr(moe_block, "SPLIT", split)
     from k3.config import K3Config
     from k3.model.moe import LatentMoE

@@ -61,24 +61,24 @@ def phase_bytes(cfg) -> list[int]:
     return [2 * (L + 2 * IS + E) * D, 2 * (K * 2 * I * L + D * IS), 2 * K * L * I, 2 * D * L]
 
 
-def phase_times(chain, reps: int, layers: int, cfg, x2d: bool) -> dict:
-    """µs per layer of the split form (with `X2D` = x2d) run up to phase p (p = 1..4) and each phase's difference
-    from the prefix before it, with the rate its weight bytes then stream at."""
-    split0, phases0, x2d0 = moe_block.SPLIT, moe_block.PHASES, moe_block.X2D
+def phase_times(chain, reps: int, layers: int, cfg) -> dict:
+    """µs per layer of the split form run up to phase p (p = 1..4) and each phase's difference from the prefix
+    before it, with the rate its weight bytes then stream at."""
+    split0, phases0 = moe_block.SPLIT, moe_block.PHASES
     out, prev = {}, 0.0
     try:
-        moe_block.SPLIT, moe_block.X2D = True, x2d
+        moe_block.SPLIT = True
         for p, nbytes in zip(range(1, 5), phase_bytes(cfg)):
             moe_block.PHASES = p
             t = graph_us(chain, reps) / layers
             out[f"phases 1-{p}"] = {"us_per_layer": t, "phase_us": t - prev, "phase_bytes": nbytes,
                                     "tb_per_s": nbytes / max(t - prev, 1e-3) / 1e6}
-            print(f"split{' X2D' if x2d else ''}, phases 1-{p}: {t:6.2f} µs per layer; phase {p} "
+            print(f"split, phases 1-{p}: {t:6.2f} µs per layer; phase {p} "
                   f"{t - prev:5.2f} µs for {nbytes / 1e6:4.1f} MB ({nbytes / max(t - prev, 1e-3) / 1e6:4.2f} TB/s)",
                   flush=True)
             prev = t
     finally:
-        moe_block.SPLIT, moe_block.PHASES, moe_block.X2D = split0, phases0, x2d0
+        moe_block.SPLIT, moe_block.PHASES = split0, phases0
     return out
 
 
@@ -90,7 +90,6 @@ def main() -> int:
     ap.add_argument("--floor", type=int, default=1, help="1: also time both paths at tiny widths (the latency floor)")
     ap.add_argument("--split-only", action="store_true", help="of the one-launch settings, only the default")
     ap.add_argument("--phases", type=int, default=1, help="1: also time the split form's phases (prefixes)")
-    ap.add_argument("--x2d-one", type=int, default=1, help="1: also time the one launch with X2D")
     ap.add_argument("--out", default="moe_block.json")
     a = ap.parse_args()
     cfg, mods = layers(a.layers)
@@ -128,23 +127,14 @@ def main() -> int:
     if a.split_only:
         settings = []
     result["rows"].update(launch_sweep(moe_block.LAUNCH, settings, chain, a.reps, a.layers, base, floor, check))
-    split0, x2d0, moe_block.SPLIT = moe_block.SPLIT, moe_block.X2D, True
-    for x2d in (False, True):  # X2D: each projection's input read as a tile in the weights' layout
-        moe_block.X2D = x2d
-        print(f"split into four launches{', inputs as tiles (X2D)' if x2d else ''}:")
-        rows = launch_sweep(moe_block.LAUNCH_SPLIT, split, chain, a.reps, a.layers, base, floor, check)
-        result["rows"].update({f"split{' x2d' if x2d else ''} " + k: v for k, v in rows.items()})
-    moe_block.SPLIT, moe_block.X2D = split0, x2d0
-    if a.x2d_one:  # the one launch with X2D too
-        moe_block.X2D = True
-        print("one launch, inputs as tiles (X2D):")
-        rows = launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check)
-        result["rows"].update({"x2d " + k: v for k, v in rows.items()})
-        moe_block.X2D = x2d0
+    split0, moe_block.SPLIT = moe_block.SPLIT, True
+    print("split into four launches:")
+    rows = launch_sweep(moe_block.LAUNCH_SPLIT, split, chain, a.reps, a.layers, base, floor, check)
+    result["rows"].update({"split " + k: v for k, v in rows.items()})
+    moe_block.SPLIT = split0
     result["rows"].update(launch_sweep(moe_block.LAUNCH, [{}], chain, a.reps, a.layers, base, floor, check))
     if a.phases:  # the split form's phases 1, 1-2, 1-3, 1-4: each phase's time and its bytes' share of it
-        for x2d in (False, True):
-            result["rows"][f"phases{' x2d' if x2d else ''}"] = phase_times(chain, a.reps, a.layers, cfg, x2d)
+        result["rows"]["phases"] = phase_times(chain, a.reps, a.layers, cfg)
     if a.floor:  # the same phases and barriers over ≈ 1 % of the bytes: what the block costs besides reading
         tiny, tmods = layers(a.layers, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64)
         tx = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
@@ -163,9 +153,7 @@ def main() -> int:
               f"{row['composed_us']:.2f} µs, block {row['block_us']:.2f} µs, split block {row['split_us']:.2f} µs "
               "per layer", flush=True)
         if a.phases:
-            for x2d in (False, True):
-                result["rows"][f"latency_floor_phases{' x2d' if x2d else ''}"] = phase_times(
-                    tiny_chain, a.reps, a.layers, tiny, x2d)
+            result["rows"]["latency_floor_phases"] = phase_times(tiny_chain, a.reps, a.layers, tiny)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -45,12 +45,6 @@ SPLIT = os.environ.get("K3_MOE_BLOCK_SPLIT", "1") == "1"
 # Its tiles per phase: rows of the joined input (bn1), of the shared experts' down projection (bn2) and of the up
 # projection (bn4); the experts' gate / up rows (bi) and down rows (bl)
 LAUNCH_SPLIT = {"bn1": 4, "bn2": 4, "bn4": 4, "bi": 4, "bl": 4, "ch": 256, "warps": 4}
-# X2D (K3_MOE_BLOCK_X2D; read at each call; off until timed): both forms read each projection's input as a tile in
-# the weights' layout (`moe_block_triton.dot_rows`). As a vector broadcast over the rows, the sm_90a code (Triton
-# 3.6) passes it through shared memory with two barriers per 256-column chunk, and the barrier waits for the input's
-# load, so the chunks' weight loads go out one cache round trip apart; as a tile, the 12 loads of the joined input
-# projection's program go out back to back (SASS, no GPU timing yet).
-X2D = os.environ.get("K3_MOE_BLOCK_X2D", "0") == "1"
 # the split form launches phases 1..PHASES: fewer only for `probe/moe_block.py --phases`, which times the prefixes
 # 1, 1-2, 1-3 and 1-4 (each phase reads what the ones before it wrote, so only prefixes are safe; the output of a
 # shorter prefix is incomplete)
@@ -116,7 +110,7 @@ def moe_block_decode(x: torch.Tensor, w_in: torch.Tensor, latent: int, shared: i
             float(scaling_factor), float(beta), float(linear_beta), float(eps), G, D=D, L=L, I=I, IS=IS, E=E, K=K,
             BE=max(16, triton.next_power_of_2(E)), HAS_BIAS=bias is not None, RENORM=bool(renormalize),
             HAS_NORM=norm is not None, HAS_RES=residual is not None, BN=bn, BI=c["bi"], BL=c["bl"], CH=c["ch"],
-            BLN=triton.next_power_of_2(L), PHASE=phase, X2D=X2D, num_warps=c["warps"],
+            BLN=triton.next_power_of_2(L), PHASE=phase, num_warps=c["warps"],
             **cooperative(x, phase == 0 and c["coop"]), **pdl(x))
     return out, idx, wt, scores
 

@@ -1,8 +1,9 @@
 """`moe_block_decode`'s kernel (see `moe_block.py`): a batch-1 decode step's whole LatentMoE in one launch of G
 persistent programs (all resident: at most the SMs × the programs that fit on each), four phases apart by grid
 barriers. Each phase shares its row tiles out over the programs (tile t to program t mod G). The widths are
-constexprs, so the chunk loops unroll; whether a tile's weight loads then go out at once depends on how it reads
-its input (`X2D` below: without it the sm_90a code waits for each chunk's input before that chunk's weight loads).
+constexprs, so the chunk loops unroll. Each projection reads its input as a [CH] vector broadcast over the tile's
+rows (as tiles in the weights' layout, `dot_rows`' X2D, it was slower: 27.5-33.9 against 22.1-27.4 µs per layer,
+H200, 2026-12-06).
 
 1. the joined input projection (latent down ‖ shared gate ‖ up ‖ router): latent and gate ‖ up rounded to the
    activation dtype, the router's logits kept in fp32;
@@ -14,9 +15,7 @@ its input (`X2D` below: without it the sm_90a code waits for each chunk's input 
 Values written in one phase are read in the next past L1 (`.cg`).
 
 PHASE = p (1-4) runs phase p alone, without barriers: the split form, four launches in a row with kernel boundaries
-(and programmatic dependent launch) in place of the grid barriers, any number of programs per launch.
-X2D: each projection reads its input as a tile in the weights' layout (`dot_rows`), so the chunks' loads are not
-serialised behind shared-memory barriers."""
+(and programmatic dependent launch) in place of the grid barriers, any number of programs per launch."""
 from __future__ import annotations
 
 import triton
@@ -78,7 +77,7 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
                      K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
                      BL: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, PDL: tl.constexpr = False,
-                     PHASE: tl.constexpr = 0, X2D: tl.constexpr = False):
+                     PHASE: tl.constexpr = 0):
     pdl_sync(PDL)
     p = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
@@ -87,7 +86,7 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
     if PHASE == 0 or PHASE == 1:
         for t in range(p, (RIN + BN - 1) // BN, G):
             rows = t * BN + tl.arange(0, BN)
-            acc = dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH, X2D=X2D)
+            acc = dot_rows(win_ptr, rows, RIN, D, x_ptr, D, CH)
             tl.store(lat_ptr + rows, acc.to(dt), mask=rows < L)
             tl.store(gu_ptr + (rows - L), acc.to(dt), mask=(rows >= L) & (rows < L + 2 * IS))
             tl.store(z_ptr + (rows - L - 2 * IS), acc, mask=(rows >= L + 2 * IS) & (rows < RIN))
@@ -96,15 +95,15 @@ def moe_block_kernel(x_ptr, res_ptr, out_ptr, win_ptr, w1_ptr, w3_ptr, w2_ptr, w
     if PHASE == 0 or PHASE == 2:
         _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, h_ptr, sh_ptr, idx_ptr, wt_ptr,
                 sc_ptr, s1_e, s1_r, s3_e, s3_r, scale, beta, linear_beta, G, p, dt, D, L, I, IS, E, K, BE, HAS_BIAS,
-                RENORM, HAS_RES, BN, BI, CH, X2D)
+                RENORM, HAS_RES, BN, BI, CH)
     if PHASE == 0:
         grid_barrier(cnt_ptr, 2 * G)
     if PHASE == 0 or PHASE == 3:
-        _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt, L, I, K, BL, CH, X2D)
+        _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt, L, I, K, BL, CH)
     if PHASE == 0:
         grid_barrier(cnt_ptr, 3 * G)
     if PHASE == 0 or PHASE == 4:
-        _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt, D, L, HAS_NORM, BN, CH, BLN, X2D)
+        _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt, D, L, HAS_NORM, BN, CH, BLN)
     if PHASE == 0:
         grid_done(cnt_ptr, G)
 
@@ -114,7 +113,7 @@ def _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, 
             s1_e, s1_r, s3_e, s3_r, scale, beta, linear_beta, G, p, dt: tl.constexpr, D: tl.constexpr,
             L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr,
-            BI: tl.constexpr, CH: tl.constexpr, X2D: tl.constexpr):
+            BI: tl.constexpr, CH: tl.constexpr):
     """2. routed experts' gate / up (+ the choice) | shared experts' down (+ residual)."""
     NBI: tl.constexpr = (I + BI - 1) // BI
     NEXP: tl.constexpr = K * NBI
@@ -143,13 +142,13 @@ def _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, 
                 if k == 0:
                     tl.store(sc_ptr + ee, sc, mask=em)
             e64 = e.to(tl.int64)
-            g = dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH, X2D=X2D)
-            u = dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH, X2D=X2D)
+            g = dot_rows(w1_ptr + e64 * s1_e, ri, I, s1_r, lat_ptr, L, CH)
+            u = dot_rows(w3_ptr + e64 * s3_e, ri, I, s3_r, lat_ptr, L, CH)
             h = situ_glu_value(g, u, beta, linear_beta)
             tl.store(h_ptr + k * I + ri, h.to(dt), mask=ri < I)
         else:
             rs = (t - NEXP) * BN + tl.arange(0, BN)
-            sacc = dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta, X2D=X2D)
+            sacc = dot_rows(wsd_ptr, rs, D, IS, gu_ptr, IS, CH, True, beta, linear_beta)
             if HAS_RES:
                 sacc += tl.load(res_ptr + rs, mask=rs < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(sh_ptr + rs, sacc.to(dt), mask=rs < D)
@@ -157,7 +156,7 @@ def _phase2(res_ptr, wsd_ptr, w1_ptr, w3_ptr, bias_ptr, lat_ptr, gu_ptr, z_ptr, 
 
 @triton.jit
 def _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt: tl.constexpr, L: tl.constexpr,
-            I: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr, X2D: tl.constexpr):
+            I: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, CH: tl.constexpr):
     """3. routed experts' down projections, weighted and summed."""
     for t in range(p, (L + BL - 1) // BL, G):
         rows = t * BL + tl.arange(0, BL)
@@ -165,13 +164,13 @@ def _phase3(w2_ptr, h_ptr, y_ptr, idx_ptr, wt_ptr, s2_e, s2_r, G, p, dt: tl.cons
         for kk in tl.static_range(K):
             e = tl.load(idx_ptr + kk, cache_modifier=".cg")
             wk = tl.load(wt_ptr + kk, cache_modifier=".cg")
-            acc += wk * dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH, X2D=X2D)
+            acc += wk * dot_rows(w2_ptr + e * s2_e, rows, L, s2_r, h_ptr + kk * I, I, CH)
         tl.store(y_ptr + rows, acc.to(dt), mask=rows < L)
 
 
 @triton.jit
 def _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-            HAS_NORM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr, X2D: tl.constexpr):
+            HAS_NORM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, BLN: tl.constexpr):
     """4. latent RMSNorm, up projection + the shared output."""
     if HAS_NORM:
         cl = tl.arange(0, BLN)
@@ -183,5 +182,5 @@ def _phase4(out_ptr, wup_ptr, nw_ptr, y_ptr, sh_ptr, eps, G, p, dt: tl.constexpr
         rows = t * BN + tl.arange(0, BN)
         rm = rows < D
         acc = tl.load(sh_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd, X2D=X2D)
+        acc += dot_rows(wup_ptr, rows, D, L, y_ptr, L, CH, NORM=HAS_NORM, nw_ptr=nw_ptr, rstd=rstd)
         tl.store(out_ptr + rows, acc.to(dt), mask=rm)
