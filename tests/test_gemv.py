@@ -93,7 +93,7 @@ def test_gemv_row_form_matches_fp64(N, K, row, dtype):
 
 
 def test_gemv_row_switch(monkeypatch):
-    """With `ROW` on, one plain row within `ROW_LAUNCH`'s widths takes the row kernel (its launch recorded), and the
+    """With `ROW` on, one plain row within `row_launch`'s widths takes the row kernel (its launch recorded), and the
     result equals an explicit row launch bitwise; several rows, a prologue or a wider output keep the MMA form."""
     launched = []
     real = gemv_triton.gemv_row_kernel
@@ -104,17 +104,28 @@ def test_gemv_row_switch(monkeypatch):
             return real[grid]
     monkeypatch.setattr(gemv_triton, "gemv_row_kernel", Spy())
     monkeypatch.setattr(gemv_triton, "ROW", True)
-    monkeypatch.setattr(gemv_triton, "ROW_LAUNCH", ((64, (4, 64, 4)),))
+    monkeypatch.setattr(gemv_triton, "ROW_MAX_N", 64)
+    monkeypatch.setattr(gemv_triton, "ROW_K", (16, 64))
     g = rng(3)
     x, w = torch.randn(1, 48, generator=g).to(DEV), torch.randn(40, 48, generator=g).to(DEV)
     with torch.no_grad():
         a = gemv_triton.gemv(x, w)
-        b = gemv_triton.gemv(x, w, row=(4, 64, 4))
+        b = gemv_triton.gemv(x, w, row=gemv_triton.row_launch(40, 48))
         assert len(launched) == 2 and torch.equal(a, b)
         gemv_triton.gemv(torch.cat([x, x]), w)
         gemv_triton.gemv(x, w, gate=x)
-        gemv_triton.gemv(x, torch.randn(80, 48, generator=g).to(DEV))  # wider than ROW_LAUNCH's 64
+        gemv_triton.gemv(x, torch.randn(80, 48, generator=g).to(DEV))  # wider than ROW_MAX_N
     assert len(launched) == 2
+
+
+def test_row_launch_takes_the_shapes_where_the_row_form_won():
+    """`row_launch` at k3-small's batch-1 decode shapes: the settings `probe/gemv.py` found fastest on the H200 for
+    the narrow projections, the MMA form (None) for the wide outputs and for inputs outside ROW_K."""
+    expect = {(512, 1536): (2, 256, 2), (320, 1536): (2, 256, 2), (768, 1536): (2, 256, 2),
+              (2304, 512): (8, 256, 4), (1536, 768): (8, 256, 4), (1536, 1536): (4, 256, 4),
+              (2048, 1536): (4, 256, 4), (1536, 1024): (4, 256, 4),
+              (6336, 1536): None, (12288, 1536): None, (163840, 1536): None, (1536, 128): None, (1536, 6144): None}
+    assert {nk: gemv_triton.row_launch(*nk) for nk in expect} == expect
 
 
 def test_gemv_reads_strided_weights_and_keeps_leading_dims():
@@ -194,16 +205,17 @@ def test_cuda_gemv_bf16_equals_cublas(N, K, M):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("N,K", [(6336, 1536), (512, 1536), (320, 1536), (1536, 1024), (1536, 128), (12288, 1536)])
+@pytest.mark.parametrize("N,K", [(512, 1536), (320, 1536), (1536, 1024), (2304, 512), (1536, 1536), (2048, 1536)])
 def test_cuda_row_form_bf16(N, K, monkeypatch):
-    """The one-row form at k3-small's decode shapes in bf16 (`ROW` on, its default launch): fp32 output within 1e-5
-    of fp64, bf16 within one rounding of cuBLAS; a CUDA graph of it replays bitwise equal to eager."""
+    """The one-row form at k3-small's decode shapes that `row_launch` takes, in bf16 (`ROW` on, its launch): fp32
+    output within 1e-5 of fp64, bf16 within one rounding of cuBLAS; a CUDA graph of it replays bitwise equal to
+    eager."""
     monkeypatch.setattr(gemv_triton, "ROW", True)
     g = torch.Generator(device="cuda").manual_seed(N + K)
     x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
     w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
     with torch.no_grad():
-        assert gemv_triton.row_launch(N) is not None
+        assert gemv_triton.row_launch(N, K) is not None
         ref = F.linear(x.double(), w.double())
         assert rel_rmse(ref, gemv.linear(x, w, torch.float32)) <= 1e-5
         eager = gemv.linear(x, w)

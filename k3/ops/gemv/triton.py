@@ -33,9 +33,16 @@ MAX_TILE_ROWS = 64
 # unrolls and every load is issued at once -- the MoE block's phases' form, whose kernels cost 2.2 µs each besides
 # their reads against ≈ 3 µs for these MMA GEMVs (`probe/moe_block.py`, `probe/gemv.py`, H100, sessions 32-34). Its
 # 4-row tiles give 4x the programs of the 16-row MMA tiles (a 512-row projection: 128 programs on 132 SMs, not 32).
-# ROW_LAUNCH: (BN, CH, warps) by output width; wider outputs (the head) keep the MMA form.
+# As one switch for every output up to 16,384 wide it made the H200's batch-1 graph step slower (1.139 against 1.121
+# ms, `probe/decode_profile.py`, 2026-12-06): the joined KDA input projection lost. `row_launch` now takes it only
+# where `probe/gemv.py` (H200, the same day, best row setting per k3-small decode shape) found it faster than the MMA
+# default: up to 768 outputs 2 rows and 2 warps (q_a, kv_a, the latent down: 2.46-2.83 against 3.51-3.71 µs); up to
+# ROW_MAX_N outputs 8 rows where the input is at most 768 wide (q_b, the latent up: 2.29 / 2.66 against 3.18 / 3.34),
+# else 4 rows (o_proj / g_proj, the shared experts: 2.61-3.88 against 3.46-4.59). Wider outputs (the joined KDA
+# input, the dense gate_up, the head) and inputs outside ROW_K (f_b's 128, the dense down's 6,144) keep the MMA form.
+# Off until this rule is timed in the step.
 ROW = os.environ.get("K3_GEMV_ROW", "0") == "1"
-ROW_LAUNCH = ((16384, (4, 256, 4)),)
+ROW_MAX_N, ROW_K = 4096, (256, 2048)
 
 
 @triton.jit
@@ -137,9 +144,14 @@ def gemv_row_kernel(x_ptr, w_ptr, y_ptr, a_ptr, t_ptr, N, sw, K: tl.constexpr, B
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rm)
 
 
-def row_launch(n: int) -> tuple[int, int, int] | None:
-    """(BN, CH, warps) of the one-row form for an output width n, or None where the MMA form stays."""
-    return next((c for limit, c in ROW_LAUNCH if n <= limit), None)
+def row_launch(n: int, k: int) -> tuple[int, int, int] | None:
+    """(BN, CH, warps) of the one-row form for n outputs of a k-wide input (see `ROW`), or None where the MMA form
+    stays."""
+    if n > ROW_MAX_N or not ROW_K[0] <= k <= ROW_K[1]:
+        return None
+    if n <= 768:
+        return (2, 256, 2)
+    return (8, 256, 4) if k <= 768 else (4, 256, 4)
 
 
 def interpreted() -> bool:
@@ -168,7 +180,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     [..., 2K]; norm (weight, eps, group or None); gate. `config`: (BN, CH, warps, stages), else `launch(N, K)`
     (a grouped norm: whole groups per chunk). fp32_tail = t > 0: returns (y [..., N − t], tail [..., t] fp32),
     the last t output columns unrounded (no add then). One row without a prologue takes `gemv_row_kernel` with
-    `ROW` on (launch `row_launch(N)`) or when `row` (BN, CH, warps) is given."""
+    `ROW` on (launch `row_launch(N, K)`) or when `row` (BN, CH, warps) is given."""
     N, K = w.shape
     width = 2 * K if glu is not None else K
     if x.shape[-1] != width:
@@ -197,7 +209,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     if row is not None and not plain_row:
         raise ValueError(f"gemv: the one-row form takes one row without a prologue or config, got {M} rows"
                          f"{', a prologue' if norm is not None or glu is not None or gate is not None else ''}")
-    row = row or (row_launch(N) if ROW and plain_row else None)
+    row = row or (row_launch(N, K) if ROW and plain_row else None)
     if row is not None and N:
         bn, ch, warps = row
         gemv_row_kernel[(triton.cdiv(N, bn),)](
