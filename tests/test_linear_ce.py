@@ -159,6 +159,28 @@ def test_triton_rows_match_reference_fp32(block_v, one_thread):
     assert _rel(ref[0], got[0]) <= 1e-5 and rel_rmse(ref[1], got[1]) <= 1e-5 and rel_rmse(ref[2], got[2]) <= 1e-5
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton not importable")
+def test_triton_rows_default_launch_over_a_wide_vocabulary(one_thread):
+    """The row kernel at its default launch for a vocabulary wider than one step (8,192 columns, 16 warps, a masked
+    tail; the launch the 163,840-id heads take): loss and softmax - onehot against fp64, an ignored row zero."""
+    from k3.ops.linear_ce import triton as T
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 9000, generator=g) * 3).to(dev)
+    t = torch.tensor([5, 8999, -100], device=dev)
+    loss = torch.empty(3, device=dev)
+    got = x.clone()
+    T.ce_rows_triton(got, t, -100, True, loss)
+    lse = torch.logsumexp(x.double(), -1)
+    p = torch.softmax(x.double(), -1)
+    p[0, 5] -= 1
+    p[1, 8999] -= 1
+    p[2] = 0
+    want = torch.stack([lse[0] - x[0, 5].double(), lse[1] - x[1, 8999].double(), torch.zeros((), dtype=torch.float64,
+                                                                                          device=dev)])
+    assert rel_rmse(want, loss) <= 1e-6 and rel_rmse(p, got) <= 1e-6
+
+
 # ---- model ---------------------------------------------------------------------------------------
 CU = [0, 5, 17, 24, 30, 31, 48]  # B=2, T=24: several documents per row, a 1-token document
 
