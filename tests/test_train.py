@@ -110,6 +110,9 @@ def test_training_steps_issue_without_a_host_sync(tmp_path):
     syncs(2)  # the process's one-time syncs (first launches, lazy initialisation) land here
     few, more = syncs(3), syncs(8)
     assert not more - few and sum(more.values()) <= sum(few.values()), f"syncs that grow: {more - few}"
+    rows = [r for r in read_log(tmp_path / "run8" / "log.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # each row's step time is the GPU's, between events
+    assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
 
 
 def test_rows_carry_each_steps_clip_and_balance_statistics(tmp_path):

@@ -546,6 +546,7 @@ class Trainer:
                     self._enter_stage(idx)
                 stage = self.stages[idx]
                 t0 = time.perf_counter()
+                stats.begin(self.device)
                 tot_loss = torch.zeros((), device=self.device)
                 tot_mtp = torch.zeros((), device=self.device)
                 ntok = 0
@@ -599,9 +600,9 @@ class Trainer:
                 # reads the previous step's values (long computed: no wait) and keeps this one's
                 stats.hold(self.step, last, {"loss": tot_loss, "grad_norm": gnorm, "mtp_loss": tot_mtp}, clip, bal, log)
                 bar.update(1)
-                if stats.shown:
-                    bar.set_postfix(loss=f"{stats.shown['loss']:.3f}", tok_s=f"{tps:,.0f}", seq=stage.seq_len,
-                                    refresh=False)
+                if stats.shown:  # the latest step read (the one before this, on a GPU)
+                    bar.set_postfix(loss=f"{stats.shown['loss']:.3f}", tok_s=f"{stats.shown['tokens_per_s']:,.0f}",
+                                    seq=stage.seq_len, refresh=False)
                 if self.step >= end or any(n and self.step % n == 0
                                            for n in (cfg.eval_every, cfg.sample_every, cfg.save_every)):
                     stats.flush(log)  # the log holds every row up to a checkpoint, an evaluation, the end
@@ -680,19 +681,29 @@ class _StepStats:
     issued, or at a flush (before a checkpoint, an evaluation, the end), when they have long been computed: the
     loop never waits for the GPU, so the host issues step i+1 while the GPU still runs step i. A non-finite loss or
     gradient norm raises `TrainingDiverged` when read, before any later checkpoint is written, so the last one on
-    disk is good. The step's train row (a dict the trainer also returns) is completed and written then."""
+    disk is good. The step's train row (a dict the trainer also returns) is completed and written then. On a GPU its
+    step time and tokens/s are the GPU's, between events at the step's start and end: the host's own time to issue
+    a step no longer waits for the GPU, so it says little about throughput."""
 
     KEYS = ("loss", "grad_norm", "mtp_loss", "max_logit", "clipped_heads", "maxvio_mean", "maxvio_max")
 
     def __init__(self, write: bool, run_dir: Path):
         self.write, self.run_dir = write, run_dir
-        self.pending = None  # (step, row, keys, host values, event or None)
+        self.pending = None  # (step, row, keys, host values, end event, start event) (events: None off CUDA)
         self.shown: dict = {}  # the latest values read (the progress bar's)
+        self.last_ev = None  # the previous step's end event: the next step's start
+
+    def begin(self, device) -> None:
+        """Mark a step's start on the GPU's stream where no step's end marks it: the first step, and the first after
+        a flush (a checkpoint's or an evaluation's host work is not a step's)."""
+        if self.last_ev is None and torch.device(device).type == "cuda":
+            self.last_ev = torch.cuda.Event(enable_timing=True)
+            self.last_ev.record()
 
     def hold(self, step: int, row: dict, now: dict, clip: dict, bal: dict, log) -> None:
         """Read the pending step's values (`flush`), then keep this step's: `now` (0-dim device tensors: losses,
         norm) and the statistics (device tensors, or numbers where they were read already)."""
-        self.flush(log)
+        self._read(log)
         vals = {k: v for k, v in now.items() if v is not None}
         vals.update({k: clip[k] for k in ("max_logit", "clipped_heads") if clip.get(k) is not None})
         vio = [torch.as_tensor(v).reshape(()) for v in (bal or {}).values() if v is not None]
@@ -706,23 +717,29 @@ class _StepStats:
         if dev.type == "cuda":
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(enable_timing=True)
             ev.record()
         else:
             host = both
-        self.pending = (step, row, list(vals), host, ev)
+        self.pending = (step, row, list(vals), host, ev, self.last_ev)
+        self.last_ev = ev
 
     def flush(self, log, quiet: bool = False) -> None:
         """Read and write the pending row (a wait for its event, if the GPU is still short of it); quiet: drop it on
-        an error (a broken device, or the divergence being raised already)."""
+        an error (a broken device, or the divergence being raised already). The next step's time starts afresh."""
+        self.last_ev = None
+        self._read(log, quiet)
+
+    def _read(self, log, quiet: bool = False) -> None:
         if self.pending is None:
             return
-        step, row, keys, host, ev = self.pending
+        step, row, keys, host, ev, start = self.pending
         self.pending = None
         try:
             if ev is not None:
                 ev.synchronize()
             vals = dict(zip(keys, host.tolist()))
+            gpu_s = start.elapsed_time(ev) / 1e3 if ev is not None and start is not None else None
         except Exception:
             if quiet:
                 return
@@ -739,6 +756,9 @@ class _StepStats:
             vals.pop("max_logit")
         if "clipped_heads" in vals:
             vals["clipped_heads"] = int(vals["clipped_heads"])
+        if gpu_s and row.get("step_time_s"):  # the same tokens over the GPU's time
+            row["tokens_per_s"] *= row["step_time_s"] / gpu_s
+            row["step_time_s"] = gpu_s
         rest = dict(row)  # the row reads loss first, as before the values were read late
         row.clear()
         row.update({k: vals[k] for k in self.KEYS if k in vals}, **rest)
