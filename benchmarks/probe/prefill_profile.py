@@ -10,15 +10,12 @@ with the Python line that caused each (`torch.cuda.set_sync_debug_mode`), and th
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import json
 import pstats
 import sys
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serve import build, rand_prompts  # noqa: E402
+from timing import sync_sites  # noqa: E402
 
 from k3.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -38,32 +36,6 @@ def timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e3
-
-
-def sync_sites(fn) -> dict:
-    """Run fn with CUDA sync debugging on; return {call site: count} of the synchronising calls (the first
-    frame inside k3/ or benchmarks/ below the warning)."""
-    sites = collections.Counter()
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing CUDA operation" not in str(message):  # (not the mode's own "prototype" warning)
-            return
-        frames = [f for f in traceback.extract_stack()[:-1] if "/k3/" in f.filename]
-        where = frames[-1] if frames else None
-        sites[f"{where.filename.split('/k3/')[-1]}:{where.lineno} {where.line}" if where else str(message)] += 1
-
-    old = warnings.showwarning
-    warnings.showwarning = show
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = old
-    return dict(sites.most_common())
 
 
 def gpu_time_ms(fn, top: int | None = None) -> tuple[float, int, list]:
@@ -151,7 +123,7 @@ def main():
         r = res[name] = {}
         r["wall_ms"] = sorted(timed(fn) for _ in range(3))[1]
         r["gpu_ms"], r["kernels"], r["top_kernels"] = gpu_time_ms(fn)
-        r["syncs"] = sync_sites(fn)
+        r["syncs"] = sync_sites(fn, True)
         r["n_syncs"] = sum(r["syncs"].values())
         r["op_sites"] = op_sites(fn)
         r["cprofile"] = hot_spots(fn)

@@ -38,8 +38,8 @@ ROUTED = os.environ.get("K3_MOE_ROUTE_IN_EXPERTS", "1") == "1"
 # (bi / bl), so that the grid has hundreds of programs with their loads in flight together. (Within a program the
 # sm_90a code still waits for each chunk's input vector, broadcast through shared memory behind a barrier, before
 # that chunk's weight loads; reading it as a tile instead was slower in the MoE block: H200, 2026-12-06.) The first
-# form looped at run time over 16-row blocks (128 and 48 programs at one token, one chunk in flight each): 17 µs for the pair with its
-# 9.4 MB L2-resident, latency-bound.
+# form looped at run time over 16-row blocks (128 and 48 programs at one token, one chunk in flight each): 17 µs for
+# the pair with its 9.4 MB L2-resident, latency-bound.
 # Tried (H200, 2026-12-03): both kernels as 16-row MMA tiles with pipelined loads (as `k3.ops.gemv`): 39.6 µs
 # against 17.0 µs for the runtime-loop FMA kernels at one token (`benchmarks/probe/moe_decode.py`).
 

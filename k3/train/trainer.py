@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .._atomic import atomic_write
+from ..ops._host import to_device
 from .config import TrainConfig
 from .metrics import MetricsLog, plot_run, read_log
 from .state import (DCP_DIR, STATE_FILE, clean_staging, commit_checkpoint, latest_checkpoint, latest_step,
@@ -652,7 +653,6 @@ def _to_device(key: str, t: torch.Tensor, device) -> torch.Tensor:
     if key == "cu_seqlens":
         from ..ops.varlen import bounds_to
         return bounds_to(t, device)
-    from ..ops._host import to_device
     return to_device(t, device)
 
 
