@@ -28,7 +28,7 @@ LAUNCH = ((4096, (16, 512, 4, 3)), (65536, (64, 128, 4, 4)), (1 << 62, (64, 256,
 # 2026-12-03): within 6 % of the best of 7 settings on the shapes `linear` gives these tiles
 LAUNCH_WIDE = ((65536, (32, 128, 4, 3)), (1 << 62, (64, 128, 4, 3)))
 MAX_TILE_ROWS = 64
-# The one-row form (`gemv_row_kernel`; ROW, K3_GEMV_ROW=1, read at each call; off until timed): one row of x without
+# The one-row form (`gemv_row_kernel`; ROW, K3_GEMV_ROW=0 turns it off, read at each call): one row of x without
 # a prologue, BN rows of W per program summed on the CUDA cores, the input width a constexpr so that the chunk loop
 # unrolls and every load is issued at once -- the MoE block's phases' form, whose kernels cost 2.2 µs each besides
 # their reads against ≈ 3 µs for these MMA GEMVs (`probe/moe_block.py`, `probe/gemv.py`, H100, sessions 32-34). Its
@@ -40,8 +40,9 @@ MAX_TILE_ROWS = 64
 # ROW_MAX_N outputs 8 rows where the input is at most 768 wide (q_b, the latent up: 2.29 / 2.66 against 3.18 / 3.34),
 # else 4 rows (o_proj / g_proj, the shared experts: 2.61-3.88 against 3.46-4.59). Wider outputs (the joined KDA
 # input, the dense gate_up, the head) and inputs outside ROW_K (f_b's 128, the dense down's 6,144) keep the MMA form.
-# Off until this rule is timed in the step.
-ROW = os.environ.get("K3_GEMV_ROW", "0") == "1"
+# On: with this rule the batch-1 step's GPU time fell 1.210 / 1.214 -> 1.196 / 1.197 ms and its graph step 1.232 /
+# 1.217 -> 1.211 / 1.214 ms in two interleaved pairs (`probe/decode_profile.py --batch 1`, H100, session 38).
+ROW = os.environ.get("K3_GEMV_ROW", "1") == "1"
 ROW_MAX_N, ROW_K = 4096, (256, 2048)
 
 
