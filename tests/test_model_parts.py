@@ -232,21 +232,31 @@ def test_kda_layer_uses_per_head_a_log_and_lower_bound():
 # ---- residual folded into the output projections -------------------------------------------------
 def test_sublayers_return_residual_plus_output():
     """Each sublayer (KDA, MLA, LatentMoE, the dense SiTU MLP) called with `residual` returns residual + its
-    output: bit for bit with autograd on (training keeps its arithmetic), within fp32 rounding without it
-    (inference adds the residual inside the output projection: `torch.addmm` here, the GEMV epilogue on CUDA)."""
+    output within fp32 rounding, and with autograd the same gradients for x and the residual: the residual is
+    added inside the output projection (`torch.addmm`'s epilogue in training and in inference here, the GEMV's
+    on CUDA), not by an add kernel after it."""
     torch.manual_seed(0)
     model = make_tiny(seed=1).float()
     kinds = ("KimiDeltaAttention", "MLAttention", "LatentMoE", "SituMLP")
     subs = [next(m for m in model.language_model.model.modules() if type(m).__name__ == k) for k in kinds]
     D = model.config.text_config.hidden_size
-    x, r = torch.randn(1, 7, D), torch.randn(1, 7, D)
+    x0, r0 = torch.randn(1, 7, D), torch.randn(1, 7, D)
+    dy = torch.randn(1, 7, D)
     for m in subs:
         kind = type(m).__name__
-        plain = r + m(x)
-        assert torch.equal(m(x, residual=r), plain), kind
+        outs, grads = [], []
+        for fused in (False, True):
+            x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+            y = m(x, residual=r) if fused else r + m(x)
+            y.backward(dy)
+            outs.append(y.detach())
+            grads.append((x.grad, r.grad))
+        assert rel_rmse(outs[0], outs[1]) <= 1e-6, kind
+        assert rel_rmse(grads[0][0], grads[1][0]) <= 1e-6, kind
+        assert torch.equal(grads[1][1], dy), kind  # the residual's gradient is the output's, unchanged
         with torch.no_grad():
-            fused = m(x, residual=r)
-        assert rel_rmse(plain.detach(), fused) <= 1e-6, kind
+            fused = m(x0, residual=r0)
+        assert rel_rmse(outs[0], fused) <= 1e-6, kind
 
 
 def test_inference_accumulates_the_residual_stream_in_place_without_changing_anything(monkeypatch):

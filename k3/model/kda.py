@@ -86,6 +86,8 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError("KimiDeltaAttention: a paged cache carries its own packing; pass no "
                                  "attention_mask or cu_seqlens with it")
             return self._forward_paged(x, cache, residual, residual_inplace)
+        if self.fast and self.context_parallel is None and cache is None and attention_mask is None:
+            return self._forward_fast(x, cu_seqlens, residual)  # + residual in o_proj's epilogue
         out = self._forward(x, attention_mask, cache, cu_seqlens)
         return out if residual is None else residual + out
 
@@ -139,7 +141,8 @@ class KimiDeltaAttention(nn.Module):
         o = o * torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
 
-    def _forward_fast(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def _forward_fast(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
         """The same function as the step-by-step path without cache / mask, in fewer passes over memory: one GEMM
         for q, k, v (their weights concatenated at run time; the checkpoint keeps the three), one short conv
         (+ SiLU) over the 3·H·K channels writing q, k, v as separate contiguous tensors, `chunk_kda_gated` on the
@@ -164,7 +167,7 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if gate is None else gate
         o = rms_norm_gated(o.reshape(B, T, H, K), self.o_norm.weight, gate.view(B, T, H, K), self.o_norm.eps,
                            backend=self.elementwise_backend)
-        return self.o_proj(o.reshape(B, T, HK))
+        return linear(o.reshape(B, T, HK), self.o_proj.weight, add=residual)  # (+ residual: `linear`'s addmm)
 
     def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None,
                        residual_inplace: bool = False) -> torch.Tensor:

@@ -144,9 +144,9 @@ class LatentMoE(nn.Module):
             return linear(y, self.routed_expert_up_proj.weight, add=res, norm=norm,
                           add_inplace=residual_inplace).reshape(shape)
         if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            shared = sh(xf) if gate_up is None else sh.down(gate_up)
-            out = (self.routed_expert_up_proj(y if rn is None else rn(y)) + shared).reshape(shape)
-            return out if residual is None else residual + out
+            # residual + shared + routed as two GEMM epilogues (`linear`'s addmm), no add kernels
+            shared = sh(xf, res) if gate_up is None else sh.down(gate_up, res)
+            return linear(y if rn is None else rn(y), self.routed_expert_up_proj.weight, add=shared).reshape(shape)
         # inference: residual + shared experts as the up projection's accumulator (no add kernel)
         # the shared experts' output is a new tensor: the up projection accumulates into it in place
         shared = sh.down(gate_up, res, residual_inplace) if joined else sh(xf, res, residual_inplace)

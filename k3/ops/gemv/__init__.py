@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .._compile import eager_op
 from .._triton import device_reason
+from ..linear_ce import autocast_cast
 from ..linear_ce.chunked import mm_out_dtype_available
 
 __all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "MAX_ROWS"]
@@ -93,7 +94,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     if add is None and out_dtype in (None, x.dtype):
         return F.linear(x, w)
     if add is not None and (torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
-        y = F.linear(x, w) + add  # autograd / autocast: the plain ops (training keeps its exact arithmetic)
+        # autograd / autocast: add in the GEMM's epilogue (`torch.addmm`, one rounding, no add kernel; its
+        # gradient for `add` is the output's, passed on as is) where that keeps F.linear(x, w) + add's dtype
+        y = _fp8_product(x, w)
+        if y is not None:
+            y = y + add
+        elif add.shape[-1] == w.shape[0] and add.shape[:-1] == x.shape[:-1] and _addmm_keeps_dtype(x, w, add):
+            y = torch.addmm(add.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
+        else:
+            y = F.linear(x, w) + add
         return y if out_dtype is None else y.to(out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -124,6 +133,26 @@ def linear_fp32_tail(x: torch.Tensor, w: torch.Tensor, tail: int) -> tuple[torch
     if x.dtype != torch.float32 and not (x.is_cuda and mm_out_dtype_available(x.device.type)):
         return linear(x, w[:-tail]), F.linear(x.float(), wt.float())  # exact products, as the GEMM's fp32 output
     return linear(x, w[:-tail]), linear(x, wt, out_dtype=torch.float32)
+
+
+def _fp8_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x wᵀ as a `Float8Linear` computes it while training, for a weight `convert_to_float8_training` marked
+    (the projections that pass their weight here rather than calling their module keep FP8); None otherwise."""
+    if not torch.is_grad_enabled():
+        return None
+    from .. import fp8
+    if not fp8.marked(w) or fp8.fp8_reason(autocast_cast(x), w) is not None:
+        return None
+    return fp8.fp8_linear(x, w)
+
+
+def _addmm_keeps_dtype(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor) -> bool:
+    """Whether addmm(add, x, wᵀ) has F.linear(x, w) + add's dtype: under autocast when add is already in the
+    autocast dtype (autocast casts all three to it), else when the three share one dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return add.dtype == torch.get_autocast_dtype(dev)
+    return x.dtype == w.dtype == add.dtype
 
 
 def _prologue_fits(norm: tuple | None, K: int) -> bool:
