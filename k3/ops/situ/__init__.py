@@ -93,11 +93,26 @@ def gate_up_weight(w_gate: torch.Tensor, w_up: torch.Tensor, dtype: torch.dtype 
     dtype = w_gate.dtype if dtype is None else dtype
     if w_gate.dtype == dtype and w_up.dtype == dtype:
         return torch.cat([w_gate, w_up], dim=-2)
-    I = w_gate.shape[-2]
-    out = torch.empty(*w_gate.shape[:-2], 2 * I, w_gate.shape[-1], dtype=dtype, device=w_gate.device)
-    out.narrow(-2, 0, I).copy_(w_gate)
-    out.narrow(-2, I, I).copy_(w_up)
-    return out
+    return _GateUpCast.apply(w_gate, w_up, dtype)
+
+
+class _GateUpCast(torch.autograd.Function):
+    """The converting concatenation with a backward of two converting copies, one per half of the gradient
+    (autograd's own for copies into slices of a new tensor would first clone the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, w_gate, w_up, dtype):
+        I = w_gate.shape[-2]
+        out = torch.empty(*w_gate.shape[:-2], 2 * I, w_gate.shape[-1], dtype=dtype, device=w_gate.device)
+        out.narrow(-2, 0, I).copy_(w_gate)
+        out.narrow(-2, I, I).copy_(w_up)
+        ctx.I, ctx.dtypes = I, (w_gate.dtype, w_up.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        I, (dg, du) = ctx.I, ctx.dtypes
+        return grad.narrow(-2, 0, I).to(dg), grad.narrow(-2, I, I).to(du), None
 
 
 def gate_up_view(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
