@@ -135,9 +135,10 @@ class KimiDecoderLayer(nn.Module):
             x, residual=residual, residual_inplace=residual_inplace)
 
     def forward(self, x: torch.Tensor, attention_mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
-        """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off)."""
-        x = x + self.attn(x, attention_mask, cache, cu_seqlens)
-        return x + self.ffn(x)
+        """Plain pre-norm residual layer (used by the MTP block, where AttnRes is off); each sublayer adds x in its
+        output projection."""
+        x = self.self_attn(self.input_layernorm(x), attention_mask, cache, cu_seqlens, residual=x)
+        return self._mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class MTPLayer(KimiDecoderLayer):
