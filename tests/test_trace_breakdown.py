@@ -66,3 +66,35 @@ def test_idle_gaps_threshold_and_overlap():
     assert by_op[("p", "-", "-")] == [pytest.approx(0.017), 2]
     by_phase, _ = tb.idle_gaps(gpu, {}, phase, 2.0)  # the 2 µs gap is not over the bar
     assert by_phase["p"] == pytest.approx(0.015)
+
+
+def test_kinds_of_work():
+    """Each GPU event goes to one kind: the optimizer phase first, then copies, attention, GEMMs (the fused CE's
+    are the vocabulary heads'), KDA, elementwise, the rest."""
+    k = tb.kind_of
+    assert k("nvjet_sm90_tst_320x128", "forward", "_LinearCrossEntropy", "aten::mm") == "vocabulary head GEMMs"
+    assert k("nvjet_sm90_tst_192x192", "backward", "autograd::engine::evaluate_function: MmBackward0",
+             "aten::mm") == "other GEMMs"
+    assert k("_ZN7cutlass13device_kernel", "forward", "aten::_grouped_mm", "aten::_grouped_mm") == "other GEMMs"
+    assert k("nvjet_sm90_tst_256x128", "optimizer", "aten::bmm", "aten::bmm") == "optimizer"
+    assert k("void pytorch_flash::flash_fwd_kernel", "forward", "torch_attn::_varlen_attn",
+             "aten::_flash_attention_forward") == "attention"
+    assert k("kda_intra_bwd_kernel", "backward", "x", "_ChunkKDABackward") == "KDA kernels"
+    assert k("void at::native::vectorized_elementwise_kernel", "backward", "x", "aten::add_") == \
+        "elementwise kernels"
+    assert k("Memcpy DtoD (Device -> Device)", "backward", "x", "aten::copy_") == "copies and fills"
+    assert k("rms_norm_bwd_kernel", "backward", "x", "_RMSNormBackward") == "other kernels"
+    assert set(tb.KINDS) >= {"vocabulary head GEMMs", "other kernels", "optimizer"}
+
+
+def test_main_prints_the_kinds(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": _trace()}))
+    monkeypatch.setattr("sys.argv", ["trace_breakdown.py", str(path)])
+    tb.main()
+    out = capsys.readouterr().out
+    kinds = out[out.index("by kind of work"):out.index("top kernels")]
+    # the synthetic kernels are named k_<op>: the three mm launches are GEMMs by their op, the rest other kernels
+    rows = {ln[:25].strip(): ln.split()[-2:] for ln in kinds.splitlines()[1:] if ln.strip()}
+    assert rows["other GEMMs"] == ["0.1", "3"]  # 30 + 40 + 30 µs
+    assert rows["other kernels"] == ["0.1", "3"]  # the add, the mul, the copy_: 10 + 100 + 20 µs

@@ -4,7 +4,8 @@ Reads the Chrome trace that `train_throughput.py --profile --trace F` writes (pl
 (kernel, memcpy, memset) is tied to its launching runtime call by the correlation id, then to the innermost
 CPU op that encloses that call on the same thread (the op with its shapes) and to the outermost one (in the
 backward: the autograd node), and to the `phase:*` range that encloses it in time.
-It also lists where the GPU idles: every gap of more than --gap µs between one GPU event's end and the next one's
+It also sums the GPU time by kind of work (`kind_of`: the vocabulary heads' GEMMs, other GEMMs, attention, KDA,
+elementwise, other kernels, the optimizer) and lists where the GPU idles: every gap of more than --gap µs between one GPU event's end and the next one's
 start, by phase and by the CPU op whose launch ended the gap (the op the GPU waited for), with its count and total.
 Usage: python benchmarks/probe/trace_breakdown.py trace.json.gz [--top 40] [--gap 10]
 """
@@ -46,6 +47,33 @@ def short(name: str) -> str:
     return name[:70]
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
+            "aten::linear", "aten::matmul")
+KINDS = ("vocabulary head GEMMs", "other GEMMs", "attention", "KDA kernels", "elementwise kernels",
+         "other kernels", "copies and fills", "optimizer")
+
+
+def kind_of(kernel: str, phase: str, outer: str, inner: str) -> str:
+    """The kind of work of one GPU event, from its kernel name, phase and launching ops (outer, inner): everything
+    in the optimizer phase is "optimizer"; a GEMM (by its launching op or a cuBLAS / CUTLASS kernel name) under the
+    fused linear + cross-entropy is a vocabulary head's."""
+    if phase == "optimizer":
+        return "optimizer"
+    k = kernel.lower()
+    if kernel.startswith("Memcpy") or kernel.startswith("Memset") or "fill" in k:
+        return "copies and fills"
+    if "flash" in k or "attention" in k:
+        return "attention"
+    gemm = inner in GEMM_OPS or any(s in k for s in ("nvjet", "cutlass", "gemm", "xmma"))
+    if gemm:
+        return "vocabulary head GEMMs" if "LinearCrossEntropy" in outer else "other GEMMs"
+    if k.startswith("kda_"):
+        return "KDA kernels"
+    if "elementwise" in k:
+        return "elementwise kernels"
+    return "other kernels"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -79,6 +107,7 @@ def main() -> None:
         return phases[j][2] if j >= 0 and ts <= phases[j][1] else "(none)"
 
     by_phase = collections.Counter()
+    by_kind = collections.defaultdict(lambda: [0.0, 0])
     by_kernel = collections.defaultdict(lambda: [0.0, 0])
     by_op = collections.defaultdict(lambda: [0.0, 0])
     for i, k in enumerate(gpu):
@@ -88,6 +117,9 @@ def main() -> None:
         outer = short(st[0]["name"]) if st else "-"
         inner = st[-1] if st else None
         shapes = str(inner["args"].get("Input Dims", ""))[:80] if inner else ""
+        kd = by_kind[kind_of(k["name"], ph, st[0]["name"] if st else "", inner["name"] if inner else "")]
+        kd[0] += ms
+        kd[1] += 1
         kk = by_kernel[(ph, short(k["name"]))]
         kk[0] += ms
         kk[1] += 1
@@ -99,6 +131,10 @@ def main() -> None:
     print(f"GPU busy {total:.1f} ms over a {span:.1f} ms span, {len(gpu)} GPU events")
     for ph, ms in by_phase.most_common():
         print(f"  {ph:14s} {ms:8.1f} ms")
+    print("\nby kind of work (ms, GPU events)")
+    for kind in KINDS:
+        if kind in by_kind:
+            print(f"  {kind:22s} {by_kind[kind][0]:8.1f} {by_kind[kind][1]:6d}")
     print(f"\ntop kernels per phase (ms, calls)")
     for (ph, name), (ms, n) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:args.top]:
         print(f"  {ms:8.2f} {n:5d}  {ph:10s} {name}")
