@@ -5,8 +5,9 @@ Reads the Chrome trace that `train_throughput.py --profile --trace F` writes (pl
 CPU op that encloses that call on the same thread (the op with its shapes) and to the outermost one (in the
 backward: the autograd node), and to the `phase:*` range that encloses it in time.
 It also sums the GPU time by kind of work (`kind_of`: the vocabulary heads' GEMMs, other GEMMs, attention, KDA,
-elementwise, other kernels, the optimizer) and lists where the GPU idles: every gap of more than --gap µs between one GPU event's end and the next one's
-start, by phase and by the CPU op whose launch ended the gap (the op the GPU waited for), with its count and total.
+elementwise, other kernels, the optimizer) and lists where the GPU idles: every gap of more than --gap µs between
+one GPU event's end and the next one's start, by phase and by the CPU op whose launch ended the gap (the op the GPU
+waited for), with its count and total.
 Usage: python benchmarks/probe/trace_breakdown.py trace.json.gz [--top 40] [--gap 10]
 """
 
