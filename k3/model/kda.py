@@ -86,21 +86,21 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError("KimiDeltaAttention: a paged cache carries its own packing; pass no "
                                  "attention_mask or cu_seqlens with it")
             return self._forward_paged(x, cache, residual, residual_inplace)
-        if self.fast and self.context_parallel is None and cache is None and attention_mask is None:
-            return self._forward_fast(x, cu_seqlens, residual)  # + residual in o_proj's epilogue
-        out = self._forward(x, attention_mask, cache, cu_seqlens)
-        return out if residual is None else residual + out
+        return self._forward(x, attention_mask, cache, cu_seqlens, residual)
 
-    def _forward(self, x: torch.Tensor, attention_mask, cache, cu_seqlens) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, attention_mask, cache, cu_seqlens,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output (+ residual: in o_proj's epilogue, `linear`'s addmm)."""
         if self.context_parallel is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("KimiDeltaAttention: context parallelism takes no cache or attention_mask")
-            return self.context_parallel.kda(self, x, cu_seqlens)
+            out = self.context_parallel.kda(self, x, cu_seqlens)
+            return out if residual is None else residual + out
         B, T, _ = x.shape
         if cu_seqlens is not None and (cache is not None or attention_mask is not None):
             raise ValueError("KimiDeltaAttention: cu_seqlens cannot be combined with a cache or an attention_mask")
         if self.fast and cache is None and attention_mask is None:
-            return self._forward_fast(x, cu_seqlens)
+            return self._forward_fast(x, cu_seqlens, residual)
         H, K = self.num_heads, self.head_dim
         m = None if attention_mask is None else attention_mask[:, -T:].to(x.dtype).unsqueeze(-1)  # [B, T, 1]
 
@@ -139,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
             cache["state"] = new_state
         o = rms_norm(o.float(), self.o_norm.weight, self.o_norm.eps, backend=self.elementwise_backend)  # = o_norm
         o = o * torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
-        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+        return linear(o.reshape(B, T, H * K).to(x.dtype), self.o_proj.weight, add=residual)
 
     def _forward_fast(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,7 +167,7 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if gate is None else gate
         o = rms_norm_gated(o.reshape(B, T, H, K), self.o_norm.weight, gate.view(B, T, H, K), self.o_norm.eps,
                            backend=self.elementwise_backend)
-        return linear(o.reshape(B, T, HK), self.o_proj.weight, add=residual)  # (+ residual: `linear`'s addmm)
+        return linear(o.reshape(B, T, HK), self.o_proj.weight, add=residual)
 
     def _forward_paged(self, x: torch.Tensor, cache: PagedLayerCache, residual: torch.Tensor | None = None,
                        residual_inplace: bool = False) -> torch.Tensor:

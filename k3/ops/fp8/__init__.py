@@ -33,7 +33,7 @@ from ..linear_ce import autocast_cast
 from .reference import E4M3_MAX, FP8, dequantize_rows, pow2_scale, quantize_rows_reference
 
 __all__ = ["quantize_rows", "quantize_joined", "scaled_mm", "quantize_rows_reference", "dequantize_rows",
-           "pow2_scale", "fp8_linear", "fp8_mm", "weight_grad", "wgrad_fp8", "fp8_reason", "input_reason", "Float8Linear",
+           "pow2_scale", "fp8_linear", "fp8_product", "fp8_mm", "weight_grad", "wgrad_fp8", "fp8_reason", "input_reason", "Float8Linear",
            "convert_to_float8_training", "marked", "E4M3_MAX", "FP8", "BACKENDS", "DGRAD", "DGRAD_MIN_K", "WGRAD"]
 
 BACKENDS = ("auto", "reference", "triton")
@@ -212,6 +212,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _apply(x, weight)
 
 
+def fp8_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x Wᵀ as `fp8_linear` while autograd records and FP8 can take the operands (`fp8_reason`); None otherwise,
+    for the caller's plain product (`Float8Linear`, and `k3.ops.gemv.linear` for a marked weight)."""
+    if not torch.is_grad_enabled():
+        return None
+    xc = autocast_cast(x)
+    return _apply(xc, weight) if fp8_reason(xc, weight) is None else None
+
+
 def _apply(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`fp8_linear` once x is cast and checked."""
     with torch.autocast(x.device.type, enabled=False):
@@ -228,11 +237,8 @@ class Float8Linear(nn.Linear):
     cannot take, it is the plain linear. Made by `convert_to_float8_training`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            xc = autocast_cast(x)
-            if fp8_reason(xc, self.weight) is None:
-                return _apply(xc, self.weight)
-        return super().forward(x)
+        y = fp8_product(x, self.weight)
+        return super().forward(x) if y is None else y
 
 
 def convert_to_float8_training(model: nn.Module, module_filter=None) -> int:

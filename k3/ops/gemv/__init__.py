@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .._compile import eager_op
 from .._triton import device_reason
-from ..linear_ce import autocast_cast
+from .. import fp8 as fp8_ops
 from ..linear_ce.chunked import mm_out_dtype_available
 
 __all__ = ["linear", "linear_fp32_tail", "prologue", "fits", "max_rows", "MAX_ROWS"]
@@ -91,15 +91,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
             x, gate, norm, glu = prologue(x, gate, norm, glu), None, None, None  # their own kernels (PROLOGUE)
         return gemv(x, w, out_dtype, add=add, gate=gate, norm=norm, glu=glu)
     x = prologue(x, gate, norm, glu)
+    # a weight `convert_to_float8_training` marked, while training: its FP8 product, as its module would give
+    y = fp8_ops.fp8_product(x, w) if fp8_ops.marked(w) else None
+    if y is not None:
+        y = y if add is None else y + add
+        return y if out_dtype is None else y.to(out_dtype)
     if add is None and out_dtype in (None, x.dtype):
         return F.linear(x, w)
     if add is not None and (torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
         # autograd / autocast: add in the GEMM's epilogue (`torch.addmm`, one rounding, no add kernel; its
         # gradient for `add` is the output's, passed on as is) where that keeps F.linear(x, w) + add's dtype
-        y = _fp8_product(x, w)
-        if y is not None:
-            y = y + add
-        elif add.shape[-1] == w.shape[0] and add.shape[:-1] == x.shape[:-1] and _addmm_keeps_dtype(x, w, add):
+        if add.shape[-1] == w.shape[0] and add.shape[:-1] == x.shape[:-1] and _addmm_keeps_dtype(x, w, add):
             y = torch.addmm(add.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
         else:
             y = F.linear(x, w) + add
@@ -133,17 +135,6 @@ def linear_fp32_tail(x: torch.Tensor, w: torch.Tensor, tail: int) -> tuple[torch
     if x.dtype != torch.float32 and not (x.is_cuda and mm_out_dtype_available(x.device.type)):
         return linear(x, w[:-tail]), F.linear(x.float(), wt.float())  # exact products, as the GEMM's fp32 output
     return linear(x, w[:-tail]), linear(x, wt, out_dtype=torch.float32)
-
-
-def _fp8_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x wᵀ as a `Float8Linear` computes it while training, for a weight `convert_to_float8_training` marked
-    (the projections that pass their weight here rather than calling their module keep FP8); None otherwise."""
-    if not torch.is_grad_enabled():
-        return None
-    from .. import fp8
-    if not fp8.marked(w) or fp8.fp8_reason(autocast_cast(x), w) is not None:
-        return None
-    return fp8.fp8_linear(x, w)
 
 
 def _addmm_keeps_dtype(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor) -> bool:
